@@ -1,0 +1,102 @@
+"""The XLA pass hook: capture a step's module and compile it with a rewrite applied.
+
+One Python pass is registered with XLA (`jax.extend.xla.register_hlo_module_transformation`) the
+first time it is needed. It does nothing unless one of our own compiles is in progress, and then
+only touches the module it was armed for (by name). JAX's in-memory and persistent caches do not
+key on registered passes (DESIGN.md point 8), so every compile of ours passes an XLA debug option
+that changes nothing in code generation but changes the cache key: `xla_dump_max_hlo_modules`
+(only read when dumping is on). Capture uses a fresh value each time; enactment a value derived
+from the plan, so a plan compiles once per process and a persistent-cache hit is the same plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import threading
+from typing import Any, Callable
+
+import jax
+from jax._src.lib import xla_client
+from jax.extend import xla as jax_xla
+
+_lock = threading.RLock()
+_registered_for: set[str] = set()
+_active: dict[str, Any] = {}
+_fresh = itertools.count(1)
+CACHE_KEY_OPTION = "xla_dump_max_hlo_modules"
+
+
+def _dispatch(serialized: bytes) -> bytes | None:
+    handler = _active.get("handler")
+    if handler is None:
+        return None
+    module = xla_client.hlo.HloModule.from_serialized_hlo_module_proto(serialized)
+    text = module.to_string()
+    name = text.split(None, 2)[1].rstrip(",")
+    if name != _active.get("module_name"):
+        return None
+    new_text = handler(text)
+    if new_text is None:
+        return None
+    return xla_client.hlo.hlo_module_from_text(new_text).as_serialized_hlo_module_proto()
+
+
+def _ensure_registered(platform: str) -> None:
+    if platform not in _registered_for:
+        stage = jax_xla.PipelineStage.PRE_SCHEDULER
+        jax_xla.register_hlo_module_transformation(
+            _dispatch, name=f"disco_jax_{platform}", stage=stage, platforms=platform)
+        _registered_for.add(platform)
+
+
+def module_name(lowered: jax.stages.Lowered) -> str:
+    """Name XLA gives the module at the hook (the HloModule line of the lowered text)."""
+    text = lowered.as_text(dialect="hlo")
+    return text.split(None, 2)[1].rstrip(",")
+
+
+def cache_key_value(tag: str) -> int:
+    """A value for CACHE_KEY_OPTION derived from a tag (plan fingerprint)."""
+    return 1_000_000 + int(hashlib.sha256(tag.encode()).hexdigest()[:8], 16) % 1_000_000_000
+
+
+def compile_with_hook(lowered: jax.stages.Lowered, handler: Callable[[str], str | None], *,
+                      cache_tag: str | None = None, compiler_options: dict | None = None,
+                      platform: str | None = None):
+    """Compile `lowered` with `handler(module_text) -> new text | None` applied at the hook.
+
+    Returns the `jax.stages.Compiled`. Raises RuntimeError if the hook never saw the module."""
+    platform = platform or jax.default_backend()
+    _ensure_registered(platform)
+    seen: list[bool] = []
+
+    def wrapped(text: str) -> str | None:
+        seen.append(True)
+        return handler(text)
+
+    tag = cache_tag if cache_tag is not None else f"fresh-{next(_fresh)}-{id(wrapped)}"
+    options = dict(compiler_options or {})
+    options[CACHE_KEY_OPTION] = cache_key_value(tag)
+    with _lock:
+        _active["handler"] = wrapped
+        _active["module_name"] = module_name(lowered)
+        try:
+            compiled = lowered.compile(compiler_options=options)
+        finally:
+            _active.clear()
+    if not seen and cache_tag is None:
+        raise RuntimeError("the XLA pass hook did not see the step's module; is this jax >= 0.10.2?")
+    return compiled
+
+
+def capture(lowered: jax.stages.Lowered, compiler_options: dict | None = None) -> tuple[str, Any]:
+    """The module text at the hook stage, and the compiled (unmodified) executable."""
+    texts: list[str] = []
+
+    def record(text: str) -> None:
+        texts.append(text)
+        return None
+
+    compiled = compile_with_hook(lowered, record, compiler_options=compiler_options)
+    return texts[-1], compiled

@@ -1,0 +1,318 @@
+"""The graph IR: a captured HLO module as primitive ops, data edges and gradients.
+
+`build_graph(text)` opens XLA's own loop fusions of the entry computation into their instructions
+("primitive ops"), merges the copies XLA made when it duplicated a producer into several fusions
+(so a producer is one op, possibly fused into several groups), and records:
+
+* `Op`: one primitive op, with its kind:
+  - ``fusible``: an op a loop fusion can hold (elementwise, broadcast, reduce, ...);
+  - ``opaque``: a kernel we never fuse across (dots, custom fusions, control flow, custom calls,
+    collectives other than the gradient all-reduces);
+  - ``free``: no kernel of its own (parameter, constant, get-tuple-element, tuple, bitcast);
+  - ``reduced``: the all-reduced value of one gradient (its operand is the gradient's producer).
+* `Gradient`: one operand of an entry all-reduce: its producer op, bytes, and which gradients it
+  may share a collective with (`compat`: same reduction, replica groups and dtype).
+* `xla_groups` / `xla_buckets`: how XLA grouped the ops into fusions and gradients into
+  all-reduces, which is the JAX-default strategy the search starts from.
+
+Everything downstream (strategy, simulator, rewrite) works on op ids of one `Graph`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+from disco_jax import _hlo
+
+ELEMENTWISE = frozenset("""
+abs add and atan2 cbrt ceil clamp compare complex convert cos count-leading-zeros divide erf exp
+exponential exponential-minus-one floor imag is-finite log log-plus-one logistic maximum minimum
+multiply negate not or popcnt power real reduce-precision remainder round-nearest-afz
+round-nearest-even rsqrt select shift-left shift-right-arithmetic shift-right-logical sign sin
+sqrt subtract tan tanh xor bitcast-convert stochastic-convert
+""".split())
+# Ops XLA:CPU's elemental emitter generates inside a kLoop fusion.
+FUSIBLE = ELEMENTWISE | frozenset(
+    "broadcast reshape transpose copy slice concatenate pad reduce iota reverse bitcast".split())
+FREE = frozenset("parameter constant get-tuple-element tuple bitcast after-all".split())
+# Transcendental ops cost more than one flop per element in the analytical model.
+TRANSCENDENTAL = frozenset(
+    "exp exponential exponential-minus-one log log-plus-one logistic tanh sin cos tan erf power "
+    "rsqrt sqrt cbrt atan2".split())
+
+
+@dataclasses.dataclass
+class Op:
+    """A primitive op. `inst` is its instruction; its operand names are rewritten at emission."""
+
+    id: int
+    name: str
+    kind: str  # 'fusible' | 'opaque' | 'free' | 'reduced'
+    inst: _hlo.Instruction
+    operands: tuple[int, ...]
+    xla_kernel: str  # entry instruction that computed it in XLA's module
+    gradient: int | None = None  # for 'reduced' ops: the gradient id
+
+    @property
+    def opcode(self) -> str:
+        return self.inst.opcode
+
+    @property
+    def output_bytes(self) -> int:
+        return self.inst.output_bytes
+
+    @functools.cached_property
+    def flops(self) -> float:
+        """Rough floating-point work, for the analytical estimator and estimator features."""
+        out = sum(s.elements for s in self.inst.outputs)
+        if self.opcode in TRANSCENDENTAL:
+            return 8.0 * out
+        if self.opcode in ELEMENTWISE:
+            return float(out)
+        if self.opcode == "reduce":
+            return 0.0  # filled by Graph.op_flops (needs operand sizes)
+        return 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Gradient:
+    """One tensor carried by an entry all-reduce of the captured module."""
+
+    id: int
+    producer: int  # op id of the value that is reduced
+    reduced: int  # op id of the 'reduced' op standing for the result
+    nbytes: int
+    compat: tuple  # gradients with equal compat may share one all-reduce
+    source: str  # name of the all-reduce instruction that carried it in XLA's module
+    result_name: str  # the name users referred to it by (get-tuple-element or the all-reduce)
+
+
+@dataclasses.dataclass
+class Graph:
+    module: _hlo.HloModuleText
+    ops: list[Op]
+    gradients: list[Gradient]
+    xla_groups: list[frozenset[int]]  # XLA's kernels over fusible ops (singletons included)
+    xla_homes: dict[int, int]  # fusible op id -> index in xla_groups that exports it
+    xla_buckets: list[tuple[int, ...]]  # gradient ids per XLA all-reduce
+    xla_kernel_names: list[str]  # entry instruction name of each xla_groups entry
+    xla_exports: list[list[int]]  # op ids each XLA kernel outputs, in its output order
+    allreduce_templates: dict[tuple, _hlo.Instruction]  # compat -> an original all-reduce
+    entry_values: dict[str, int]  # entry instruction name -> op id holding its value
+    fingerprint: str
+
+    def __post_init__(self):
+        users: list[list[int]] = [[] for _ in self.ops]
+        for op in self.ops:
+            for o in set(op.operands):
+                users[o].append(op.id)
+        self.users = [tuple(u) for u in users]
+        self.root = next(op.id for op in self.ops if op.inst.is_root)
+
+    @property
+    def fusible_ops(self) -> list[int]:
+        return [op.id for op in self.ops if op.kind == "fusible"]
+
+    @property
+    def opaque_ops(self) -> list[int]:
+        return [op.id for op in self.ops if op.kind == "opaque"]
+
+    @functools.cached_property
+    def op_flops(self) -> list[float]:
+        flops = []
+        for op in self.ops:
+            if op.opcode == "reduce":
+                flops.append(float(sum(self.ops[o].inst.outputs[0].elements
+                                       for o in op.operands[: len(op.operands) // 2])))
+            elif op.opcode in ("dot", "convolution"):
+                flops.append(_dot_flops(op, self))
+            elif op.opcode == "fusion":  # opaque custom fusion: sum of its dots
+                flops.append(_custom_fusion_flops(op, self))
+            else:
+                flops.append(op.flops)
+        return flops
+
+    def summary(self) -> dict:
+        kinds: dict[str, int] = {}
+        for op in self.ops:
+            kinds[op.kind] = kinds.get(op.kind, 0) + 1
+        return {
+            "ops": len(self.ops), **kinds,
+            "gradients": len(self.gradients),
+            "xla_fusions": sum(1 for g in self.xla_groups if len(g) > 1),
+            "xla_allreduces": len(self.xla_buckets),
+            "gradient_bytes": sum(g.nbytes for g in self.gradients),
+        }
+
+
+def _dot_flops(op: Op, graph: Graph) -> float:
+    out = op.inst.outputs[0].elements
+    lhs = graph.ops[op.operands[0]].inst.outputs[0]
+    contracting = op.inst.attr("lhs_contracting_dims", "{}").strip("{}")
+    k = 1
+    for d in contracting.split(","):
+        if d.strip():
+            k *= lhs.dims[int(d)]
+    if op.opcode == "convolution":
+        rhs = graph.ops[op.operands[1]].inst.outputs[0]
+        k = max(1, rhs.elements // max(1, op.inst.outputs[0].dims[-1] if op.inst.outputs[0].dims else 1))
+    return 2.0 * out * k
+
+
+def _custom_fusion_flops(op: Op, graph: Graph) -> float:
+    comp_name = op.inst.attr("calls", "").lstrip("%")
+    try:
+        comp = graph.module.computation(comp_name)
+    except KeyError:
+        return 0.0
+    total = 0.0
+    shapes = {i.name: i.outputs for i in comp.instructions}
+    for inst in comp.instructions:
+        if inst.opcode == "dot" and inst.operands:
+            lhs = shapes[inst.operands[0]][0]
+            k = 1
+            for d in inst.attr("lhs_contracting_dims", "{}").strip("{}").split(","):
+                if d.strip():
+                    k *= lhs.dims[int(d)]
+            total += 2.0 * inst.outputs[0].elements * k
+    return total
+
+
+def _openable(inst: _hlo.Instruction, module: _hlo.HloModuleText) -> bool:
+    """An XLA loop fusion whose instructions are all ones we can re-fuse freely."""
+    if inst.opcode != "fusion" or inst.attr("kind") not in ("kLoop", "kInput"):
+        return False
+    comp = module.computation(inst.attr("calls").lstrip("%"))
+    for i in comp.instructions:
+        if i.opcode in ("parameter", "constant") or (i.opcode == "tuple" and i.is_root):
+            continue
+        if i.opcode not in FUSIBLE or len(i.outputs) != 1:
+            return False
+    return True
+
+
+def _compat_key(inst: _hlo.Instruction, module: _hlo.HloModuleText, dtype: str) -> tuple:
+    reducer = module.computation(inst.attr("to_apply").lstrip("%"))
+    reducer_ops = tuple(i.opcode for i in reducer.instructions if i.opcode != "parameter")
+    return (dtype, reducer_ops, inst.attr("replica_groups"), inst.attr("use_global_device_ids"),
+            inst.attr("channel_id") is not None)
+
+
+def build_graph(text: str) -> Graph:
+    """Parse a post-fusion HLO module (the CPU PRE_SCHEDULER stage) into the graph IR."""
+    module = _hlo.parse_module(text)
+    entry = module.entry
+    ops: list[Op] = []
+    cse: dict[tuple, int] = {}
+    value: dict[str, int] = {}  # entry value name -> op id
+    tuple_values: dict[str, list[int]] = {}  # opened multi-output fusion -> element op ids
+    gradients: list[Gradient] = []
+    xla_groups: list[frozenset[int]] = []
+    xla_kernel_names: list[str] = []
+    xla_exports: list[list[int]] = []
+    xla_buckets: list[tuple[int, ...]] = []
+    templates: dict[tuple, _hlo.Instruction] = {}
+
+    def add(inst: _hlo.Instruction, kind: str, operands: tuple[int, ...], kernel: str,
+            gradient: int | None = None) -> int:
+        key = None
+        if kind == "fusible" or (kind == "free" and inst.opcode == "constant"):
+            key = (kind, inst.opcode, re.sub(r"\{[^{}]*\}", "", inst.shape), operands, inst.literal,
+                   inst.attrs_text(drop_metadata=True))
+            if key in cse:
+                return cse[key]
+        op = Op(len(ops), inst.name, kind, inst, operands, kernel, gradient)
+        ops.append(op)
+        if key is not None:
+            cse[key] = op.id
+        return op.id
+
+    def entry_kind(inst: _hlo.Instruction) -> str:
+        if inst.opcode in FREE:
+            return "free"
+        if inst.opcode in FUSIBLE and len(inst.outputs) == 1 and not inst.attr("control-predecessors"):
+            return "fusible"
+        return "opaque"
+
+    for inst in entry.instructions:
+        if inst.opcode == "all-reduce" and len(inst.operands) >= 1:
+            ar_kind = "gradient"
+            specs = inst.outputs
+            if any(len(ops[value[o]].inst.outputs) != 1 for o in inst.operands if o in value):
+                ar_kind = "opaque"
+        else:
+            ar_kind = None
+        if ar_kind == "gradient":
+            bucket = []
+            for k, operand in enumerate(inst.operands):
+                gid = len(gradients)
+                producer = value[operand]
+                reduced = add(inst, "reduced", (producer,), inst.name, gradient=gid)
+                compat = _compat_key(inst, module, specs[k].dtype)
+                templates.setdefault(compat, inst)
+                # Users refer to a variadic all-reduce's results through get-tuple-elements.
+                result = inst.name if len(inst.operands) == 1 and not inst.shape.startswith("(") else None
+                gradients.append(Gradient(gid, producer, reduced, specs[k].bytes, compat, inst.name,
+                                          result or f"{inst.name}.{k}"))
+                bucket.append(gid)
+            xla_buckets.append(tuple(bucket))
+            if len(inst.operands) == 1 and not inst.shape.startswith("("):
+                value[inst.name] = gradients[bucket[0]].reduced
+            else:
+                tuple_values[inst.name] = [gradients[g].reduced for g in bucket]
+            continue
+        if inst.opcode == "get-tuple-element" and inst.operands[0] in tuple_values:
+            elements = tuple_values[inst.operands[0]]
+            value[inst.name] = elements[int(inst.attr("index"))]
+            src = ops[elements[int(inst.attr("index"))]]
+            if src.kind == "reduced":  # remember the user-facing name of the gradient result
+                g = gradients[src.gradient]
+                if g.result_name.startswith(f"{g.source}."):
+                    gradients[g.id] = dataclasses.replace(g, result_name=inst.name)
+            continue
+        if _openable(inst, module):
+            comp = module.computation(inst.attr("calls").lstrip("%"))
+            inner: dict[str, int] = {}
+            members: list[int] = []
+            for i in comp.instructions:
+                if i.opcode == "parameter":
+                    inner[i.name] = value[inst.operands[int(i.literal)]]
+                elif i.opcode == "tuple" and i.is_root:
+                    tuple_values[inst.name] = [inner[o] for o in i.operands]
+                else:
+                    kind = "free" if i.opcode == "constant" else "fusible"
+                    oid = add(dataclasses.replace(i, is_root=False), kind,
+                              tuple(inner[o] for o in i.operands), inst.name)
+                    inner[i.name] = oid
+                    if kind == "fusible":
+                        members.append(oid)
+            root = comp.root
+            exports = tuple_values.get(inst.name, [inner[root.name]]) if root.opcode == "tuple" else [inner[root.name]]
+            if root.opcode != "tuple":
+                value[inst.name] = inner[root.name]
+            xla_groups.append(frozenset(members))
+            xla_kernel_names.append(inst.name)
+            xla_exports.append(exports)
+            continue
+        kind = entry_kind(inst)
+        operands = tuple(value[o] for o in inst.operands)
+        oid = add(inst, kind, operands, inst.name)
+        value[inst.name] = oid
+        if kind == "fusible":
+            xla_groups.append(frozenset([oid]))
+            xla_kernel_names.append(inst.name)
+            xla_exports.append([oid])
+
+    # Home of each fusible op: the XLA kernel that exported it, else the first that holds it.
+    homes: dict[int, int] = {}
+    for gi, exports in enumerate(xla_exports):
+        for oid in exports:
+            if ops[oid].kind == "fusible":
+                homes.setdefault(oid, gi)
+    for gi, members in enumerate(xla_groups):
+        for oid in members:
+            homes.setdefault(oid, gi)
+    return Graph(module, ops, gradients, xla_groups, homes, xla_buckets, xla_kernel_names, xla_exports,
+                 templates, value, _hlo.fingerprint(text))

@@ -1,0 +1,428 @@
+"""A joint fusion strategy and the search moves that change it.
+
+A `Strategy` says, over one `Graph`:
+
+* `groups`: fusion groups of fusible ops. A group of two or more ops becomes one loop fusion; a
+  group of one op is that op unfused. Groups may overlap: an op in several groups is recomputed in
+  each (DisCo's *duplicate* fusion).
+* `homes[op]`: the group whose kernel hands the op's value to consumers outside the groups that
+  compute it themselves. When a consumer group is fused with a producer that has other users, the
+  producer's home either stays (duplicate fusion: the producer kernel still runs for the others) or
+  moves into the merged group (non-duplicate: a multi-output fusion, the value is ready only when
+  the whole fused kernel ends).
+* `buckets`: which gradients each all-reduce carries; issued once its last gradient is ready.
+
+`kernel_dag` turns a strategy into kernels (groups, opaque ops, all-reduce buckets) with their
+dependencies; the simulator and the rewrite both read that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Callable, Sequence
+
+from disco_jax._graph import Graph
+
+GROUP, OPAQUE, BUCKET = "group", "opaque", "bucket"
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    groups: tuple[frozenset[int], ...]
+    homes: tuple[int, ...]  # per op id: index into groups, or -1 for ops that are not fusible
+    buckets: tuple[tuple[int, ...], ...]
+    origin: str = ""
+
+    def key(self) -> tuple:
+        """Identity of the decisions (group order and origin do not matter)."""
+        exported = frozenset((g, frozenset(o for o in g if self.homes[o] == gi))
+                             for gi, g in enumerate(self.groups))
+        return exported, frozenset(self.buckets)
+
+    @property
+    def fused_groups(self) -> list[frozenset[int]]:
+        return [g for g in self.groups if len(g) > 1]
+
+    def to_json(self, graph: Graph) -> dict:
+        """Decisions by op and gradient names, so a plan is readable and checkable."""
+        names = [op.name for op in graph.ops]
+        return {
+            "groups": [
+                {"ops": sorted(names[o] for o in g),
+                 "exports": sorted(names[o] for o in g if self.homes[o] == i)}
+                for i, g in enumerate(self.groups) if len(g) > 1],
+            "buckets": [[graph.gradients[gid].result_name for gid in b] for b in self.buckets],
+            "origin": self.origin,
+        }
+
+    @classmethod
+    def from_json(cls, graph: Graph, data: dict) -> "Strategy":
+        """Rebuild from `to_json` on the same graph; raises ValueError if a name is unknown."""
+        by_name = {op.name: op.id for op in graph.ops}
+        by_result = {g.result_name: g.id for g in graph.gradients}
+        try:
+            fused = [(frozenset(by_name[n] for n in grp["ops"]), [by_name[n] for n in grp["exports"]])
+                     for grp in data["groups"]]
+            buckets = tuple(tuple(by_result[n] for n in b) for b in data["buckets"])
+        except KeyError as e:
+            raise ValueError(f"plan names {e} which is not in this module") from None
+        homes = [-1] * len(graph.ops)
+        groups: list[frozenset[int]] = []
+        for members, exports in fused:
+            for o in exports:
+                homes[o] = len(groups)
+            groups.append(members)
+        for o in graph.fusible_ops:
+            if homes[o] < 0:
+                homes[o] = len(groups)
+                groups.append(frozenset([o]))
+        return cls(tuple(groups), tuple(homes), buckets, data.get("origin", "plan"))
+
+
+def xla_default(graph: Graph) -> Strategy:
+    """What XLA did: its fusions and its all-reduce combining."""
+    homes = [-1] * len(graph.ops)
+    for o, g in graph.xla_homes.items():
+        homes[o] = g
+    return Strategy(tuple(graph.xla_groups), tuple(homes), tuple(graph.xla_buckets), "xla")
+
+
+def unfused(graph: Graph) -> Strategy:
+    """No op fusion, one all-reduce per gradient."""
+    fusible = graph.fusible_ops
+    homes = [-1] * len(graph.ops)
+    for i, o in enumerate(fusible):
+        homes[o] = i
+    return Strategy(tuple(frozenset([o]) for o in fusible), tuple(homes),
+                    tuple((g.id,) for g in graph.gradients), "unfused")
+
+
+def with_buckets(strategy: Strategy, buckets: Sequence[Sequence[int]], origin: str) -> Strategy:
+    return dataclasses.replace(strategy, buckets=tuple(tuple(b) for b in buckets), origin=origin)
+
+
+def start_candidates(graph: Graph) -> list[Strategy]:
+    """The search's first queue: XLA's plan, the unfused graph and their bucket variants."""
+    xla, bare = xla_default(graph), unfused(graph)
+    per_gradient = [(g.id,) for g in graph.gradients]
+    return [xla, bare, with_buckets(xla, per_gradient, "xla-fusion+per-gradient-allreduce"),
+            with_buckets(bare, graph.xla_buckets, "unfused+xla-allreduce")]
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@dataclasses.dataclass
+class KernelDag:
+    """Kernels of a strategy in a topological order, with dependencies by kernel index."""
+
+    kinds: list[str]
+    members: list[frozenset[int]]  # ops of a group / the opaque op / gradient ids of a bucket
+    deps: list[tuple[int, ...]]
+    order: list[int]  # topological order, following the original program where free to choose
+    group_index: list[int]  # for GROUP kernels: index into strategy.groups, else -1
+
+
+def _free_sources(graph: Graph) -> list[tuple[int, ...]]:
+    """For every op, the non-free ops its value comes from through chains of free ops."""
+    cache = graph.__dict__.get("_free_sources")
+    if cache is None:
+        cache = []
+        for op in graph.ops:
+            if op.kind != "free":
+                cache.append((op.id,))
+            else:
+                srcs: list[int] = []
+                for o in op.operands:
+                    srcs.extend(cache[o])
+                cache.append(tuple(dict.fromkeys(srcs)))
+        graph.__dict__["_free_sources"] = cache
+    return cache
+
+
+def kernel_dag(graph: Graph, s: Strategy) -> KernelDag | None:
+    """Kernels and their dependencies; None when the strategy has a cycle (it is invalid)."""
+    sources = _free_sources(graph)
+    kinds, members, group_index, anchor = [], [], [], []
+    provider: dict[int, int] = {}
+    for gi, g in enumerate(s.groups):
+        kinds.append(GROUP), members.append(g), group_index.append(gi), anchor.append(max(g))
+    for o in graph.opaque_ops:
+        provider[o] = len(kinds)
+        kinds.append(OPAQUE), members.append(frozenset([o])), group_index.append(-1), anchor.append(o)
+    for b in s.buckets:
+        k = len(kinds)
+        for gid in b:
+            provider[graph.gradients[gid].reduced] = k
+        kinds.append(BUCKET), members.append(frozenset(b)), group_index.append(-1)
+        anchor.append(max(graph.gradients[gid].producer for gid in b) + 0.5)
+    homes = s.homes
+
+    def provider_of(o: int) -> int:
+        return homes[o] if graph.ops[o].kind == "fusible" else provider[o]
+
+    deps: list[tuple[int, ...]] = []
+    for k, kind in enumerate(kinds):
+        d: set[int] = set()
+        if kind == BUCKET:
+            for gid in members[k]:
+                for src in sources[graph.gradients[gid].producer]:
+                    d.add(provider_of(src))
+        else:
+            mem = members[k]
+            for o in mem:
+                for operand in graph.ops[o].operands:
+                    for src in sources[operand]:
+                        if src not in mem:
+                            d.add(provider_of(src))
+        d.discard(k)
+        deps.append(tuple(d))
+    # Kahn's algorithm, earliest original position first.
+    import heapq
+    indegree = [len(d) for d in deps]
+    users: list[list[int]] = [[] for _ in kinds]
+    for k, d in enumerate(deps):
+        for p in d:
+            users[p].append(k)
+    heap = [(anchor[k], k) for k in range(len(kinds)) if indegree[k] == 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        _, k = heapq.heappop(heap)
+        order.append(k)
+        for u in users[k]:
+            indegree[u] -= 1
+            if indegree[u] == 0:
+                heapq.heappush(heap, (anchor[u], u))
+    if len(order) != len(kinds):
+        return None
+    return KernelDag(kinds, members, deps, order, group_index)
+
+
+# --------------------------------------------------------------------------- moves
+
+# A producer whose consumer is fused with it is recomputed per output element of the consumer:
+# never fuse these as producers (XLA does not either).
+_NO_PRODUCER_FUSION = frozenset({"reduce", "concatenate", "pad", "iota"})
+
+
+def _normalize(graph: Graph, groups: list[frozenset[int]], homes: list[int]) -> tuple[list, list] | None:
+    """Drop groups no consumer reads from (their ops are computed where they are used), and
+    duplicated members nothing in their group uses any more."""
+    for gi, g in enumerate(groups):
+        groups[gi] = _prune(graph, g, [o for o in g if homes[o] == gi])
+    while True:
+        contains: dict[int, list[int]] = {}
+        for gi, g in enumerate(groups):
+            for o in g:
+                contains.setdefault(o, []).append(gi)
+        needed = [False] * len(groups)
+        for o in graph.fusible_ops:
+            h = homes[o]
+            for u in _consumers(graph, o):
+                if u < 0 or graph.ops[u].kind != "fusible" or any(o not in groups[gi] for gi in contains.get(u, [])):
+                    needed[h] = True
+                    break
+        dead = [gi for gi, n in enumerate(needed) if not n]
+        if not dead:
+            return groups, homes
+        gi = dead[0]
+        for o in groups[gi]:
+            if homes[o] == gi:
+                others = [x for x in contains[o] if x != gi]
+                if not others:
+                    needed[gi] = True
+                    break
+                homes[o] = others[0]
+        if needed[gi]:
+            return groups, homes  # an op with no consumer at all: leave as is
+        groups.pop(gi)
+        homes[:] = [h - 1 if h > gi else h for h in homes]
+
+
+def _prune(graph: Graph, group: frozenset[int], homed: list[int]) -> frozenset[int]:
+    """Keep the ops a group exports (homed) and those they need inside the group."""
+    keep, stack = set(), list(homed)
+    while stack:
+        o = stack.pop()
+        if o in keep:
+            continue
+        keep.add(o)
+        stack.extend(v for v in graph.ops[o].operands if v in group)
+    return frozenset(keep) if len(keep) != len(group) else group
+
+
+def _consumers(graph: Graph, o: int) -> list[int]:
+    """Non-free consumers of an op's value, looking through free ops; -1 for the module output."""
+    cache = graph.__dict__.setdefault("_consumers", {})
+    if o not in cache:
+        out, stack, seen = [], list(graph.users[o]), set()
+        while stack:
+            u = stack.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            if graph.ops[u].kind == "free":
+                if u == graph.root:
+                    out.append(-1)
+                stack.extend(graph.users[u])
+            else:
+                out.append(u)
+        if o == graph.root:
+            out.append(-1)
+        cache[o] = out
+    return cache[o]
+
+
+def fuse_producer(graph: Graph, s: Strategy, rng: random.Random, duplicate: bool) -> Strategy | None:
+    """DisCo moves (i)/(ii): fuse a random group with the home group of one of its producers."""
+    candidates = [gi for gi, g in enumerate(s.groups)]
+    gi = rng.choice(candidates)
+    group = s.groups[gi]
+    producers = sorted({s.homes[v] for u in group for v in graph.ops[u].operands
+                        if graph.ops[v].kind == "fusible" and v not in group
+                        and graph.ops[v].opcode not in _NO_PRODUCER_FUSION})
+    if not producers:
+        return None
+    pi = rng.choice(producers)
+    producer = s.groups[pi]
+    if any(graph.ops[o].opcode in _NO_PRODUCER_FUSION and any(u in group for u in graph.users[o])
+           for o in producer):
+        return None
+    merged = group | producer
+    groups, homes = list(s.groups), list(s.homes)
+    groups[gi] = merged
+    if duplicate:
+        # The producer kernel stays for its other consumers (dropped by _normalize if none).
+        pass
+    else:
+        for o in producer:
+            if homes[o] == pi:
+                homes[o] = gi
+        groups[pi] = frozenset()
+    groups, homes = _compact(groups, homes)
+    normalized = _normalize(graph, groups, homes)
+    if normalized is None:
+        return None
+    return Strategy(tuple(normalized[0]), tuple(normalized[1]), s.buckets, s.origin)
+
+
+def _compact(groups: list[frozenset[int]], homes: list[int]) -> tuple[list, list]:
+    remap, kept = {}, []
+    for gi, g in enumerate(groups):
+        if g:
+            remap[gi] = len(kept)
+            kept.append(g)
+    return kept, [remap.get(h, -1) if h >= 0 else -1 for h in homes]
+
+
+def split_group(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | None:
+    """Undo fusion: cut a random fused group in two at a random point of its op order."""
+    fused = [gi for gi, g in enumerate(s.groups) if len(g) > 1]
+    if not fused:
+        return None
+    gi = rng.choice(fused)
+    ordered = sorted(s.groups[gi])
+    cut = rng.randrange(1, len(ordered))
+    groups, homes = list(s.groups), list(s.homes)
+    parts = _components(graph, ordered[:cut]) + _components(graph, ordered[cut:])
+    groups[gi] = frozenset()
+    for part in parts:
+        idx = len(groups)
+        groups.append(part)
+        for o in part:
+            if homes[o] == gi:
+                homes[o] = idx
+    # Ops homed in the group but not in any part (cannot happen) would be orphaned.
+    groups, homes = _compact(groups, homes)
+    normalized = _normalize(graph, groups, homes)
+    if normalized is None:
+        return None
+    return Strategy(tuple(normalized[0]), tuple(normalized[1]), s.buckets, s.origin)
+
+
+def _components(graph: Graph, members: list[int]) -> list[frozenset[int]]:
+    """Weakly connected pieces of a set of ops (a fusion must be connected)."""
+    mset, seen, parts = set(members), set(), []
+    for start in members:
+        if start in seen:
+            continue
+        stack, part = [start], set()
+        while stack:
+            o = stack.pop()
+            if o in seen:
+                continue
+            seen.add(o)
+            part.add(o)
+            stack.extend(x for x in graph.ops[o].operands if x in mset)
+            stack.extend(x for x in graph.users[o] if x in mset)
+        parts.append(frozenset(part))
+    return parts
+
+
+def _bucket_order(graph: Graph, s: Strategy) -> list[int]:
+    return sorted(range(len(s.buckets)),
+                  key=lambda b: max(graph.gradients[g].producer for g in s.buckets[b]))
+
+
+def merge_buckets(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | None:
+    """DisCo move (iii): combine a random all-reduce with a neighbour in gradient order."""
+    if len(s.buckets) < 2:
+        return None
+    order = _bucket_order(graph, s)
+    pos = rng.randrange(len(order))
+    other = pos + rng.choice((-1, 1))
+    if not 0 <= other < len(order):
+        other = pos - 1 if pos > 0 else pos + 1
+    a, b = order[pos], order[other]
+    if graph.gradients[s.buckets[a][0]].compat != graph.gradients[s.buckets[b][0]].compat:
+        return None
+    merged = tuple(sorted(s.buckets[a] + s.buckets[b], key=lambda g: graph.gradients[g].producer))
+    buckets = [bk for i, bk in enumerate(s.buckets) if i not in (a, b)] + [merged]
+    return dataclasses.replace(s, buckets=tuple(buckets))
+
+
+def split_bucket(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | None:
+    """Inverse of merge: cut a random all-reduce in two along gradient production order."""
+    multi = [i for i, b in enumerate(s.buckets) if len(b) > 1]
+    if not multi:
+        return None
+    i = rng.choice(multi)
+    ordered = sorted(s.buckets[i], key=lambda g: graph.gradients[g].producer)
+    cut = rng.randrange(1, len(ordered))
+    buckets = [b for j, b in enumerate(s.buckets) if j != i] + [tuple(ordered[:cut]), tuple(ordered[cut:])]
+    return dataclasses.replace(s, buckets=tuple(buckets))
+
+
+def split(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | None:
+    """The split move: open up a fusion or an all-reduce that XLA (or the search) formed."""
+    first, second = (split_group, split_bucket) if rng.random() < 0.5 else (split_bucket, split_group)
+    return first(graph, s, rng) or second(graph, s, rng)
+
+
+Move = Callable[[Graph, Strategy, random.Random], "Strategy | None"]
+
+MOVES: dict[str, Move] = {
+    "fuse": lambda g, s, r: fuse_producer(g, s, r, duplicate=False),
+    "fuse_duplicate": lambda g, s, r: fuse_producer(g, s, r, duplicate=True),
+    "merge_allreduce": merge_buckets,
+    "split": split,
+}
+
+
+def is_valid(graph: Graph, s: Strategy) -> bool:
+    """Every fusible op has a home group holding it, groups hold fusible ops only, every gradient
+    is in exactly one bucket of compatible gradients, and the kernel graph has no cycle."""
+    for o in graph.fusible_ops:
+        h = s.homes[o]
+        if not 0 <= h < len(s.groups) or o not in s.groups[h]:
+            return False
+    if any(graph.ops[o].kind != "fusible" for g in s.groups for o in g):
+        return False
+    seen = sorted(g for b in s.buckets for g in b)
+    if seen != list(range(len(graph.gradients))):
+        return False
+    if any(len({graph.gradients[g].compat for g in b}) != 1 for b in s.buckets):
+        return False
+    return kernel_dag(graph, s) is not None
