@@ -246,10 +246,14 @@ def build_graph(text: str) -> Graph:
             ar_kind = None
         if ar_kind == "gradient":
             bucket = []
+            element_shapes = (_hlo.split_top_level(re.sub(r"/\*.*?\*/", "", inst.shape[1:-1]))
+                              if inst.shape.startswith("(") else [inst.shape])
             for k, operand in enumerate(inst.operands):
                 gid = len(gradients)
                 producer = value[operand]
-                reduced = add(inst, "reduced", (producer,), inst.name, gradient=gid)
+                shape = element_shapes[k] if len(element_shapes) == len(inst.operands) else inst.shape
+                reduced = add(dataclasses.replace(inst, shape=shape, operands=[operand]), "reduced",
+                              (producer,), inst.name, gradient=gid)
                 compat = _compat_key(inst, module, specs[k].dtype)
                 templates.setdefault(compat, inst)
                 # Users refer to a variadic all-reduce's results through get-tuple-elements.

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from disco_jax import _hlo
 from disco_jax._graph import Graph
-from disco_jax._strategy import BUCKET, GROUP, OPAQUE, Strategy, _consumers, kernel_dag
+from disco_jax._strategy import BUCKET, GROUP, OPAQUE, Strategy, _prune, group_exports, kernel_dag
 
 # Constants up to this size are cloned into each fusion that reads them (as XLA does).
 _CLONE_CONSTANT_BYTES = 64
@@ -86,19 +86,6 @@ class _Emitter:
                     progress = True
 
 
-def _exports(graph: Graph, s: Strategy, gi: int, groups_of: dict[int, list[int]]) -> list[int]:
-    """Ops of group `gi` that some kernel outside the groups computing them reads."""
-    out = []
-    for o in sorted(s.groups[gi]):
-        if s.homes[o] != gi:
-            continue
-        for u in _consumers(graph, o):
-            if u < 0 or graph.ops[u].kind != "fusible" or any(o not in s.groups[x] for x in groups_of.get(u, [])):
-                out.append(o)
-                break
-    return out
-
-
 class CpuRewriter:
     """Rewriter for XLA:CPU's PRE_SCHEDULER hook stage (DESIGN.md points 2-3)."""
 
@@ -110,10 +97,7 @@ class CpuRewriter:
         em = _Emitter(graph, strategy)
         channels = [int(c) for c in re.findall(r"channel_id=(\d+)", module.to_text(drop_metadata=True))]
         em.channel = max(channels, default=0)
-        groups_of: dict[int, list[int]] = {}
-        for gi, g in enumerate(strategy.groups):
-            for o in g:
-                groups_of.setdefault(o, []).append(gi)
+        exports = group_exports(graph, strategy)
         xla_by_members = {}
         for i, members in enumerate(graph.xla_groups):
             inst = module.entry.by_name().get(graph.xla_kernel_names[i])
@@ -134,7 +118,7 @@ class CpuRewriter:
                 em.names[o] = op.name
             elif kind == GROUP:
                 gi = dag.group_index[k]
-                self._emit_group(em, gi, _exports(graph, strategy, gi, groups_of), xla_by_members)
+                self._emit_group(em, gi, exports[gi], xla_by_members)
             elif kind == BUCKET:
                 self._emit_bucket(em, sorted(dag.members[k], key=lambda g: graph.gradients[g].producer))
             em.flush_free()
@@ -175,6 +159,13 @@ class CpuRewriter:
 
     def _emit_new_fusion(self, em: _Emitter, members: frozenset[int], exports: list[int]) -> None:
         graph = em.graph
+        members = _prune(graph, members, exports)  # XLA rejects fused ops without users
+        if len(members) == 1:
+            (o,) = members
+            op = graph.ops[o]
+            em.emit(em.renamed(op.inst, em.operand_names(op.operands), name=op.name))
+            em.names[o] = op.name
+            return
         em.counter += 1
         n = em.counter
         inner: dict[int, str] = {}

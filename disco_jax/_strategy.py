@@ -141,8 +141,37 @@ def _free_sources(graph: Graph) -> list[tuple[int, ...]]:
     return cache
 
 
+def group_exports(graph: Graph, s: Strategy) -> list[list[int]]:
+    """Per group, the ops it hands to kernels that do not compute them themselves."""
+    groups_of: dict[int, list[int]] = {}
+    for gi, g in enumerate(s.groups):
+        for o in g:
+            groups_of.setdefault(o, []).append(gi)
+    exports: list[list[int]] = [[] for _ in s.groups]
+    for o in graph.fusible_ops:
+        home = s.homes[o]
+        for u in _consumers(graph, o):
+            if u < 0 or graph.ops[u].kind != "fusible" or any(o not in s.groups[x] for x in groups_of.get(u, [])):
+                exports[home].append(o)
+                break
+    return exports
+
+
+def emittable(graph: Graph, s: Strategy, exports: list[list[int]] | None = None) -> bool:
+    """XLA:CPU emits a multi-output loop fusion as one loop over the first output's shape: all
+    outputs of a fused group must have the same shape (else the compiler crashes)."""
+    exports = exports if exports is not None else group_exports(graph, s)
+    for gi, outs in enumerate(exports):
+        if len(outs) > 1 and len({graph.ops[o].inst.shape for o in outs}) > 1:
+            return False
+    return True
+
+
 def kernel_dag(graph: Graph, s: Strategy) -> KernelDag | None:
-    """Kernels and their dependencies; None when the strategy has a cycle (it is invalid)."""
+    """Kernels and their dependencies; None when the strategy is invalid: a dependency cycle,
+    or a fused group XLA cannot emit (`emittable`)."""
+    if not emittable(graph, s):
+        return None
     sources = _free_sources(graph)
     kinds, members, group_index, anchor = [], [], [], []
     provider: dict[int, int] = {}

@@ -1,0 +1,23 @@
+"""disco-jax: joint operator fusion and AllReduce tensor fusion for distributed JAX training.
+
+Decorate a jitted data-parallel training step with `@optimize_distributed`. Run once with
+`ENABLE_SEARCH=1` to search for, validate and store a plan; later runs apply the stored plan.
+See README.md for the data flow (capture -> graph -> profile -> cost -> search -> rewrite -> plan).
+"""
+
+from disco_jax._api import OptimizedStep, optimize_distributed, search_enabled
+from disco_jax._cost import AnalyticalEstimator, ChainEstimator, Estimator, SimulatedStep, TableEstimator, simulate
+from disco_jax._graph import Graph, build_graph
+from disco_jax._plan import Plan, PlanWarning, find_plan, read_plan_file
+from disco_jax._profile import AllReduceCostModel, Profile, ProfileDatabase
+from disco_jax._search import SearchConfig, SearchResult, backtracking_search
+from disco_jax._strategy import Strategy, start_candidates, unfused, xla_default
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllReduceCostModel", "AnalyticalEstimator", "ChainEstimator", "Estimator", "Graph", "OptimizedStep", "Plan",
+    "PlanWarning", "Profile", "ProfileDatabase", "SearchConfig", "SearchResult", "SimulatedStep", "Strategy",
+    "TableEstimator", "backtracking_search", "build_graph", "find_plan", "optimize_distributed", "read_plan_file",
+    "search_enabled", "simulate", "start_candidates", "unfused", "xla_default",
+]

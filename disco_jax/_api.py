@@ -1,0 +1,472 @@
+"""`@optimize_distributed`: the search phase, the enactment phase, and what connects them.
+
+For each new argument signature, the first call lowers the jitted step, captures its module at
+XLA's hook stage and builds the graph IR. Then:
+
+* search phase (`ENABLE_SEARCH=1`): profile kernels and all-reduces on the real devices, build the
+  estimator chain, simulate XLA's plan, run the backtracking search, rewrite and compile the best
+  strategy, validate it against the unmodified step (outputs and time), store the plan, and train
+  with it;
+* enactment phase (`ENABLE_SEARCH` unset or 0): load the stored plan for this exact module and
+  machine, rewrite and compile with it; no plan means one warning and the unmodified step.
+
+Later calls with the same signature go straight to the compiled executable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from disco_jax import _capture, _cost, _graph, _hlo, _plan, _profile, _rewrite, _search, _strategy, _validate
+
+logger = logging.getLogger("disco_jax")
+ENABLE_SEARCH_ENV = "ENABLE_SEARCH"
+
+
+def search_enabled() -> bool:
+    """ENABLE_SEARCH: '1' search, '0' or unset enact; anything else is an error."""
+    value = os.environ.get(ENABLE_SEARCH_ENV, "").strip()
+    if value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    raise ValueError(f"{ENABLE_SEARCH_ENV} must be 0 or 1, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    alpha: float = 1.05
+    beta: int = 10
+    seed: int = 0
+    budget_s: float = 60.0
+    max_unchanged: int = 1000
+    plan_dir: str | None = None
+    validation_pairs: int = 20
+    verbose: bool = True
+
+    def search_config(self) -> _search.SearchConfig:
+        return _search.SearchConfig(alpha=self.alpha, beta=self.beta, max_unchanged=self.max_unchanged,
+                                    budget_s=self.budget_s, seed=self.seed)
+
+
+def _console():
+    from rich.console import Console
+    return Console(stderr=True)
+
+
+def _say(options: Options, message: str) -> None:
+    logger.info(message)
+    if options.verbose:
+        _console().print(f"[bold cyan]disco-jax[/] {message}", highlight=False)
+
+
+def _donated(lowered) -> list[bool]:
+    return [bool(getattr(a, "donated", False)) for a in jax.tree.leaves(lowered.args_info)]
+
+
+class _Runner:
+    """Calls a compiled step with fresh copies of the inputs it donates, so it can run again."""
+
+    def __init__(self, compiled, lowered, args, kwargs):
+        self.compiled, self.args, self.kwargs = compiled, args, kwargs
+        self.donates = any(_donated(lowered))
+
+    def __call__(self, *_ignored):
+        args, kwargs = self.args, self.kwargs
+        if self.donates:
+            args, kwargs = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, (args, kwargs))
+        return self.compiled(*args, **kwargs)
+
+    def as_text(self) -> str:
+        return self.compiled.as_text()
+
+
+def compiled_counts(text: str) -> dict[str, int]:
+    """All-reduces and fusions in a compiled module's entry computation (the truth of a plan)."""
+    entry = _hlo.parse_module(text).entry
+    return {"all-reduce": sum(1 for i in entry.instructions if i.opcode in ("all-reduce", "all-reduce-start")),
+            "fusion": sum(1 for i in entry.instructions if i.opcode == "fusion")}
+
+
+def _step_devices(args, kwargs) -> list:
+    devices = {}
+    for leaf in jax.tree.leaves((args, kwargs)):
+        if isinstance(leaf, jax.Array):
+            for d in leaf.sharding.device_set:
+                devices[d.id] = d
+    return [devices[k] for k in sorted(devices)] or jax.devices()
+
+
+@dataclasses.dataclass
+class CostModel:
+    """What the simulator needs, built once per search: estimator chain and all-reduce fit."""
+
+    estimator: _cost.ChainEstimator
+    allreduce: _profile.AllReduceCostModel
+    sources: dict
+    params: _cost.SimulatorParams = _cost.SimulatorParams()
+
+    def simulate(self, graph, strategy, record=False, params=None):
+        return _cost.simulate(graph, strategy, self.estimator, self.allreduce, params or self.params, record=record)
+
+
+def calibrate_simulator(cost_model: CostModel, graph, lowered, default_runner: "_Runner", args, kwargs,
+                        options: Options) -> dict:
+    """Fit the simulator's compute scale and all-reduce blocking to two measured strategies:
+    XLA's plan and the same fusions with one all-reduce per gradient."""
+    default = _strategy.xla_default(graph)
+    split = _strategy.with_buckets(default, [(g.id,) for g in graph.gradients], "per-gradient")
+    if len(split.buckets) == len(default.buckets):
+        split = None
+    if split is None:
+        timing_default = _validate.time_interleaved(default_runner, default_runner, pairs=5)
+        measured = (timing_default.default_us, timing_default.default_us)
+        params = _cost.SimulatorParams(measured[0] / cost_model.simulate(graph, default).iteration_us, 0.0)
+    else:
+        compiled, _ = compile_strategy(lowered, graph, split, "cpu")
+        timing = _validate.time_interleaved(default_runner, _Runner(compiled, lowered, args, kwargs),
+                                            pairs=max(6, options.validation_pairs // 2))
+        measured = (timing.default_us, timing.plan_us)
+
+        def simulate_at(p):
+            return (cost_model.simulate(graph, default, params=p).iteration_us,
+                    cost_model.simulate(graph, split, params=p).iteration_us)
+
+        params = _cost.calibrate(simulate_at, measured)
+    cost_model.params = params
+    _say(options, f"simulator calibrated: compute x{params.compute_scale:.2f}, all-reduces hold compute "
+                  f"{params.comm_blocking:.0%} of their time (measured {measured[0]:.0f} us default, "
+                  f"{measured[1]:.0f} us with one all-reduce per gradient)")
+    return {**params.to_json(), "measured_default_us": measured[0], "measured_per_gradient_us": measured[1]}
+
+
+def profile_step(graph: _graph.Graph, runner: _Runner, module_name: str, devices: list,
+                 database: _profile.ProfileDatabase, options: Options) -> CostModel:
+    """Measure kernel times of the default executable and the all-reduce fit on these devices,
+    merge them into the profile database, and build the cost model."""
+    machine = _plan.MachineKey.current(devices)
+    times = _profile.measure_kernel_times(runner, (), module_name=module_name)
+    by_name = {op.name: frozenset([op.id]) for op in graph.ops if op.kind == "opaque"}
+    for name, members in zip(graph.xla_kernel_names, graph.xla_groups):
+        by_name[name] = members
+    table, measured = {}, {}
+    for name, t in times.items():
+        members = by_name.get(name)
+        if members is not None:
+            table[_cost.kernel_signature(graph, members)] = t
+            measured[members] = t
+    stored = database.load(machine.device_kind, machine.backend, machine.num_devices)
+    allreduce = stored.allreduce if stored is not None else None
+    if allreduce is None:
+        _say(options, f"measuring all-reduce cost on {len(devices)} devices")
+        mesh = jax.sharding.Mesh(np.array(devices), ("all",))
+        allreduce, points = _profile.measure_allreduce_cost(mesh)
+        profile = _profile.Profile.for_devices(devices, allreduce=allreduce, allreduce_points=points,
+                                               kernel_times_us=table)
+    else:
+        profile = _profile.Profile.for_devices(devices, allreduce=allreduce,
+                                               allreduce_points=stored.allreduce_points, kernel_times_us=table)
+    if jax.process_index() == 0:
+        try:
+            database.save(profile)
+        except OSError as e:
+            warnings.warn(f"disco-jax: could not store the profile: {e}", stacklevel=2)
+    known = dict(stored.kernel_times_us) if stored is not None else {}
+    known.update(table)
+    analytical = _cost.AnalyticalEstimator.fit(
+        [(_cost.kernel_features(graph, k), t) for k, t in measured.items()])
+    gnn = _load_gnn(machine.device_kind)
+    base = gnn if gnn is not None else analytical
+    estimators: list = [_cost.TableEstimator(known), _cost.CalibratedEstimator(base, graph, measured)]
+    if gnn is not None:
+        estimators.append(_cost.CalibratedEstimator(analytical, graph, measured))
+    return CostModel(_cost.ChainEstimator(estimators), allreduce,
+                     {"kernel_times": len(table), "estimators": [e.name for e in estimators],
+                      "analytical": analytical.to_json(), "allreduce": allreduce.to_json()})
+
+
+def _load_gnn(device_kind: str):
+    """The trained GNN estimator for this device kind, if weights are shipped or cached."""
+    try:
+        import gnn_estimator
+    except ImportError:
+        return None
+    load = getattr(gnn_estimator, "load_estimator", None)
+    return load(device_kind) if load is not None else None
+
+
+def _plan_tag(fingerprint: str, strategy_json: dict) -> str:
+    digest = hashlib.sha256(json.dumps(strategy_json, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{fingerprint}:{digest}"
+
+
+def compile_strategy(lowered, graph: _graph.Graph, strategy: _strategy.Strategy, backend: str):
+    """Compile the step with `strategy` rewritten into its module at the hook."""
+    text = _rewrite.rewriter_for(backend).rewrite(graph, strategy)
+    applied: list[bool] = []
+
+    def handler(module_text: str) -> str | None:
+        if _hlo.fingerprint(module_text) != graph.fingerprint:
+            return None  # not the module the plan was made for: leave it alone
+        applied.append(True)
+        return text
+
+    compiled = _capture.compile_with_hook(lowered, handler,
+                                          cache_tag=_plan_tag(graph.fingerprint, strategy.to_json(graph)))
+    return compiled, bool(applied)
+
+
+class OptimizedStep:
+    """A jitted step with disco-jax's plan applied. Call it like the original function."""
+
+    def __init__(self, fn: Callable, options: Options):
+        if not hasattr(fn, "lower") or not callable(fn):
+            raise TypeError(
+                f"optimize_distributed expects a jax.jit-ed function, got {fn!r}; "
+                "apply @jax.jit first (@optimize_distributed goes above @jax.jit)")
+        self._fn = fn
+        self.options = options
+        self._compiled: dict[Any, Callable] = {}
+        self.reports: list[dict] = []
+        functools.update_wrapper(self, fn)
+
+    @property
+    def last_report(self) -> dict | None:
+        return self.reports[-1] if self.reports else None
+
+    def lower(self, *args, **kwargs):
+        return self._fn.lower(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        key = _signature(args, kwargs)
+        run = self._compiled.get(key)
+        if run is None:
+            run = self._prepare(args, kwargs)
+            self._compiled[key] = run
+        return run(*args, **kwargs)
+
+    # ---------------------------------------------------------------- phases
+
+    def _prepare(self, args, kwargs) -> Callable:
+        search = search_enabled()  # validate the variable before any work
+        options = self.options
+        backend = jax.default_backend()
+        report: dict[str, Any] = {"phase": "search" if search else "enact", "backend": backend,
+                                  "search_ran": False, "applied": False}
+        self.reports.append(report)
+        if backend != "cpu":
+            warnings.warn(f"disco-jax: backend {backend!r} is not supported yet (CPU only); "
+                          "running the unmodified step", stacklevel=3)
+            report["reason"] = "unsupported backend"
+            return self._fn
+        lowered = self._fn.lower(*args, **kwargs)
+        text, default_compiled = _capture.capture(lowered)
+        graph = _graph.build_graph(text)
+        devices = _step_devices(args, kwargs)
+        machine = _plan.MachineKey.current(devices)
+        report.update(fingerprint=graph.fingerprint, module=graph.module.name, graph=graph.summary(),
+                      default_counts=compiled_counts(default_compiled.as_text()))
+        if not graph.gradients:
+            _say(options, f"{graph.module.name}: no all-reduce in the step, nothing to optimize; "
+                          "running it unmodified")
+            report["reason"] = "no collectives"
+            return self._fn
+        if search:
+            return self._search_phase(lowered, graph, default_compiled, args, kwargs, devices, machine, report)
+        return self._enact_phase(lowered, graph, machine, report)
+
+    def _enact_phase(self, lowered, graph, machine, report) -> Callable:
+        options = self.options
+        plan, path = _plan.find_plan(graph.fingerprint, machine, options.plan_dir)
+        report["plan_path"] = str(path)
+        if plan is None:
+            if not path.exists():
+                warnings.warn(f"disco-jax: no plan for {graph.module.name} (fingerprint {graph.fingerprint}) "
+                              f"in {path.parent}; running the unmodified step. Run once with ENABLE_SEARCH=1 "
+                              "to make one.", _plan.PlanWarning, stacklevel=4)
+            report["reason"] = "no usable plan"
+            return self._fn
+        report["plan"] = plan.to_json()
+        if plan.use_default:
+            _say(options, f"{graph.module.name}: plan keeps XLA's default ({plan.reason})")
+            report["reason"] = plan.reason
+            return self._fn
+        try:
+            strategy = _strategy.Strategy.from_json(graph, plan.strategy)
+            compiled, applied = compile_strategy(lowered, graph, strategy, machine.backend)
+        except (ValueError, KeyError) as e:
+            warnings.warn(f"disco-jax: plan {path} cannot be applied ({e}); running the unmodified step",
+                          _plan.PlanWarning, stacklevel=4)
+            report["reason"] = f"plan not applicable: {e}"
+            return self._fn
+        counts = compiled_counts(compiled.as_text())
+        report.update(applied=applied, plan_counts=counts)
+        if counts["all-reduce"] != len(strategy.buckets):
+            warnings.warn(f"disco-jax: the compiled step has {counts['all-reduce']} all-reduces, the plan "
+                          f"{len(strategy.buckets)}; running the unmodified step", _plan.PlanWarning, stacklevel=4)
+            report["reason"] = "plan not enacted by XLA"
+            return self._fn
+        _say(options, f"{graph.module.name}: applied plan {path.name} "
+                      f"({counts['all-reduce']} all-reduces, {counts['fusion']} fusions)")
+        return compiled
+
+    def _search_phase(self, lowered, graph, default_compiled, args, kwargs, devices, machine, report) -> Callable:
+        options = self.options
+        report["search_ran"] = True
+        module_name = _capture.module_name(lowered)
+        default_runner = _Runner(default_compiled, lowered, args, kwargs)
+        _say(options, f"{graph.module.name}: profiling {len(graph.ops)} ops, {len(graph.gradients)} gradients "
+                      f"on {len(devices)} {machine.device_kind} devices")
+        cost_model = profile_step(graph, default_runner, module_name, devices, _profile.ProfileDatabase(), options)
+        calibration = calibrate_simulator(cost_model, graph, lowered, default_runner, args, kwargs, options)
+        cost_model.sources["calibration"] = calibration
+        default = _strategy.xla_default(graph)
+        sim_default = cost_model.simulate(graph, default, record=True)
+
+        def cost(s):
+            r = cost_model.simulate(graph, s)
+            return None if r is None else r.iteration_us
+
+        result = _run_search(graph, cost, options, sim_default.iteration_us)
+        sim_best = cost_model.simulate(graph, result.best, record=True)
+        search_info = {**result.stats(), "options": dataclasses.asdict(options), "cost_model": cost_model.sources}
+        simulated = {"default": sim_default.to_json(), "plan": sim_best.to_json()}
+        report.update(simulated=simulated, search=search_info)
+        run: Callable = self._fn
+        measured: dict = {}
+        if result.best.key() == default.key():
+            use_default, reason = True, "the search found nothing better than XLA's plan in simulation"
+        else:
+            compiled, _ = compile_strategy(lowered, graph, result.best, machine.backend)
+            counts = compiled_counts(compiled.as_text())
+            plan_runner = _Runner(compiled, lowered, args, kwargs)
+            # Same fusion decisions (only all-reduces regrouped): every element is reduced in
+            # the same order, so outputs must be bitwise equal.
+            bitwise = result.best.key()[0] == default.key()[0]
+            comparison = _validate.compare_outputs(default_runner(), plan_runner(), bitwise=bitwise)
+            timing = _validate.time_interleaved(default_runner, plan_runner, pairs=options.validation_pairs)
+            measured = {"default_us": timing.default_us, "plan_us": timing.plan_us, "ratio": timing.ratio,
+                        "ratio_iqr": [timing.ratio_low, timing.ratio_high], "pairs": timing.pairs,
+                        "bitwise_required": bitwise, **dataclasses.asdict(comparison), "plan_counts": counts}
+            report["plan_counts"] = counts
+            if not comparison.within_tolerance:
+                use_default, reason = True, (f"rejected: outputs differ (max abs error {comparison.max_abs_error:.3g}"
+                                             f"{', bitwise equality required' if bitwise else ''})")
+            elif not timing.not_slower:
+                use_default, reason = True, (f"rejected: measured {timing.ratio:.3f}x the default step time "
+                                             f"(noise {timing.noise:.3f})")
+            elif counts["all-reduce"] != len(result.best.buckets):
+                use_default, reason = True, "rejected: XLA did not keep the planned all-reduces"
+            else:
+                use_default, reason = False, (f"simulated {sim_best.iteration_us / sim_default.iteration_us:.3f}x, "
+                                              f"measured {timing.ratio:.3f}x the default step time")
+                run = compiled
+        report["measured"] = measured
+        plan = _plan.Plan(graph.fingerprint, graph.module.name, machine, use_default,
+                          None if use_default else result.best.to_json(graph), reason,
+                          simulated=simulated, measured=measured, search=search_info)
+        report.update(plan=plan.to_json(), reason=reason, applied=not use_default)
+        timeline = {"default": sim_default.events, "plan": sim_best.events}
+        if jax.process_index() == 0:
+            try:
+                path = _plan.save_plan(plan, options.plan_dir)
+                _plan.write_json_atomic(path.with_suffix(".timeline.json"), timeline)
+                report["plan_path"] = str(path)
+            except OSError as e:
+                warnings.warn(f"disco-jax: {e}; the plan is used for this run only", _plan.PlanWarning, stacklevel=4)
+                report["plan_path"] = None
+        if options.verbose:
+            _print_summary(graph, plan, report)
+        return run
+
+
+def _run_search(graph, cost, options: Options, default_cost: float) -> _search.SearchResult:
+    config = options.search_config()
+    if not options.verbose:
+        return _search.backtracking_search(graph, cost, config)
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    columns = [TextColumn("[bold cyan]disco-jax[/] search"), BarColumn(),
+               TextColumn("best {task.fields[best]:.1f} us ({task.fields[ratio]:.3f}x default)"),
+               TextColumn("{task.fields[n]} candidates"), TimeElapsedColumn()]
+    with Progress(*columns, console=_console(), transient=False) as bar:
+        task = bar.add_task("search", total=config.budget_s, best=default_cost, ratio=1.0, n=0)
+
+        def progress(best, n, elapsed):
+            bar.update(task, completed=min(elapsed, config.budget_s), best=best, ratio=best / default_cost, n=n)
+
+        result = _search.backtracking_search(graph, cost, config, progress=progress)
+        bar.update(task, completed=config.budget_s)
+    return result
+
+
+def _print_summary(graph, plan: _plan.Plan, report: dict) -> None:
+    from rich.table import Table
+    sim, meas, stats = plan.simulated, plan.measured, plan.search
+    table = Table(title=f"disco-jax: {graph.module.name}", title_justify="left")
+    table.add_column("")
+    table.add_column("JAX default", justify="right")
+    table.add_column("disco-jax plan", justify="right")
+    table.add_row("simulated step (us)", f"{sim['default']['iteration_us']:.1f}", f"{sim['plan']['iteration_us']:.1f}")
+    table.add_row("  compute / comm (us)", f"{sim['default']['compute_us']:.0f} / {sim['default']['comm_us']:.0f}",
+                  f"{sim['plan']['compute_us']:.0f} / {sim['plan']['comm_us']:.0f}")
+    table.add_row("  overlap ratio", f"{sim['default']['overlap_ratio']:.2f}", f"{sim['plan']['overlap_ratio']:.2f}")
+    if meas:
+        table.add_row("measured step (us)", f"{meas['default_us']:.1f}", f"{meas['plan_us']:.1f}")
+    table.add_row("all-reduces", str(report["default_counts"]["all-reduce"]),
+                  str(report.get("plan_counts", report["default_counts"])["all-reduce"]))
+    table.add_row("fusions", str(report["default_counts"]["fusion"]),
+                  str(report.get("plan_counts", report["default_counts"])["fusion"]))
+    console = _console()
+    console.print(table)
+    console.print(f"search: {stats['evaluated']} candidates in {stats['seconds']:.1f} s "
+                  f"({stats['candidates_per_second']:.0f}/s), stopped: {stats['stop_reason']}")
+    console.print(f"decision: {'XLA default' if plan.use_default else 'disco-jax plan'} — {plan.reason}")
+    if report.get("plan_path"):
+        console.print(f"plan: {report['plan_path']}")
+
+
+def _signature(args, kwargs):
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    parts = []
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array):
+            parts.append((leaf.shape, str(leaf.dtype), str(leaf.sharding)))
+        elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            parts.append((tuple(leaf.shape), str(leaf.dtype)))
+        else:
+            parts.append((type(leaf).__name__, repr(leaf)))
+    return tree, tuple(parts)
+
+
+def optimize_distributed(fn: Callable | None = None, *, alpha: float = 1.05, beta: int = 10, seed: int = 0,
+                         budget_s: float = 60.0, max_unchanged: int = 1000, plan_dir: str | os.PathLike | None = None,
+                         validation_pairs: int = 20, verbose: bool = True):
+    """Optimize a jitted data-parallel training step by joint op fusion and all-reduce fusion.
+
+    Use as `@optimize_distributed` or `@optimize_distributed(alpha=..., ...)` above `@jax.jit`.
+    With `ENABLE_SEARCH=1` the first call searches for a plan, validates it against the
+    unmodified step and stores it in `plan_dir` (default `$DISCO_JAX_PLAN_DIR` or
+    `~/.cache/disco-jax/plans`); otherwise the first call applies the stored plan, or runs the
+    unmodified step with a warning when there is none.
+
+    alpha, beta, max_unchanged, seed: DisCo's search parameters (see `SearchConfig`); budget_s:
+    search time limit in seconds; validation_pairs: interleaved timing pairs when validating."""
+    options = Options(alpha=alpha, beta=beta, seed=seed, budget_s=budget_s, max_unchanged=max_unchanged,
+                      plan_dir=None if plan_dir is None else str(plan_dir), validation_pairs=validation_pairs,
+                      verbose=verbose)
+    options.search_config()  # validate early
+    if fn is None:
+        return lambda f: OptimizedStep(f, options)
+    return OptimizedStep(fn, options)

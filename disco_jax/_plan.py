@@ -1,0 +1,166 @@
+"""Plans: the search's decisions for one program on one machine, stored as JSON.
+
+A plan is keyed like JAX's compilation cache: module fingerprint, backend, device kind and
+count. It records the jax/jaxlib versions it was made with; a plan whose fingerprint, machine or
+versions differ is never applied (`Plan.mismatches` says why). Files are written atomically (temp
+file + rename) into the plan directory: the `plan_dir` argument, else `$DISCO_JAX_PLAN_DIR`, else
+`~/.cache/disco-jax/plans`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import jaxlib
+
+PLAN_FORMAT_VERSION = 1
+PLAN_DIR_ENV = "DISCO_JAX_PLAN_DIR"
+
+
+class PlanWarning(UserWarning):
+    """A stored plan was not applied (missing, corrupt, stale or foreign)."""
+
+
+@dataclasses.dataclass
+class MachineKey:
+    """What a plan must match besides the program: where and with what it runs."""
+
+    backend: str
+    device_kind: str
+    num_devices: int
+    num_processes: int = 1
+    jax_version: str = jax.__version__
+    jaxlib_version: str = jaxlib.__version__
+
+    @classmethod
+    def current(cls, devices=None) -> "MachineKey":
+        devices = list(devices) if devices is not None else jax.devices()
+        from disco_jax._profile import device_kind_key
+        return cls(jax.default_backend(), device_kind_key(devices[0]), len(devices), jax.process_count())
+
+
+@dataclasses.dataclass
+class Plan:
+    fingerprint: str
+    module_name: str
+    machine: MachineKey
+    use_default: bool  # True: XLA's own plan was kept (search found nothing better, or validation)
+    strategy: dict | None  # Strategy.to_json(); None when use_default
+    reason: str  # why this plan (or the default) was chosen
+    simulated: dict = dataclasses.field(default_factory=dict)  # {'default': {...}, 'plan': {...}}
+    measured: dict = dataclasses.field(default_factory=dict)  # validation: times, errors, tolerance
+    search: dict = dataclasses.field(default_factory=dict)  # search statistics and options
+    created: float = dataclasses.field(default_factory=time.time)
+    format_version: int = PLAN_FORMAT_VERSION
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> "Plan":
+        if not isinstance(data, dict):
+            raise ValueError("plan file does not hold a JSON object")
+        version = data.get("format_version")
+        if version != PLAN_FORMAT_VERSION:
+            raise ValueError(f"plan format version {version!r}, this disco-jax reads {PLAN_FORMAT_VERSION}")
+        try:
+            fields = dict(data)
+            fields["machine"] = MachineKey(**fields["machine"])
+            return cls(**fields)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"plan file is malformed: {e}") from None
+
+    def mismatches(self, fingerprint: str, machine: MachineKey) -> list[str]:
+        """Reasons this plan must not be applied to a module with `fingerprint` on `machine`."""
+        problems = []
+        if self.fingerprint != fingerprint:
+            problems.append(f"module fingerprint {self.fingerprint} != {fingerprint} (the program changed)")
+        for field in dataclasses.fields(MachineKey):
+            mine, theirs = getattr(self.machine, field.name), getattr(machine, field.name)
+            if mine != theirs:
+                problems.append(f"{field.name} {mine!r} != {theirs!r}")
+        return problems
+
+    @property
+    def file_name(self) -> str:
+        return plan_file_name(self.fingerprint, self.machine)
+
+
+def plan_file_name(fingerprint: str, machine: MachineKey) -> str:
+    return f"{fingerprint}-{machine.backend}-{machine.device_kind}-{machine.num_devices}.json"
+
+
+def resolve_plan_dir(plan_dir: str | os.PathLike | None = None) -> Path:
+    if plan_dir is not None:
+        return Path(plan_dir).expanduser()
+    if os.environ.get(PLAN_DIR_ENV):
+        return Path(os.environ[PLAN_DIR_ENV]).expanduser()
+    return Path("~/.cache/disco-jax/plans").expanduser()
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON so that readers see the old file or the new one, never a partial one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def save_plan(plan: Plan, plan_dir: str | os.PathLike | None = None) -> Path:
+    """Store a plan; raises OSError (with the path) if the directory cannot be written."""
+    path = resolve_plan_dir(plan_dir) / plan.file_name
+    try:
+        write_json_atomic(path, plan.to_json())
+    except OSError as e:
+        raise OSError(f"cannot write plan to {path}: {e.strerror or e}") from e
+    return path
+
+
+def read_plan_file(path: str | os.PathLike) -> Plan:
+    """Read one plan file; ValueError for anything that is not a valid plan."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    return Plan.from_json(data)
+
+
+def find_plan(fingerprint: str, machine: MachineKey,
+              plan_dir: str | os.PathLike | None = None) -> tuple[Plan | None, Path]:
+    """The stored plan for this program and machine, or None (with a PlanWarning when a file
+    exists but cannot be used: corrupt, other format, stale versions or a foreign program)."""
+    path = resolve_plan_dir(plan_dir) / plan_file_name(fingerprint, machine)
+    if not path.exists():
+        return None, path
+    try:
+        plan = read_plan_file(path)
+    except (OSError, ValueError) as e:
+        warnings.warn(f"disco-jax: ignoring plan {path}: {e}; running the unmodified step", PlanWarning,
+                      stacklevel=3)
+        return None, path
+    problems = plan.mismatches(fingerprint, machine)
+    if problems:
+        warnings.warn(f"disco-jax: plan {path} does not match this run ({'; '.join(problems)}); "
+                      "running the unmodified step. Run with ENABLE_SEARCH=1 to make a new plan.",
+                      PlanWarning, stacklevel=3)
+        return None, path
+    return plan, path

@@ -1,0 +1,139 @@
+"""Backtracking search over joint fusion strategies (DisCo Algorithm 1).
+
+A priority queue holds candidate strategies by simulated cost. Each step dequeues the cheapest,
+applies every move a random number of times in 0..beta, and keeps the result as the best if it
+is cheaper, re-enqueueing it when its cost is within alpha of the best. The search ends when the
+queue is empty, the best has not changed for `max_unchanged` candidates, or the time budget is
+spent. Candidates already seen are not simulated twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import random
+import time
+from typing import Callable, Mapping
+
+from disco_jax._graph import Graph
+from disco_jax._strategy import MOVES, Move, Strategy, start_candidates
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchConfig:
+    """alpha: keep exploring candidates within alpha x best cost (>= 1). beta: each move is
+    applied Random(0, beta) times per step. max_unchanged: stop after this many candidates
+    without a new best (the paper's 1000). budget_s: wall-clock limit. max_queue: memory bound."""
+
+    alpha: float = 1.05
+    beta: int = 10
+    max_unchanged: int = 1000
+    budget_s: float = 60.0
+    seed: int = 0
+    max_queue: int = 4096
+
+    def __post_init__(self):
+        if self.alpha < 1.0:
+            raise ValueError(f"alpha must be >= 1, got {self.alpha}")
+        if self.beta < 1:
+            raise ValueError(f"beta must be a positive integer, got {self.beta}")
+        if self.budget_s <= 0:
+            raise ValueError(f"budget_s must be positive, got {self.budget_s}")
+
+
+@dataclasses.dataclass
+class SearchResult:
+    best: Strategy
+    best_cost: float
+    start_costs: dict[str, float]  # cost of each start candidate by origin
+    evaluated: int  # candidates simulated
+    invalid: int  # candidates rejected as invalid (cycles)
+    duplicates: int  # candidates already seen
+    improvements: int
+    seconds: float
+    stop_reason: str
+
+    @property
+    def candidates_per_second(self) -> float:
+        return self.evaluated / self.seconds if self.seconds > 0 else 0.0
+
+    def stats(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("best")
+        d["candidates_per_second"] = round(self.candidates_per_second, 1)
+        return d
+
+
+def backtracking_search(graph: Graph, cost: Callable[[Strategy], float | None],
+                        config: SearchConfig = SearchConfig(), *,
+                        moves: Mapping[str, Move] = MOVES,
+                        starts: list[Strategy] | None = None,
+                        progress: Callable[[float, int, float], None] | None = None) -> SearchResult:
+    """Search from `starts` (default: XLA's plan, the unfused graph and their variants).
+
+    `cost(strategy)` returns the simulated iteration time, or None for an invalid strategy.
+    `progress(best_cost, evaluated, elapsed_s)` is called after every step."""
+    rng = random.Random(config.seed)
+    started = time.perf_counter()
+    tie = itertools.count()
+    seen: set = set()
+    queue: list = []
+    start_costs: dict[str, float] = {}
+    best, best_cost = None, float("inf")
+    for s in starts if starts is not None else start_candidates(graph):
+        c = cost(s)
+        seen.add(s.key())
+        if c is None:
+            continue
+        start_costs[s.origin] = c
+        heapq.heappush(queue, (c, next(tie), s))
+        if c < best_cost:
+            best, best_cost = s, c
+    if best is None:
+        raise ValueError("no valid start strategy for this module")
+    evaluated, invalid, duplicates, improvements, unchanged = len(start_costs), 0, 0, 0, 0
+    stop = "queue empty"
+    while queue:
+        if unchanged >= config.max_unchanged:
+            stop = f"best unchanged for {config.max_unchanged} candidates"
+            break
+        if time.perf_counter() - started > config.budget_s:
+            stop = f"time budget of {config.budget_s:g} s spent"
+            break
+        _, _, current = heapq.heappop(queue)
+        for move_name, move in moves.items():
+            candidate = current
+            for _ in range(rng.randint(0, config.beta)):
+                nxt = move(graph, candidate, rng)
+                if nxt is not None:
+                    candidate = nxt
+            if candidate is current:
+                continue
+            key = candidate.key()
+            if key in seen:
+                duplicates += 1
+                unchanged += 1
+                continue
+            seen.add(key)
+            c = cost(candidate)
+            evaluated += 1
+            if c is None:
+                invalid += 1
+                continue
+            candidate = dataclasses.replace(candidate, origin=f"search({candidate.origin.split('(')[-1].rstrip(')')})")
+            if c < best_cost:
+                best, best_cost = candidate, c
+                improvements += 1
+                unchanged = 0
+            else:
+                unchanged += 1
+            if c <= config.alpha * best_cost:
+                heapq.heappush(queue, (c, next(tie), candidate))
+        if len(queue) > config.max_queue:
+            queue = heapq.nsmallest(config.max_queue // 2, queue)
+            heapq.heapify(queue)
+        if progress is not None:
+            progress(best_cost, evaluated, time.perf_counter() - started)
+    return SearchResult(best, best_cost, start_costs, evaluated, invalid, duplicates, improvements,
+                        time.perf_counter() - started, stop)

@@ -1,0 +1,104 @@
+"""Check a plan against the unmodified step: equal outputs, and not slower beyond noise.
+
+Both executables run on the same inputs. Outputs are compared bitwise when the plan only
+regroups all-reduces (each element is still reduced in the same order), else within a tolerance:
+fused and unfused elementwise code are generated differently by XLA, so values may move by a few
+ulps (DESIGN.md point 3), and optimizers such as Adam divide by running moments, which enlarges
+those ulps on elements near zero. The tolerance is therefore relative to each output's scale:
+max |plan - default| <= atol + rtol * max |default| per output array, with rtol = 1e-4 and
+atol = 1e-6 for 32-bit floats (1e-2 / 1e-3 for 16-bit, 1e-7 / 1e-9 for 64-bit); integer and
+boolean outputs must be equal.
+
+Timing runs the two executables in interleaved pairs and reports the median of per-pair ratios
+with its spread (DESIGN.md point 7): shared machines are noisy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+TOLERANCES = {2: (1e-2, 1e-3), 4: (1e-4, 1e-6), 8: (1e-7, 1e-9)}  # itemsize -> (rtol, atol)
+
+
+@dataclasses.dataclass
+class Comparison:
+    bitwise_equal: bool
+    within_tolerance: bool
+    max_abs_error: float
+    max_rel_error: float
+    num_outputs: int
+    worst_output: int | None
+
+
+def compare_outputs(reference: Any, candidate: Any, *, bitwise: bool) -> Comparison:
+    ref_leaves, ref_tree = jax.tree.flatten(reference)
+    cand_leaves, cand_tree = jax.tree.flatten(candidate)
+    if ref_tree != cand_tree:
+        raise ValueError(f"output structures differ: {ref_tree} vs {cand_tree}")
+    equal, within, max_abs, max_rel, worst = True, True, 0.0, 0.0, None
+    for i, (r, c) in enumerate(zip(ref_leaves, cand_leaves)):
+        r, c = np.asarray(r), np.asarray(c)
+        if r.shape != c.shape or r.dtype != c.dtype:
+            return Comparison(False, False, float("inf"), float("inf"), len(ref_leaves), i)
+        if np.array_equal(r, c, equal_nan=np.issubdtype(r.dtype, np.inexact)):
+            continue
+        equal = False
+        if not np.issubdtype(r.dtype, np.inexact):
+            return Comparison(False, False, float("inf"), float("inf"), len(ref_leaves), i)
+        r64, c64 = r.astype(np.float64), c.astype(np.float64)
+        diff = np.abs(r64 - c64)
+        rtol, atol = TOLERANCES.get(r.dtype.itemsize, TOLERANCES[4])
+        abs_err = float(np.nanmax(diff))
+        rel_err = float(np.nanmax(diff / np.maximum(np.abs(r64), 1e-30)))
+        if abs_err > max_abs:
+            max_abs, worst = abs_err, i
+        max_rel = max(max_rel, rel_err)
+        if abs_err > atol + rtol * float(np.nanmax(np.abs(r64))):
+            within = False
+    ok = equal if bitwise else within
+    return Comparison(equal, ok, max_abs, max_rel, len(ref_leaves), worst)
+
+
+@dataclasses.dataclass
+class Timing:
+    default_us: float  # median step time of the unmodified executable
+    plan_us: float
+    ratio: float  # median of per-pair plan/default ratios
+    ratio_low: float  # 25th percentile of the ratios
+    ratio_high: float  # 75th percentile
+    pairs: int
+
+    @property
+    def noise(self) -> float:
+        return max(0.03, (self.ratio_high - self.ratio_low) / 2)
+
+    @property
+    def not_slower(self) -> bool:
+        return self.ratio <= 1.0 + self.noise
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return (time.perf_counter() - start) * 1e6
+
+
+def time_interleaved(default: Callable[[], Any], plan: Callable[[], Any], *, pairs: int = 20,
+                     warmup: int = 3) -> Timing:
+    """Median step times and the median plan/default ratio over interleaved pairs."""
+    for _ in range(warmup):
+        _timed(default), _timed(plan)
+    d, p = [], []
+    for i in range(pairs):
+        if i % 2:  # alternate which goes first
+            p.append(_timed(plan)), d.append(_timed(default))
+        else:
+            d.append(_timed(default)), p.append(_timed(plan))
+    ratios = np.array(p) / np.array(d)
+    return Timing(float(np.median(d)), float(np.median(p)), float(np.median(ratios)),
+                  float(np.percentile(ratios, 25)), float(np.percentile(ratios, 75)), pairs)
