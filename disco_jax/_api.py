@@ -213,19 +213,25 @@ def _plan_tag(fingerprint: str, strategy_json: dict) -> str:
 
 
 def compile_strategy(lowered, graph: _graph.Graph, strategy: _strategy.Strategy, backend: str):
-    """Compile the step with `strategy` rewritten into its module at the hook."""
+    """Compile the step with `strategy` rewritten into its module at the hook.
+
+    Returns (compiled, status): 'rewritten'; 'cached' when JAX served the executable compiled
+    earlier in this process for the same plan (the cache key carries the plan's digest); or
+    'fingerprint-mismatch' when the module at the hook is not the one the plan was made for
+    (it is then compiled unmodified)."""
     text = _rewrite.rewriter_for(backend).rewrite(graph, strategy)
-    applied: list[bool] = []
+    status = ["cached"]
 
     def handler(module_text: str) -> str | None:
         if _hlo.fingerprint(module_text) != graph.fingerprint:
-            return None  # not the module the plan was made for: leave it alone
-        applied.append(True)
+            status[0] = "fingerprint-mismatch"
+            return None
+        status[0] = "rewritten"
         return text
 
     compiled = _capture.compile_with_hook(lowered, handler,
                                           cache_tag=_plan_tag(graph.fingerprint, strategy.to_json(graph)))
-    return compiled, bool(applied)
+    return compiled, status[0]
 
 
 class OptimizedStep:
@@ -306,18 +312,19 @@ class OptimizedStep:
         try:
             strategy = _strategy.Strategy.from_json(graph, plan.strategy)
             compiled, applied = compile_strategy(lowered, graph, strategy, machine.backend)
-        except (ValueError, KeyError) as e:
+        except ValueError as e:
             warnings.warn(f"disco-jax: plan {path} cannot be applied ({e}); running the unmodified step",
                           _plan.PlanWarning, stacklevel=4)
             report["reason"] = f"plan not applicable: {e}"
             return self._fn
         counts = compiled_counts(compiled.as_text())
-        report.update(applied=applied, plan_counts=counts)
-        if counts["all-reduce"] != len(strategy.buckets):
+        report.update(compile_status=applied, plan_counts=counts)
+        if applied == "fingerprint-mismatch" or counts["all-reduce"] != len(strategy.buckets):
             warnings.warn(f"disco-jax: the compiled step has {counts['all-reduce']} all-reduces, the plan "
                           f"{len(strategy.buckets)}; running the unmodified step", _plan.PlanWarning, stacklevel=4)
             report["reason"] = "plan not enacted by XLA"
             return self._fn
+        report["applied"] = True
         _say(options, f"{graph.module.name}: applied plan {path.name} "
                       f"({counts['all-reduce']} all-reduces, {counts['fusion']} fusions)")
         return compiled

@@ -283,12 +283,19 @@ def calibrate(simulate_at: "Callable[[SimulatorParams], tuple[float, float]]", m
     the fraction whose second ratio is closest wins."""
     best, best_err = SimulatorParams(), float("inf")
     for b in blocking_grid:
-        first, _ = simulate_at(SimulatorParams(1.0, b))
-        if first <= 0:
-            continue
-        scale = measured[0] / first
+        scale = 1.0
+        for _ in range(60):  # simulated time grows with the scale, but not in proportion (comm)
+            first, _ = simulate_at(SimulatorParams(scale, b))
+            if first <= 0:
+                break
+            step = measured[0] / first
+            scale *= step
+            if abs(step - 1.0) < 1e-9:
+                break
         params = SimulatorParams(scale, b)
         sim_first, sim_second = simulate_at(params)
+        if sim_first <= 0:
+            continue
         err = abs(sim_second / sim_first - measured[1] / measured[0])
         if err < best_err - 1e-12:
             best, best_err = params, err

@@ -101,6 +101,7 @@ class Graph:
     xla_exports: list[list[int]]  # op ids each XLA kernel outputs, in its output order
     allreduce_templates: dict[tuple, _hlo.Instruction]  # compat -> an original all-reduce
     entry_values: dict[str, int]  # entry instruction name -> op id holding its value
+    outputs: list[int]  # op ids of the module's output (several when ROOT was a multi-output fusion)
     fingerprint: str
 
     def __post_init__(self):
@@ -109,7 +110,7 @@ class Graph:
             for o in set(op.operands):
                 users[o].append(op.id)
         self.users = [tuple(u) for u in users]
-        self.root = next(op.id for op in self.ops if op.inst.is_root)
+        self.output_set = frozenset(self.outputs)
 
     @property
     def fusible_ops(self) -> list[int]:
@@ -318,5 +319,7 @@ def build_graph(text: str) -> Graph:
     for gi, members in enumerate(xla_groups):
         for oid in members:
             homes.setdefault(oid, gi)
+    root = entry.root
+    outputs = list(tuple_values[root.name]) if root.name in tuple_values else [value[root.name]]
     return Graph(module, ops, gradients, xla_groups, homes, xla_buckets, xla_kernel_names, xla_exports,
-                 templates, value, _hlo.fingerprint(text))
+                 templates, value, outputs, _hlo.fingerprint(text))

@@ -122,11 +122,19 @@ class CpuRewriter:
             elif kind == BUCKET:
                 self._emit_bucket(em, sorted(dag.members[k], key=lambda g: graph.gradients[g].producer))
             em.flush_free()
-        missing = [op.name for op in graph.ops if op.inst.is_root and op.id not in em.names]
+        missing = [graph.ops[o].name for o in graph.outputs if o not in em.names]
         if missing:
             raise ValueError(f"rewrite could not place the module output {missing}")
-        # The module output goes last (free ops are emitted as soon as their inputs exist).
-        body = [i for i in em.entry if not i.is_root] + [i for i in em.entry if i.is_root]
+        body = [dataclasses.replace(i, is_root=False) if i.is_root else i for i in em.entry]
+        root = module.entry.root
+        if len(graph.outputs) > 1:  # ROOT was a multi-output fusion: rebuild its tuple
+            body.append(_hlo.Instruction(root.name, root.shape, "tuple",
+                                         [em.names[o] for o in graph.outputs], None, [], is_root=True))
+        else:
+            # The output goes last (free ops are emitted as soon as their inputs exist).
+            name = em.names[graph.outputs[0]]
+            at = max(i for i, inst in enumerate(body) if inst.name == name)
+            body.append(dataclasses.replace(body.pop(at), is_root=True))
         entry = dataclasses.replace(module.entry, instructions=body)
         comps = [c for c in module.computations if not c.is_entry] + em.computations + [entry]
         return _hlo.HloModuleText(module.header, module.preamble, comps).to_text()

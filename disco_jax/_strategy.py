@@ -293,12 +293,12 @@ def _consumers(graph: Graph, o: int) -> list[int]:
                 continue
             seen.add(u)
             if graph.ops[u].kind == "free":
-                if u == graph.root:
+                if u in graph.output_set:
                     out.append(-1)
                 stack.extend(graph.users[u])
             else:
                 out.append(u)
-        if o == graph.root:
+        if o in graph.output_set:
             out.append(-1)
         cache[o] = out
     return cache[o]

@@ -1,0 +1,76 @@
+"""The model zoo: the DNNs of the DisCo and Unity evaluations, each at a `tiny` size (compiles and
+trains in seconds on CPU, for tests) and at its `paper` size (lowered from shapes only), with
+data-parallel training steps in two styles (``"jit"`` and ``"shard_map"``).
+
+    from disco_jax import zoo
+    spec = zoo.get_model("resnet50", "tiny")
+    step, state, batch = zoo.make_train_step(spec, optax.sgd(0.1), zoo.data_mesh(), "jit")
+    state, loss = step(state, batch)
+
+    lowered = zoo.lower_abstract(zoo.get_model("bert", "paper"), optax.adam(1e-4), zoo.data_mesh())
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from . import _bert, _dlrm, _mlp, _reformer, _resnet, _rnnlm, _transformer, _vgg
+from ._common import (
+    STYLES,
+    ModelSpec,
+    Style,
+    TrainState,
+    abstract_state_and_batch,
+    build_train_step,
+    data_mesh,
+    lower_abstract,
+    make_train_step,
+)
+
+CONFIGS: tuple[str, ...] = ("tiny", "paper")
+
+# name -> builder(config) -> ModelSpec
+MODELS: dict[str, Callable[[str], ModelSpec]] = {
+    "vgg19": _vgg.make_spec,
+    "resnet50": _resnet.make_spec,
+    "transformer": _transformer.make_spec,
+    "rnnlm": _rnnlm.make_spec,
+    "bert": _bert.make_spec,
+    "reformer": _reformer.make_spec,
+    "mlp": _mlp.make_spec,
+    "dlrm": _dlrm.make_spec,
+}
+
+
+def get_model(name: str, config: str = "tiny") -> ModelSpec:
+    """The spec of model ``name`` (a key of `MODELS`) at size ``config`` (``'tiny'`` or ``'paper'``).
+
+    Cached: the same arguments give the same spec object, so JAX's caches see the same functions.
+    """
+    if name not in MODELS:
+        raise KeyError(f"unknown model {name!r}; known: {sorted(MODELS)}")
+    if config not in CONFIGS:
+        raise KeyError(f"unknown config {config!r}; known: {CONFIGS}")
+    return _build_spec(name, config)
+
+
+@functools.cache
+def _build_spec(name: str, config: str) -> ModelSpec:
+    return MODELS[name](config)
+
+
+__all__ = [
+    "CONFIGS",
+    "MODELS",
+    "STYLES",
+    "ModelSpec",
+    "Style",
+    "TrainState",
+    "abstract_state_and_batch",
+    "build_train_step",
+    "data_mesh",
+    "get_model",
+    "lower_abstract",
+    "make_train_step",
+]

@@ -1,0 +1,58 @@
+"""Small data-parallel training steps on 8 CPU devices, in both styles, for the core's tests."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def mlp_init(key, sizes):
+    params = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        key, k = jax.random.split(key)
+        params.append({"w": jax.random.normal(k, (a, b)) * (1.0 / a) ** 0.5, "b": jnp.zeros(b)})
+    return params
+
+
+def mlp_loss(params, x, y):
+    h = x
+    for i, p in enumerate(params):
+        h = h @ p["w"] + p["b"]
+        if i < len(params) - 1:
+            h = jnp.tanh(h)
+    return jnp.mean((h - y) ** 2)
+
+
+def make_step(style: str, sizes=(16, 32, 32, 4), batch=64, optimizer=None):
+    """(jitted step, args) for `style` 'jit' (NamedSharding batch) or 'shard_map' (explicit psum)."""
+    mesh = jax.make_mesh((8,), ("data",))
+    opt = optimizer or optax.sgd(0.1)
+    params = mlp_init(jax.random.PRNGKey(0), list(sizes))
+    opt_state = opt.init(params)
+    replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    params, opt_state = jax.device_put((params, opt_state), replicated)
+    x = jax.device_put(jax.random.normal(jax.random.PRNGKey(1), (batch, sizes[0])), sharded)
+    y = jax.device_put(jax.random.normal(jax.random.PRNGKey(2), (batch, sizes[-1])), sharded)
+
+    if style == "jit":
+        def step(params, opt_state, x, y):
+            loss, grads = jax.value_and_grad(mlp_loss)(params, x, y)
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+    elif style == "shard_map":
+        @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
+                           out_specs=(P(), P(), P()))
+        def step(params, opt_state, x, y):
+            # check_vma: grads of replicated params come back summed over devices already.
+            loss, grads = jax.value_and_grad(mlp_loss)(params, x, y)
+            grads = jax.tree.map(lambda g: g / mesh.size, grads)
+            updates, opt_state = opt.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
+    else:
+        raise ValueError(style)
+    return jax.jit(step), (params, opt_state, x, y)

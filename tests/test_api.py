@@ -1,0 +1,141 @@
+"""@optimize_distributed end to end: search phase, enactment phase, and bad input."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from disco_jax import _api, _capture, _graph, _plan, _search, _strategy, _validate, optimize_distributed
+from _steps import make_step
+
+FAST = dict(budget_s=2.0, validation_pairs=4, verbose=False)
+
+
+def _store_per_gradient_plan(step, args, plan_dir):
+    """A plan made by hand: XLA's fusions, one all-reduce per gradient."""
+    graph = _graph.build_graph(_capture.capture(step.lower(*args))[0])
+    s = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "test")
+    machine = _plan.MachineKey.current(_api._step_devices(args, {}))
+    plan = _plan.Plan(graph.fingerprint, graph.module.name, machine, False, s.to_json(graph), "made by a test")
+    _plan.save_plan(plan, plan_dir)
+    return plan, len(graph.gradients)
+
+
+@pytest.mark.parametrize("style", ["jit", "shard_map"])
+def test_search_phase_then_enactment_phase(style, tmp_path, monkeypatch):
+    step, args = make_step(style, optimizer=__import__("optax").adam(1e-2))
+    reference = step(*args)
+    monkeypatch.setenv("ENABLE_SEARCH", "1")
+    searching = optimize_distributed(**FAST, plan_dir=tmp_path)(step)
+    out = searching(*args)
+    report = searching.last_report
+    assert report["phase"] == "search" and report["search_ran"]
+    assert list(tmp_path.glob("*.json")), "no plan stored"
+    assert report["simulated"]["default"]["iteration_us"] > 0
+    assert _validate.compare_outputs(reference, out, bitwise=False).within_tolerance
+    plan = _plan.read_plan_file(report["plan_path"])
+    assert plan.fingerprint == report["fingerprint"]
+
+    monkeypatch.setenv("ENABLE_SEARCH", "0")
+    monkeypatch.setattr(_search, "backtracking_search", lambda *a, **k: pytest.fail("enactment searched"))
+    enacting = optimize_distributed(**FAST, plan_dir=tmp_path)(step)
+    out = enacting(*args)
+    report = enacting.last_report
+    assert report["phase"] == "enact" and not report["search_ran"]
+    assert report["applied"] == (not plan.use_default)
+    if not plan.use_default:
+        assert report["plan_counts"]["all-reduce"] == len(plan.strategy["buckets"])
+    assert _validate.compare_outputs(reference, out, bitwise=False).within_tolerance
+    # Later calls reuse the compiled executable.
+    again = enacting(*args)
+    assert len(enacting.reports) == 1
+    assert _validate.compare_outputs(out, again, bitwise=True).bitwise_equal
+
+
+@pytest.mark.parametrize("style", ["jit", "shard_map"])
+def test_stored_plan_is_enacted_in_the_compiled_hlo(style, tmp_path):
+    step, args = make_step(style)
+    reference = step(*args)  # compiled and cached by JAX first: the plan must still be applied
+    plan, num_gradients = _store_per_gradient_plan(step, args, tmp_path)
+    enacting = optimize_distributed(**FAST, plan_dir=tmp_path)(step)
+    out = enacting(*args)
+    report = enacting.last_report
+    assert report["applied"]
+    assert report["default_counts"]["all-reduce"] == 1
+    assert report["plan_counts"]["all-reduce"] == num_gradients
+    assert _validate.compare_outputs(reference, out, bitwise=True).bitwise_equal
+
+
+def test_no_plan_warns_once_and_runs_the_unmodified_step(tmp_path):
+    step, args = make_step("jit")
+    wrapped = optimize_distributed(**FAST, plan_dir=tmp_path)(step)
+    with pytest.warns(_plan.PlanWarning, match="ENABLE_SEARCH=1"):
+        out = wrapped(*args)
+    assert not wrapped.last_report["applied"]
+    assert _validate.compare_outputs(step(*args), out, bitwise=True).bitwise_equal
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapped(*args)
+
+
+def test_corrupt_plan_is_refused_and_the_default_runs(tmp_path):
+    step, args = make_step("jit")
+    plan, _ = _store_per_gradient_plan(step, args, tmp_path)
+    (tmp_path / plan.file_name).write_text('{"format_version": 1, "garbage": tru')
+    wrapped = optimize_distributed(**FAST, plan_dir=tmp_path)(step)
+    with pytest.warns(_plan.PlanWarning, match="ignoring plan"):
+        out = wrapped(*args)
+    assert not wrapped.last_report["applied"]
+    assert _validate.compare_outputs(step(*args), out, bitwise=True).bitwise_equal
+
+
+def test_plan_naming_unknown_ops_is_refused(tmp_path):
+    step, args = make_step("jit")
+    plan, _ = _store_per_gradient_plan(step, args, tmp_path)
+    data = plan.to_json()
+    data["strategy"]["buckets"][0] = ["not-an-op"]
+    _plan.write_json_atomic(tmp_path / plan.file_name, data)
+    wrapped = optimize_distributed(**FAST, plan_dir=tmp_path)(step)
+    with pytest.warns(_plan.PlanWarning, match="cannot be applied"):
+        wrapped(*args)
+    assert not wrapped.last_report["applied"]
+
+
+def test_unwritable_plan_dir_warns_and_still_trains(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("ENABLE_SEARCH", "1")
+    step, args = make_step("jit")
+    wrapped = optimize_distributed(**FAST, plan_dir=blocker)(step)
+    with pytest.warns(_plan.PlanWarning, match="cannot write plan"):
+        out = wrapped(*args)
+    assert _validate.compare_outputs(step(*args), out, bitwise=False).within_tolerance
+
+
+def test_function_that_is_not_jitted_is_a_type_error():
+    with pytest.raises(TypeError, match="jax.jit"):
+        optimize_distributed(lambda x: x)
+    with pytest.raises(TypeError, match="jax.jit"):
+        optimize_distributed(budget_s=1)(lambda x: x)
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true"])
+def test_enable_search_must_be_0_or_1(value, monkeypatch):
+    monkeypatch.setenv("ENABLE_SEARCH", value)
+    step, args = make_step("jit")
+    with pytest.raises(ValueError, match="ENABLE_SEARCH must be 0 or 1"):
+        optimize_distributed(**FAST)(step)(*args)
+
+
+def test_step_without_collectives_is_left_alone(monkeypatch):
+    monkeypatch.setenv("ENABLE_SEARCH", "1")
+    wrapped = optimize_distributed(**FAST)(jax.jit(lambda x: jnp.tanh(x) * 2))
+    out = wrapped(jnp.ones(4))
+    assert wrapped.last_report["reason"] == "no collectives"
+    assert jnp.allclose(out, jnp.tanh(1.0) * 2)
+
+
+def test_bad_options_are_refused_early():
+    with pytest.raises(ValueError, match="alpha"):
+        optimize_distributed(alpha=0.9)

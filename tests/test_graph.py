@@ -1,0 +1,77 @@
+"""The graph IR built from real compiled HLO."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from disco_jax import _capture, _graph
+from _steps import make_step
+
+
+@pytest.fixture(scope="module", params=["jit", "shard_map"])
+def graph(request):
+    step, args = make_step(request.param)
+    text, _ = _capture.capture(step.lower(*args))
+    return _graph.build_graph(text)
+
+
+def test_gradients_are_the_allreduce_operands(graph):
+    # 3 layers x (w, b) + the loss; producers are real ops, sizes are the parameter sizes.
+    assert len(graph.gradients) == 7
+    sizes = sorted(g.nbytes for g in graph.gradients)
+    assert sizes == sorted([16 * 32 * 4, 32 * 4, 32 * 32 * 4, 32 * 4, 32 * 4 * 4, 4 * 4, 4])
+    for g in graph.gradients:
+        assert graph.ops[g.producer].kind in ("fusible", "opaque")
+        assert graph.ops[g.reduced].kind == "reduced"
+    assert [len(b) for b in graph.xla_buckets] == [7]
+
+
+def test_xla_groups_cover_every_fusible_op_and_share_duplicates(graph):
+    covered = set().union(*graph.xla_groups)
+    assert covered == set(graph.fusible_ops)
+    for op, home in graph.xla_homes.items():
+        assert op in graph.xla_groups[home]
+    # XLA duplicated producers into several fusions; the IR holds each once, in several groups.
+    counts = {}
+    for g in graph.xla_groups:
+        for o in g:
+            counts[o] = counts.get(o, 0) + 1
+    assert max(counts.values()) > 1
+
+
+def test_dots_and_custom_fusions_are_opaque(graph):
+    for op in graph.ops:
+        if op.opcode in ("dot", "convolution", "custom-call", "all-gather", "while"):
+            assert op.kind == "opaque"
+        if op.opcode == "fusion":
+            assert op.kind == "opaque" and op.inst.attr("kind") == "kCustom"
+
+
+def test_operands_come_before_users(graph):
+    for op in graph.ops:
+        assert all(o < op.id for o in op.operands)
+
+
+def test_control_flow_is_one_opaque_kernel():
+    mesh = jax.make_mesh((8,), ("data",))
+
+    @jax.jit
+    def step(w, x):
+        def loss(w):
+            h = jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w), x)
+            return jnp.sum(h ** 2)
+        return w - 0.1 * jax.grad(loss)(w)
+
+    w = jax.device_put(jnp.eye(8), NamedSharding(mesh, P()))
+    x = jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("data")))
+    text, _ = _capture.capture(step.lower(w, x))
+    graph = _graph.build_graph(text)
+    whiles = [op for op in graph.ops if op.opcode == "while"]
+    assert whiles and all(op.kind == "opaque" for op in whiles)
+    # Only entry-level all-reduces become gradients; one inside a loop body stays untouched.
+    entry_allreduce_operands = sum(len(i.operands) for i in graph.module.entry.instructions
+                                   if i.opcode == "all-reduce")
+    assert len(graph.gradients) == entry_allreduce_operands
+    assert all(op.kind != "fusible" or op.opcode != "all-reduce" for op in graph.ops)

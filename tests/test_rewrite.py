@@ -1,0 +1,107 @@
+"""Strategies are enacted in the compiled program, and outputs stay equal."""
+
+import random
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from disco_jax import _api, _capture, _graph, _hlo, _strategy, _validate
+from _steps import make_step
+
+
+def _compile(step, args, strategy, graph):
+    compiled, status = _api.compile_strategy(step.lower(*args), graph, strategy, "cpu")
+    assert status in ("rewritten", "cached")
+    return compiled
+
+
+def _allreduce_operand_sets(text):
+    entry = _hlo.parse_module(text).entry
+    return sorted(len(i.operands) for i in entry.instructions if i.opcode == "all-reduce")
+
+
+@pytest.fixture(scope="module", params=["jit", "shard_map"])
+def setup(request):
+    step, args = make_step(request.param)
+    text, default = _capture.capture(step.lower(*args))
+    return step, args, _graph.build_graph(text), default(*args)
+
+
+def test_xla_default_strategy_reproduces_the_program_bitwise(setup):
+    step, args, graph, reference = setup
+    compiled = _compile(step, args, _strategy.xla_default(graph), graph)
+    assert _validate.compare_outputs(reference, compiled(*args), bitwise=True).bitwise_equal
+
+
+def test_per_gradient_allreduces_are_in_the_compiled_hlo(setup):
+    step, args, graph, reference = setup
+    s = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "split")
+    compiled = _compile(step, args, s, graph)
+    text = compiled.as_text()
+    assert _allreduce_operand_sets(text) == [1] * len(graph.gradients)
+    # Regrouping all-reduces does not reorder arithmetic: bitwise equal.
+    assert _validate.compare_outputs(reference, compiled(*args), bitwise=True).bitwise_equal
+
+
+def test_buckets_carry_exactly_the_planned_gradients(setup):
+    step, args, graph, reference = setup
+    order = sorted(g.id for g in graph.gradients)
+    buckets = [tuple(order[:3]), tuple(order[3:])]
+    s = _strategy.with_buckets(_strategy.xla_default(graph), buckets, "two")
+    compiled = _compile(step, args, s, graph)
+    entry = _hlo.parse_module(compiled.as_text()).entry
+    allreduces = [i for i in entry.instructions if i.opcode == "all-reduce"]
+    assert sorted(len(i.operands) for i in allreduces) == sorted(len(b) for b in buckets)
+    sizes = sorted(sorted(t.bytes for t in i.outputs) for i in allreduces)
+    expected = sorted(sorted(graph.gradients[g].nbytes for g in b) for b in buckets)
+    assert sizes == expected
+    assert _validate.compare_outputs(reference, compiled(*args), bitwise=True).bitwise_equal
+
+
+def test_unfused_strategy_removes_loop_fusions(setup):
+    step, args, graph, reference = setup
+    compiled = _compile(step, args, _strategy.unfused(graph), graph)
+    entry = _hlo.parse_module(compiled.as_text()).entry
+    loop_fusions = [i for i in entry.instructions if i.opcode == "fusion" and i.attr("kind") == "kLoop"]
+    default_loop = [i for i in graph.module.entry.instructions if i.opcode == "fusion" and i.attr("kind") == "kLoop"]
+    assert default_loop and len(loop_fusions) < len(default_loop)
+    assert _validate.compare_outputs(reference, compiled(*args), bitwise=False).within_tolerance
+
+
+def test_random_move_sequences_compile_and_match(setup):
+    step, args, graph, reference = setup
+    rng = random.Random(7)
+    s = _strategy.xla_default(graph)
+    for _ in range(80):
+        nxt = _strategy.MOVES[rng.choice(sorted(_strategy.MOVES))](graph, s, rng)
+        if nxt is not None and _strategy.kernel_dag(graph, nxt) is not None:
+            s = nxt
+    compiled = _compile(step, args, s, graph)
+    counts = _api.compiled_counts(compiled.as_text())
+    assert counts["all-reduce"] == len(s.buckets)
+    new_fusions = re.findall(r"calls=%disco_fused_computation", compiled.as_text())
+    assert len(new_fusions) <= len(s.fused_groups)
+    assert _validate.compare_outputs(reference, compiled(*args), bitwise=False).within_tolerance
+
+
+def test_a_new_fusion_appears_in_the_compiled_hlo(setup):
+    step, args, graph, reference = setup
+    rng = random.Random(0)
+    s = _strategy.unfused(graph)
+    for _ in range(200):
+        nxt = _strategy.fuse_producer(graph, s, rng, duplicate=rng.random() < 0.5)
+        if nxt is not None and _strategy.kernel_dag(graph, nxt) is not None:
+            s = nxt
+            if len(s.fused_groups) >= 3:
+                break
+    compiled = _compile(step, args, s, graph)
+    assert "disco_fused_computation" in compiled.as_text()
+    assert _validate.compare_outputs(reference, compiled(*args), bitwise=False).within_tolerance
+
+
+def test_other_backends_are_refused_clearly():
+    from disco_jax import _rewrite
+    with pytest.raises(NotImplementedError, match="gpu"):
+        _rewrite.rewriter_for("gpu")

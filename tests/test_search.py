@@ -1,0 +1,62 @@
+"""The backtracking search (Algorithm 1)."""
+
+import pytest
+
+from disco_jax import _capture, _cost, _graph, _search, _strategy
+from disco_jax._profile import AllReduceCostModel
+from _steps import make_step
+
+
+@pytest.fixture(scope="module")
+def problem():
+    step, args = make_step("jit", sizes=(16, 64, 64, 64, 4))
+    graph = _graph.build_graph(_capture.capture(step.lower(*args))[0])
+    estimator = _cost.ChainEstimator([_cost.AnalyticalEstimator()])
+    allreduce = AllReduceCostModel(per_byte_us=1e-3, latency_us=20.0)
+
+    def cost(s):
+        r = _cost.simulate(graph, s, estimator, allreduce)
+        return None if r is None else r.iteration_us
+
+    return graph, cost
+
+
+def test_search_never_returns_worse_than_its_starts(problem):
+    graph, cost = problem
+    result = _search.backtracking_search(graph, cost, _search.SearchConfig(budget_s=3))
+    assert result.best_cost <= min(result.start_costs.values())
+    assert result.best_cost == pytest.approx(cost(result.best))
+    assert _strategy.is_valid(graph, result.best)
+    assert result.evaluated >= len(result.start_costs)
+
+
+def test_search_is_deterministic_for_a_seed(problem):
+    graph, cost = problem
+    config = _search.SearchConfig(budget_s=30, max_unchanged=150, seed=3)
+    a = _search.backtracking_search(graph, cost, config)
+    b = _search.backtracking_search(graph, cost, config)
+    assert a.best.key() == b.best.key() and a.evaluated == b.evaluated
+
+
+def test_search_respects_the_budget_and_reports_progress(problem):
+    graph, cost = problem
+    seen = []
+    config = _search.SearchConfig(budget_s=0.5, max_unchanged=10**9, alpha=10.0)
+    result = _search.backtracking_search(graph, cost, config, progress=lambda b, n, t: seen.append((b, n, t)))
+    assert result.seconds < 3.0
+    assert seen and all(b1 >= b2 for (b1, _, _), (b2, _, _) in zip(seen, seen[1:]))
+    assert result.candidates_per_second > 0
+
+
+def test_search_improves_on_a_bad_start(problem):
+    graph, cost = problem
+    start = _strategy.unfused(graph)
+    result = _search.backtracking_search(graph, cost, _search.SearchConfig(budget_s=5, alpha=1.2), starts=[start])
+    assert result.best_cost < cost(start)
+    assert result.improvements > 0
+
+
+@pytest.mark.parametrize("bad", [dict(alpha=0.5), dict(beta=0), dict(budget_s=0)])
+def test_bad_search_parameters_are_refused(bad):
+    with pytest.raises(ValueError):
+        _search.SearchConfig(**bad)
