@@ -324,7 +324,7 @@ class OptimizedStep:
                           f"{len(strategy.buckets)}; running the unmodified step", _plan.PlanWarning, stacklevel=4)
             report["reason"] = "plan not enacted by XLA"
             return self._fn
-        report["applied"] = True
+        report.update(applied=True, reason=plan.reason)
         _say(options, f"{graph.module.name}: applied plan {path.name} "
                       f"({counts['all-reduce']} all-reduces, {counts['fusion']} fusions)")
         return compiled
@@ -362,7 +362,13 @@ class OptimizedStep:
             # Same fusion decisions (only all-reduces regrouped): every element is reduced in
             # the same order, so outputs must be bitwise equal.
             bitwise = result.best.key()[0] == default.key()[0]
-            comparison = _validate.compare_outputs(default_runner(), plan_runner(), bitwise=bitwise)
+            reference = default_runner()
+            floor = None
+            if not bitwise:
+                nudged_args, nudged_kwargs = _validate.nudge((args, kwargs))
+                floor = _validate.sensitivity(reference, _Runner(default_compiled, lowered, nudged_args,
+                                                                 nudged_kwargs)())
+            comparison = _validate.compare_outputs(reference, plan_runner(), bitwise=bitwise, floor=floor)
             timing = _validate.time_interleaved(default_runner, plan_runner, pairs=options.validation_pairs)
             measured = {"default_us": timing.default_us, "plan_us": timing.plan_us, "ratio": timing.ratio,
                         "ratio_iqr": [timing.ratio_low, timing.ratio_high], "pairs": timing.pairs,

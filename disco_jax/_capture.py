@@ -27,12 +27,20 @@ _fresh = itertools.count(1)
 CACHE_KEY_OPTION = "xla_dump_max_hlo_modules"
 
 
+def module_text(module) -> str:
+    """Full text of an HloModule. The default printer elides large constants as `{...}`, which
+    would parse back as a different program: print them."""
+    options = xla_client.hlo.HloPrintOptions()
+    options.print_large_constants = True
+    return module.to_string(options)
+
+
 def _dispatch(serialized: bytes) -> bytes | None:
     handler = _active.get("handler")
     if handler is None:
         return None
     module = xla_client.hlo.HloModule.from_serialized_hlo_module_proto(serialized)
-    text = module.to_string()
+    text = module_text(module)
     name = text.split(None, 2)[1].rstrip(",")
     if name != _active.get("module_name"):
         return None

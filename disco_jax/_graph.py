@@ -194,6 +194,28 @@ def _openable(inst: _hlo.Instruction, module: _hlo.HloModuleText) -> bool:
     return True
 
 
+IN_PLACE = frozenset({"scatter", "dynamic-update-slice", "select-and-scatter"})
+
+
+def _in_place_operands(inst: _hlo.Instruction, module: _hlo.HloModuleText) -> list[int]:
+    """Operand indexes an instruction may overwrite in place (XLA's copy insertion gave each a
+    buffer of its own before our hook runs; merging them would share that buffer)."""
+    if inst.opcode in IN_PLACE:
+        return [0] if inst.opcode != "scatter" else list(range(max(1, (len(inst.operands) - 1) // 2)))
+    if inst.attr("output_to_operand_aliasing") is not None:
+        return list(range(len(inst.operands)))
+    if inst.opcode == "fusion":
+        comp = module.computation(inst.attr("calls").lstrip("%"))
+        by_name = comp.by_name()
+        roots = [by_name[o] for o in comp.root.operands] if comp.root.opcode == "tuple" else [comp.root]
+        indexes = []
+        for r in roots:
+            if r.opcode in IN_PLACE and r.operands and by_name[r.operands[0]].opcode == "parameter":
+                indexes.append(int(by_name[r.operands[0]].literal))
+        return indexes
+    return []
+
+
 def _compat_key(inst: _hlo.Instruction, module: _hlo.HloModuleText, dtype: str) -> tuple:
     reducer = module.computation(inst.attr("to_apply").lstrip("%"))
     reducer_ops = tuple(i.opcode for i in reducer.instructions if i.opcode != "parameter")
@@ -216,12 +238,24 @@ def build_graph(text: str) -> Graph:
     xla_buckets: list[tuple[int, ...]] = []
     templates: dict[tuple, _hlo.Instruction] = {}
 
+    # Values some instruction overwrites in place: by entry name, and fusions that produce them.
+    exclusive: set[str] = set()
+    for inst in entry.instructions:
+        for i in _in_place_operands(inst, module):
+            exclusive.add(inst.operands[i])
+    by_name = entry.by_name()
+    exclusive |= {by_name[n].operands[0] for n in list(exclusive)
+                  if n in by_name and by_name[n].opcode == "get-tuple-element"}
+
     def add(inst: _hlo.Instruction, kind: str, operands: tuple[int, ...], kernel: str,
-            gradient: int | None = None) -> int:
+            gradient: int | None = None, mergeable: bool = False) -> int:
+        """Ops are merged only where XLA duplicated them into several fusions (`mergeable`):
+        XLA's own CSE already merged the entry instructions it could, and kept copies apart
+        on purpose (buffers that get overwritten in place)."""
         key = None
-        if kind == "fusible" or (kind == "free" and inst.opcode == "constant"):
-            key = (kind, inst.opcode, re.sub(r"\{[^{}]*\}", "", inst.shape), operands, inst.literal,
-                   inst.attrs_text(drop_metadata=True))
+        if mergeable and (kind == "fusible" or (kind == "free" and inst.opcode == "constant")):
+            # The layout is part of an op's meaning (a copy or transpose into another layout).
+            key = (kind, inst.opcode, inst.shape, operands, inst.literal, inst.attrs_text(drop_metadata=True))
             if key in cse:
                 return cse[key]
         op = Op(len(ops), inst.name, kind, inst, operands, kernel, gradient)
@@ -281,6 +315,7 @@ def build_graph(text: str) -> Graph:
             comp = module.computation(inst.attr("calls").lstrip("%"))
             inner: dict[str, int] = {}
             members: list[int] = []
+            outputs = set(comp.root.operands) if comp.root.opcode == "tuple" else {comp.root.name}
             for i in comp.instructions:
                 if i.opcode == "parameter":
                     inner[i.name] = value[inst.operands[int(i.literal)]]
@@ -288,8 +323,9 @@ def build_graph(text: str) -> Graph:
                     tuple_values[inst.name] = [inner[o] for o in i.operands]
                 else:
                     kind = "free" if i.opcode == "constant" else "fusible"
+                    mergeable = not (inst.name in exclusive and i.name in outputs)
                     oid = add(dataclasses.replace(i, is_root=False), kind,
-                              tuple(inner[o] for o in i.operands), inst.name)
+                              tuple(inner[o] for o in i.operands), inst.name, mergeable=mergeable)
                     inner[i.name] = oid
                     if kind == "fusible":
                         members.append(oid)

@@ -4,10 +4,16 @@ Both executables run on the same inputs. Outputs are compared bitwise when the p
 regroups all-reduces (each element is still reduced in the same order), else within a tolerance:
 fused and unfused elementwise code are generated differently by XLA, so values may move by a few
 ulps (DESIGN.md point 3), and optimizers such as Adam divide by running moments, which enlarges
-those ulps on elements near zero. The tolerance is therefore relative to each output's scale:
-max |plan - default| <= atol + rtol * max |default| per output array, with rtol = 1e-4 and
-atol = 1e-6 for 32-bit floats (1e-2 / 1e-3 for 16-bit, 1e-7 / 1e-9 for 64-bit); integer and
-boolean outputs must be equal.
+those ulps on elements near zero (an update's sign can flip where a gradient is ~0). The
+tolerance is therefore per output array, the larger of
+
+* atol + rtol * max |default| (rtol = 1e-4, atol = 1e-6 for 32-bit floats; 1e-2 / 1e-3 for
+  16-bit; 1e-7 / 1e-9 for 64-bit), and
+* 10 x the output's own sensitivity: how far the unmodified step's output moves when every
+  floating-point input is nudged by one ulp (`sensitivity`). A rewrite that only reorders
+  rounding stays within it; a wrong rewrite moves outputs far more.
+
+Integer and boolean outputs must be equal.
 
 Timing runs the two executables in interleaved pairs and reports the median of per-pair ratios
 with its spread (DESIGN.md point 7): shared machines are noisy.
@@ -35,7 +41,33 @@ class Comparison:
     worst_output: int | None
 
 
-def compare_outputs(reference: Any, candidate: Any, *, bitwise: bool) -> Comparison:
+SENSITIVITY_FACTOR = 10.0
+
+
+def nudge(args: Any) -> Any:
+    """Every floating-point array moved up by one ulp, in its own sharding."""
+    def up(x):
+        if isinstance(x, jax.Array) and jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
+            return jax.device_put(jax.numpy.nextafter(x, jax.numpy.array(np.inf, x.dtype)), x.sharding)
+        return x
+    return jax.tree.map(up, args)
+
+
+def sensitivity(reference: Any, nudged: Any) -> list[float]:
+    """Per output array: max |reference - output of the step on nudged inputs|."""
+    out = []
+    for r, n in zip(jax.tree.leaves(reference), jax.tree.leaves(nudged)):
+        r, n = np.asarray(r), np.asarray(n)
+        if np.issubdtype(r.dtype, np.inexact):
+            out.append(float(np.nanmax(np.abs(r.astype(np.float64) - n.astype(np.float64)), initial=0.0)))
+        else:
+            out.append(0.0)
+    return out
+
+
+def compare_outputs(reference: Any, candidate: Any, *, bitwise: bool,
+                    floor: list[float] | None = None) -> Comparison:
+    """Compare step outputs; `floor` is `sensitivity(...)` per output, if measured."""
     ref_leaves, ref_tree = jax.tree.flatten(reference)
     cand_leaves, cand_tree = jax.tree.flatten(candidate)
     if ref_tree != cand_tree:
@@ -58,7 +90,10 @@ def compare_outputs(reference: Any, candidate: Any, *, bitwise: bool) -> Compari
         if abs_err > max_abs:
             max_abs, worst = abs_err, i
         max_rel = max(max_rel, rel_err)
-        if abs_err > atol + rtol * float(np.nanmax(np.abs(r64))):
+        allowed = atol + rtol * float(np.nanmax(np.abs(r64)))
+        if floor is not None:
+            allowed = max(allowed, SENSITIVITY_FACTOR * floor[i])
+        if abs_err > allowed:
             within = False
     ok = equal if bitwise else within
     return Comparison(equal, ok, max_abs, max_rel, len(ref_leaves), worst)

@@ -1,0 +1,88 @@
+"""The `disco-jax` command line.
+
+    disco-jax demo [--models mlp transformer] [--budget S] [--plan-dir DIR] [--style jit|shard_map]
+    disco-jax inspect PLAN.json [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _inspect(plan_path: Path, out_dir: Path | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from disco_jax import _plan, _timeline
+
+    console = Console()
+    try:
+        plan = _plan.read_plan_file(plan_path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"disco-jax inspect: {e}")
+    m = plan.machine
+    console.print(f"[bold]{plan.module_name}[/] fingerprint {plan.fingerprint}")
+    console.print(f"machine: {m.backend} / {m.device_kind} x {m.num_devices} ({m.num_processes} process(es)), "
+                  f"jax {m.jax_version}, jaxlib {m.jaxlib_version}")
+    console.print(f"decision: {'XLA default' if plan.use_default else 'disco-jax plan'} — {plan.reason}")
+    if plan.simulated:
+        table = Table(title="simulated step", title_justify="left")
+        for col in ("", "iteration us", "compute us", "comm us", "overlap", "FO us", "fusions", "all-reduces"):
+            table.add_column(col, justify="right")
+        for name in ("default", "plan"):
+            s = plan.simulated.get(name)
+            if s:
+                table.add_row(name, f"{s['iteration_us']:.1f}", f"{s['compute_us']:.1f}", f"{s['comm_us']:.1f}",
+                              f"{s['overlap_ratio']:.2f}", f"{s['full_overlap_us']:.1f}", str(s["num_fusions"]),
+                              str(s["num_allreduces"]))
+        console.print(table)
+    if plan.measured:
+        meas = plan.measured
+        outputs = "bitwise equal" if meas["bitwise_equal"] else f"max abs error {meas['max_abs_error']:.2g}"
+        console.print(f"measured: default {meas['default_us']:.1f} us, plan {meas['plan_us']:.1f} us, ratio "
+                      f"{meas['ratio']:.3f} (IQR {meas['ratio_iqr'][0]:.3f}-{meas['ratio_iqr'][1]:.3f}); "
+                      f"outputs {outputs}")
+    if plan.strategy:
+        buckets = plan.strategy["buckets"]
+        console.print(f"all-reduce buckets ({len(buckets)}): " + ", ".join(f"[{len(b)}]" for b in buckets))
+        console.print(f"fused groups: {len(plan.strategy['groups'])}")
+    if plan.search:
+        s = plan.search
+        console.print(f"search: {s.get('evaluated')} candidates in {s.get('seconds', 0):.1f} s, "
+                      f"stopped: {s.get('stop_reason')}")
+    timeline_path = plan_path.with_suffix(".timeline.json")
+    if timeline_path.exists():
+        timelines = json.loads(timeline_path.read_text())
+        png, trace = _timeline.write_timelines(timelines, out_dir or plan_path.parent, plan_path.stem,
+                                               title=f"{plan.module_name}: simulated schedule")
+        console.print(f"timeline picture: {png}\nPerfetto/Chrome trace: {trace} (open in ui.perfetto.dev)")
+    else:
+        console.print(f"no simulated timeline stored beside the plan ({timeline_path.name})")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="disco-jax", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="search then enact on a Transformer and an MLP (8 CPU devices)")
+    d.add_argument("--models", nargs="+", default=None, help="zoo models (default: mlp transformer)")
+    d.add_argument("--config", default="tiny", choices=("tiny",))
+    d.add_argument("--style", default="jit", choices=("jit", "shard_map"))
+    d.add_argument("--budget", type=float, default=20.0, help="search time budget per model, seconds")
+    d.add_argument("--plan-dir", default=None, help="where plans go (default: a new temporary directory)")
+    i = sub.add_parser("inspect", help="print a plan and draw its simulated timeline")
+    i.add_argument("plan", type=Path)
+    i.add_argument("--out", type=Path, default=None, help="directory for the PNG and trace (default: beside the plan)")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from disco_jax import _demo
+        _demo.demo(tuple(args.models or _demo.DEMO_MODELS), config=args.config, style=args.style,
+                   budget_s=args.budget, plan_dir=args.plan_dir)
+    elif args.command == "inspect":
+        _inspect(args.plan, args.out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
