@@ -7,6 +7,7 @@ See README.md for the data flow (capture -> graph -> profile -> cost -> search -
 
 from disco_jax._api import OptimizedStep, optimize_distributed, search_enabled
 from disco_jax._cost import AnalyticalEstimator, ChainEstimator, Estimator, SimulatedStep, TableEstimator, simulate
+from disco_jax._distributed import PlanMismatchError, initialize_from_env
 from disco_jax._graph import Graph, build_graph
 from disco_jax._plan import Plan, PlanWarning, find_plan, read_plan_file
 from disco_jax._profile import AllReduceCostModel, Profile, ProfileDatabase
@@ -17,7 +18,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllReduceCostModel", "AnalyticalEstimator", "ChainEstimator", "Estimator", "Graph", "OptimizedStep", "Plan",
-    "PlanWarning", "Profile", "ProfileDatabase", "SearchConfig", "SearchResult", "SimulatedStep", "Strategy",
-    "TableEstimator", "backtracking_search", "build_graph", "find_plan", "optimize_distributed", "read_plan_file",
-    "search_enabled", "simulate", "start_candidates", "unfused", "xla_default",
+    "PlanMismatchError", "PlanWarning", "Profile", "ProfileDatabase", "SearchConfig", "SearchResult",
+    "SimulatedStep", "Strategy", "TableEstimator", "backtracking_search", "build_graph", "find_plan",
+    "initialize_from_env", "optimize_distributed", "read_plan_file", "search_enabled", "simulate",
+    "start_candidates", "unfused", "xla_default",
 ]

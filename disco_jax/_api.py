@@ -29,7 +29,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from disco_jax import _capture, _cost, _graph, _hlo, _plan, _profile, _rewrite, _search, _strategy, _validate
+from disco_jax import (_capture, _cost, _distributed, _graph, _hlo, _plan, _profile, _rewrite, _search, _strategy,
+                       _validate)
 
 logger = logging.getLogger("disco_jax")
 ENABLE_SEARCH_ENV = "ENABLE_SEARCH"
@@ -137,7 +138,7 @@ def calibrate_simulator(cost_model: CostModel, graph, lowered, default_runner: "
     else:
         compiled, _ = compile_strategy(lowered, graph, split, "cpu")
         timing = _validate.time_interleaved(default_runner, _Runner(compiled, lowered, args, kwargs),
-                                            pairs=max(6, options.validation_pairs // 2))
+                                            pairs=max(6, options.validation_pairs))
         measured = (timing.default_us, timing.plan_us)
 
         def simulate_at(p):
@@ -168,12 +169,17 @@ def profile_step(graph: _graph.Graph, runner: _Runner, module_name: str, devices
             table[_cost.kernel_signature(graph, members)] = t
             measured[members] = t
     stored = database.load(machine.device_kind, machine.backend, machine.num_devices)
-    allreduce = stored.allreduce if stored is not None else None
+    # Stored fits are keyed by device count only, not by transport: with several processes the
+    # fit is measured over the real one (gloo, NCCL) every time, and not stored.
+    multiprocess = _distributed.is_multiprocess()
+    allreduce = stored.allreduce if stored is not None and not multiprocess else None
     if allreduce is None:
-        _say(options, f"measuring all-reduce cost on {len(devices)} devices")
+        where = f" in {jax.process_count()} processes" if multiprocess else ""
+        _say(options, f"measuring all-reduce cost on {len(devices)} devices{where}")
         mesh = jax.sharding.Mesh(np.array(devices), ("all",))
-        allreduce, points = _profile.measure_allreduce_cost(mesh)
-        profile = _profile.Profile.for_devices(devices, allreduce=allreduce, allreduce_points=points,
+        allreduce, points = _profile.measure_allreduce_cost(mesh)  # a collective: every process runs it
+        profile = _profile.Profile.for_devices(devices, allreduce=None if multiprocess else allreduce,
+                                               allreduce_points=[] if multiprocess else points,
                                                kernel_times_us=table)
     else:
         profile = _profile.Profile.for_devices(devices, allreduce=allreduce,
@@ -284,18 +290,30 @@ class OptimizedStep:
         machine = _plan.MachineKey.current(devices)
         report.update(fingerprint=graph.fingerprint, module=graph.module.name, graph=graph.summary(),
                       default_counts=compiled_counts(default_compiled.as_text()))
+        scope = None
+        if _distributed.is_multiprocess():
+            # Before anything collective runs: every process must hold the same program, machine,
+            # versions and phase, or all of them fail here with one message.
+            scope = _distributed.new_scope("step")
+            report["process_index"] = jax.process_index()
+            _distributed.agree(f"{scope}/program", {"fingerprint": graph.fingerprint, "phase": report["phase"],
+                                                    **dataclasses.asdict(machine)})
         if not graph.gradients:
             _say(options, f"{graph.module.name}: no all-reduce in the step, nothing to optimize; "
                           "running it unmodified")
             report["reason"] = "no collectives"
             return self._fn
         if search:
-            return self._search_phase(lowered, graph, default_compiled, args, kwargs, devices, machine, report)
-        return self._enact_phase(lowered, graph, machine, report)
+            return self._search_phase(lowered, graph, default_compiled, args, kwargs, devices, machine, report,
+                                      scope)
+        return self._enact_phase(lowered, graph, machine, report, scope)
 
-    def _enact_phase(self, lowered, graph, machine, report) -> Callable:
+    def _enact_phase(self, lowered, graph, machine, report, scope: str | None = None) -> Callable:
         options = self.options
         plan, path = _plan.find_plan(graph.fingerprint, machine, options.plan_dir)
+        if scope is not None:
+            plan = _shared_plan(scope, plan)
+            report["plan_from_process"] = 0
         report["plan_path"] = str(path)
         if plan is None:
             if not path.exists():
@@ -329,9 +347,14 @@ class OptimizedStep:
                       f"({counts['all-reduce']} all-reduces, {counts['fusion']} fusions)")
         return compiled
 
-    def _search_phase(self, lowered, graph, default_compiled, args, kwargs, devices, machine, report) -> Callable:
+    def _search_phase(self, lowered, graph, default_compiled, args, kwargs, devices, machine, report,
+                      scope: str | None = None) -> Callable:
+        """With several processes (`scope` set), every process runs the same executables in the same
+        order (profiling, calibration and validation run the step: collectives); process 0 alone
+        searches, its strategy is broadcast before validation and its plan after."""
         options = self.options
-        report["search_ran"] = True
+        leader = jax.process_index() == 0
+        report["search_ran"] = leader
         module_name = _capture.module_name(lowered)
         default_runner = _Runner(default_compiled, lowered, args, kwargs)
         _say(options, f"{graph.module.name}: profiling {len(graph.ops)} ops, {len(graph.gradients)} gradients "
@@ -341,35 +364,46 @@ class OptimizedStep:
         cost_model.sources["calibration"] = calibration
         default = _strategy.xla_default(graph)
         sim_default = cost_model.simulate(graph, default, record=True)
+        best, search_info = default, {}
+        if leader:
+            def cost(s):
+                r = cost_model.simulate(graph, s)
+                return None if r is None else r.iteration_us
 
-        def cost(s):
-            r = cost_model.simulate(graph, s)
-            return None if r is None else r.iteration_us
-
-        result = _run_search(graph, cost, options, sim_default.iteration_us)
-        sim_best = cost_model.simulate(graph, result.best, record=True)
-        search_info = {**result.stats(), "options": dataclasses.asdict(options), "cost_model": cost_model.sources}
+            result = _run_search(graph, cost, options, sim_default.iteration_us)
+            best = result.best
+            search_info = {**result.stats(), "options": dataclasses.asdict(options), "cost_model": cost_model.sources}
+        if scope is not None:
+            found = None if best.key() == default.key() else best.to_json(graph)
+            found = _distributed.broadcast_json(f"{scope}/strategy", found,
+                                                timeout_s=_distributed.sync_timeout_s() + options.budget_s)
+            best = default if found is None else _strategy.Strategy.from_json(graph, found)
+        sim_best = cost_model.simulate(graph, best, record=True)
         simulated = {"default": sim_default.to_json(), "plan": sim_best.to_json()}
         report.update(simulated=simulated, search=search_info)
-        run: Callable = self._fn
+        compiled = None
         measured: dict = {}
-        if result.best.key() == default.key():
+        if best.key() == default.key():
             use_default, reason = True, "the search found nothing better than XLA's plan in simulation"
         else:
-            compiled, _ = compile_strategy(lowered, graph, result.best, machine.backend)
+            compiled, _ = compile_strategy(lowered, graph, best, machine.backend)
             counts = compiled_counts(compiled.as_text())
             plan_runner = _Runner(compiled, lowered, args, kwargs)
             # Same fusion decisions (only all-reduces regrouped): every element is reduced in
             # the same order, so outputs must be bitwise equal.
-            bitwise = result.best.key()[0] == default.key()[0]
-            reference = default_runner()
+            bitwise = best.key()[0] == default.key()[0]
+            local = _distributed.addressable  # each process compares its own shards
+            reference = local(default_runner())
             floor = None
             if not bitwise:
                 nudged_args, nudged_kwargs = _validate.nudge((args, kwargs))
-                floor = _validate.sensitivity(reference, _Runner(default_compiled, lowered, nudged_args,
-                                                                 nudged_kwargs)())
-            comparison = _validate.compare_outputs(reference, plan_runner(), bitwise=bitwise, floor=floor)
+                floor = _validate.sensitivity(reference, local(_Runner(default_compiled, lowered, nudged_args,
+                                                                       nudged_kwargs)()))
+            comparison = _validate.compare_outputs(reference, local(plan_runner()), bitwise=bitwise, floor=floor)
             timing = _validate.time_interleaved(default_runner, plan_runner, pairs=options.validation_pairs)
+            if scope is not None:
+                comparison = _merge_comparisons(
+                    _distributed.gather_json(f"{scope}/validation", dataclasses.asdict(comparison)))
             measured = {"default_us": timing.default_us, "plan_us": timing.plan_us, "ratio": timing.ratio,
                         "ratio_iqr": [timing.ratio_low, timing.ratio_high], "pairs": timing.pairs,
                         "bitwise_required": bitwise, **dataclasses.asdict(comparison), "plan_counts": counts}
@@ -380,19 +414,21 @@ class OptimizedStep:
             elif not timing.not_slower:
                 use_default, reason = True, (f"rejected: measured {timing.ratio:.3f}x the default step time "
                                              f"(noise {timing.noise:.3f})")
-            elif counts["all-reduce"] != len(result.best.buckets):
+            elif counts["all-reduce"] != len(best.buckets):
                 use_default, reason = True, "rejected: XLA did not keep the planned all-reduces"
             else:
                 use_default, reason = False, (f"simulated {sim_best.iteration_us / sim_default.iteration_us:.3f}x, "
                                               f"measured {timing.ratio:.3f}x the default step time")
-                run = compiled
         report["measured"] = measured
         plan = _plan.Plan(graph.fingerprint, graph.module.name, machine, use_default,
-                          None if use_default else result.best.to_json(graph), reason,
+                          None if use_default else best.to_json(graph), reason,
                           simulated=simulated, measured=measured, search=search_info)
-        report.update(plan=plan.to_json(), reason=reason, applied=not use_default)
+        if scope is not None:  # process 0 measured and decided for everyone
+            plan = _plan.Plan.from_json(_distributed.broadcast_json(f"{scope}/plan", plan.to_json()))
+            report.update(simulated=plan.simulated, measured=plan.measured, search=plan.search)
+        report.update(plan=plan.to_json(), reason=plan.reason, applied=not plan.use_default)
         timeline = {"default": sim_default.events, "plan": sim_best.events}
-        if jax.process_index() == 0:
+        if leader:
             try:
                 path = _plan.save_plan(plan, options.plan_dir)
                 _plan.write_json_atomic(path.with_suffix(".timeline.json"), timeline)
@@ -400,9 +436,34 @@ class OptimizedStep:
             except OSError as e:
                 warnings.warn(f"disco-jax: {e}; the plan is used for this run only", _plan.PlanWarning, stacklevel=4)
                 report["plan_path"] = None
-        if options.verbose:
-            _print_summary(graph, plan, report)
-        return run
+            if options.verbose:
+                _print_summary(graph, plan, report)
+        return self._fn if plan.use_default else compiled
+
+
+def _merge_comparisons(comparisons: list[dict]) -> _validate.Comparison:
+    """One verdict from every process's comparison of its own output shards."""
+    worst = max(comparisons, key=lambda c: c["max_abs_error"])
+    return _validate.Comparison(
+        bitwise_equal=all(c["bitwise_equal"] for c in comparisons),
+        within_tolerance=all(c["within_tolerance"] for c in comparisons),
+        max_abs_error=worst["max_abs_error"], max_rel_error=max(c["max_rel_error"] for c in comparisons),
+        num_outputs=worst["num_outputs"], worst_output=worst["worst_output"])
+
+
+def _shared_plan(scope: str, plan: _plan.Plan | None) -> _plan.Plan | None:
+    """Multi-process enactment: process 0's plan (or None) on every process. A process whose own
+    plan directory holds a different plan for this program makes every process fail."""
+    decisions = None if plan is None else {k: v for k, v in (plan.strategy or {}).items() if k != "origin"}
+    mine = None if plan is None else _distributed.digest([plan.fingerprint, plan.use_default, decisions])
+    digests = _distributed.gather_json(f"{scope}/plan-digest", mine)
+    differing = [i for i, d in enumerate(digests) if d is not None and d != digests[0]]
+    if differing:
+        raise _distributed.PlanMismatchError(
+            f"disco-jax: process(es) {differing} hold a different plan for this program than process 0 "
+            f"(plan digests {digests}); give every process the same plan directory, or remove the stale plans")
+    shared = _distributed.broadcast_json(f"{scope}/plan", None if plan is None else plan.to_json())
+    return None if shared is None else _plan.Plan.from_json(shared)
 
 
 def _run_search(graph, cost, options: Options, default_cost: float) -> _search.SearchResult:
@@ -451,16 +512,14 @@ def _print_summary(graph, plan: _plan.Plan, report: dict) -> None:
 
 
 def _signature(args, kwargs):
+    """Cache key of a call, on the hot path of every training step: the tree structure and each
+    array's shape, dtype and sharding (hashable objects; no string formatting)."""
     leaves, tree = jax.tree.flatten((args, kwargs))
-    parts = []
-    for leaf in leaves:
-        if isinstance(leaf, jax.Array):
-            parts.append((leaf.shape, str(leaf.dtype), str(leaf.sharding)))
-        elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-            parts.append((tuple(leaf.shape), str(leaf.dtype)))
-        else:
-            parts.append((type(leaf).__name__, repr(leaf)))
-    return tree, tuple(parts)
+    return tree, tuple(
+        (leaf.shape, leaf.dtype, leaf.sharding) if isinstance(leaf, jax.Array)
+        else (type(leaf), tuple(leaf.shape), str(leaf.dtype)) if hasattr(leaf, "shape")
+        else (type(leaf),)  # Python scalars are traced, their value does not matter
+        for leaf in leaves)
 
 
 def optimize_distributed(fn: Callable | None = None, *, alpha: float = 1.05, beta: int = 10, seed: int = 0,

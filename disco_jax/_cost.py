@@ -358,7 +358,6 @@ def simulate(graph: Graph, strategy: Strategy, estimator: Estimator, allreduce: 
         if params.comm_blocking > 0:
             heapq.heappush(heap, (start, -1, -1 - k))
         release(k)
-    done = 0
     while heap:
         # The stream takes the kernel that can start first (program order breaks ties).
         r, _, k = heapq.heappop(heap)
@@ -367,7 +366,6 @@ def simulate(graph: Graph, strategy: Strategy, estimator: Estimator, allreduce: 
             continue
         start = max(stream_free, r)
         end[k] = stream_free = start + costs[k]
-        done += 1
         if record:
             events.append(("compute", _label(graph, dag, k), start, end[k]))
         release(k)

@@ -95,7 +95,9 @@ class Plan:
 
 
 def plan_file_name(fingerprint: str, machine: MachineKey) -> str:
-    return f"{fingerprint}-{machine.backend}-{machine.device_kind}-{machine.num_devices}.json"
+    # The module does not tell how its devices are spread over processes: the file name does.
+    processes = f"-p{machine.num_processes}" if machine.num_processes > 1 else ""
+    return f"{fingerprint}-{machine.backend}-{machine.device_kind}-{machine.num_devices}{processes}.json"
 
 
 def resolve_plan_dir(plan_dir: str | os.PathLike | None = None) -> Path:

@@ -68,8 +68,7 @@ class _Emitter:
             attrs = [(k, v) for k, v in attrs if k != "control-predecessors"]
             if kept:
                 attrs.append(("control-predecessors", "{" + ", ".join(kept) + "}"))
-        literal = inst.literal
-        return dataclasses.replace(inst, name=name or inst.name, operands=operands, attrs=attrs, literal=literal)
+        return dataclasses.replace(inst, name=name or inst.name, operands=operands, attrs=attrs)
 
     def flush_free(self) -> None:
         """Emit free ops (get-tuple-element, tuple, bitcast, constants) whose inputs now exist."""

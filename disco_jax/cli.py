@@ -75,6 +75,16 @@ def main(argv=None) -> None:
     i = sub.add_parser("inspect", help="print a plan and draw its simulated timeline")
     i.add_argument("plan", type=Path)
     i.add_argument("--out", type=Path, default=None, help="directory for the PNG and trace (default: beside the plan)")
+    la = sub.add_parser("launch", help="run a command as an N-process JAX job on loopback (gloo CPU collectives)")
+    la.add_argument("-n", "--num-processes", type=int, required=True)
+    la.add_argument("--devices-per-process", type=int, default=None, help="CPU devices per process")
+    la.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
+    la.add_argument("--timeout", type=float, default=None, help="terminate every process after S seconds")
+    la.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command ...")
+    b = sub.add_parser("bench", help="DisCo's evaluation: baselines vs disco-jax per model and platform, "
+                                     "measured (8 CPU devices) and simulated (GPU clusters); writes a report")
+    from disco_jax import _bench
+    _bench.add_arguments(b)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from disco_jax import _demo
@@ -82,6 +92,11 @@ def main(argv=None) -> None:
                    budget_s=args.budget, plan_dir=args.plan_dir)
     elif args.command == "inspect":
         _inspect(args.plan, args.out)
+    elif args.command == "bench":
+        _bench.main(args)
+    elif args.command == "launch":
+        from disco_jax import _launch
+        sys.exit(_launch.main(args.cmd, args.num_processes, args.devices_per_process, args.port, args.timeout))
 
 
 if __name__ == "__main__":
