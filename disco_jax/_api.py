@@ -194,6 +194,8 @@ def profile_step(graph: _graph.Graph, runner: _Runner, module_name: str, devices
     analytical = _cost.AnalyticalEstimator.fit(
         [(_cost.kernel_features(graph, k), t) for k, t in measured.items()])
     gnn = _load_gnn(machine.device_kind)
+    if gnn is not None:
+        gnn = gnn.with_op_times(known)  # the network reads each op's own measured time where known
     base = gnn if gnn is not None else analytical
     estimators: list = [_cost.TableEstimator(known), _cost.CalibratedEstimator(base, graph, measured)]
     if gnn is not None:
@@ -205,12 +207,8 @@ def profile_step(graph: _graph.Graph, runner: _Runner, module_name: str, devices
 
 def _load_gnn(device_kind: str):
     """The trained GNN estimator for this device kind, if weights are shipped or cached."""
-    try:
-        import gnn_estimator
-    except ImportError:
-        return None
-    load = getattr(gnn_estimator, "load_estimator", None)
-    return load(device_kind) if load is not None else None
+    import gnn_estimator
+    return gnn_estimator.load_estimator(device_kind)
 
 
 def _plan_tag(fingerprint: str, strategy_json: dict) -> str:

@@ -1,0 +1,115 @@
+"""The GNN as a `disco_jax._cost.Estimator`, and how the core finds it for a device kind.
+
+Data flow in `GnnEstimator.estimate(graph, kernels)`: each kernel -> its cache key (the kernel's
+`kernel_signature` and which of its ops it exports) -> cached prediction, or `kernel_features`
+(own op times looked up in an optional table of single-op kernel times, else unknown) -> all
+misses of the call packed into padded batches of up to `chunk` kernels -> one jitted forward pass
+each -> exp(log time) -> cache. Kernels holding a non-fusible op (dots, custom calls) get None, so
+a `ChainEstimator` falls through to the next estimator for them.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from disco_jax._cost import kernel_signature
+from disco_jax._graph import Graph
+from disco_jax._profile import SHIPPED_PROFILE_DIR, sanitize_device_kind
+from gnn_estimator import _kernels
+from gnn_estimator._features import kernel_features
+from gnn_estimator._train import TrainedEstimator
+from gnn_estimator._weights import METADATA_FILE, WEIGHTS_FILE, WeightsError, read_weights
+
+
+class GnnWeightsWarning(UserWarning):
+    """Stored GNN weights exist for a device kind but cannot be used (version, corruption)."""
+
+
+class GnnEstimator:
+    """DisCo's Fused Op Estimator: kernel (fusible op ids of a graph) -> predicted microseconds.
+
+    `op_times_us` optionally maps `kernel_signature` of single-op kernels to measured times (the
+    profile database's kernel table); ops found there get their own time as a feature. Predictions
+    are cached by kernel signature and exports, so a search that revisits kernels pays once.
+    """
+
+    name = "gnn"
+
+    def __init__(self, trained: TrainedEstimator, op_times_us: Mapping[str, float] | None = None,
+                 chunk: int = 256):
+        self.trained = trained
+        self.op_times_us = dict(op_times_us or {})
+        self.chunk = chunk
+        self._cache: dict[tuple[str, tuple[int, ...]], float] = {}
+
+    @property
+    def metadata(self) -> dict:
+        return self.trained.metadata
+
+    def with_op_times(self, op_times_us: Mapping[str, float]) -> "GnnEstimator":
+        """The same network with a table of single-op kernel times (a new, empty cache)."""
+        return GnnEstimator(self.trained, op_times_us, self.chunk)
+
+    def _key(self, graph: Graph, kernel: frozenset[int]) -> tuple[str, tuple[int, ...]]:
+        order = sorted(kernel)
+        position = {o: i for i, o in enumerate(order)}
+        return kernel_signature(graph, kernel), tuple(position[o] for o in _kernels.default_exports(graph, kernel))
+
+    def _own_times(self, graph: Graph, kernel: frozenset[int]) -> dict[int, float]:
+        if not self.op_times_us:
+            return {}
+        times = {}
+        for o in kernel:
+            t = self.op_times_us.get(kernel_signature(graph, frozenset([o])))
+            if t is not None:
+                times[o] = float(t)
+        return times
+
+    def estimate(self, graph: Graph, kernels: Sequence[frozenset[int]]) -> list[float | None]:
+        keys: list[tuple | None] = []
+        misses: dict[tuple, frozenset[int]] = {}
+        for k in kernels:
+            if not k or any(graph.ops[o].kind != "fusible" for o in k):
+                keys.append(None)
+                continue
+            key = self._key(graph, frozenset(k))
+            keys.append(key)
+            if key not in self._cache and key not in misses:
+                misses[key] = frozenset(k)
+        if misses:
+            features = [kernel_features(graph, k, self._own_times(graph, k)) for k in misses.values()]
+            predicted = self.trained.predict_us(features, chunk=self.chunk)
+            for key, us in zip(misses, predicted):
+                self._cache[key] = float(us)
+        return [None if key is None else self._cache[key] for key in keys]
+
+
+def weights_dir(device_kind: str, profiles_dir: str | os.PathLike | None = None) -> Path:
+    """`<profiles_dir or the shipped profiles/>/<sanitized device kind>/`."""
+    root = Path(profiles_dir) if profiles_dir is not None else SHIPPED_PROFILE_DIR
+    return root / sanitize_device_kind(device_kind)
+
+
+def load_estimator(device_kind: str, profiles_dir: str | os.PathLike | None = None) -> GnnEstimator | None:
+    """The GNN trained for `device_kind`, or None: silently when no weights exist for it, with a
+    `GnnWeightsWarning` when they exist but are for another feature version or corrupt."""
+    directory = weights_dir(device_kind, profiles_dir)
+    if not (directory / METADATA_FILE).exists() and not (directory / WEIGHTS_FILE).exists():
+        return None
+    try:
+        return GnnEstimator(read_weights(directory))
+    except FileNotFoundError as err:
+        warnings.warn(f"incomplete GNN estimator files in {directory}: {err}", GnnWeightsWarning, stacklevel=2)
+    except (WeightsError, OSError) as err:
+        warnings.warn(f"not using the GNN estimator weights in {directory}: {err}", GnnWeightsWarning, stacklevel=2)
+    return None
+
+
+def estimator_for_device(device_kind: str, fallback, profiles_dir: str | os.PathLike | None = None):
+    """The GNN for `device_kind` when usable weights exist, else `fallback` (e.g. the core's
+    `AnalyticalEstimator`)."""
+    gnn = load_estimator(device_kind, profiles_dir)
+    return gnn if gnn is not None else fallback

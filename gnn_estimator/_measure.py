@@ -1,0 +1,184 @@
+"""Compile a fused kernel alone and measure its time on the current backend.
+
+Data flow: (graph, kernel) -> `_kernels.kernel_module_text` -> compiled through the XLA pass hook
+(`disco_jax._capture.compile_with_hook`): a dummy function with the kernel's input and output
+shapes is lowered, and at the hook its module is replaced by the kernel module (the header line,
+with the entry computation layout, is copied from the dummy so the executable's signature matches)
+-> `time_kernels` runs many compiled kernels under `jax.profiler.trace` and reads each kernel's
+thunk time per execution from the trace (as `disco_jax._profile.measure_kernel_times` does for
+whole steps): median over the executions of a round, minimum over rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from disco_jax import _capture
+from disco_jax._graph import Graph
+from gnn_estimator import _kernels
+
+_NUMPY_DTYPES = {
+    "pred": np.bool_, "s8": np.int8, "s16": np.int16, "s32": np.int32, "u8": np.uint8, "u16": np.uint16,
+    "u32": np.uint32, "f16": np.float16, "bf16": jnp.bfloat16, "f32": np.float32,
+}
+if jax.config.jax_enable_x64:
+    _NUMPY_DTYPES.update({"s64": np.int64, "u64": np.uint64, "f64": np.float64})
+
+_fresh = itertools.count()
+
+
+def numpy_dtype(hlo_dtype: str):
+    """The numpy dtype of an HLO element type; KeyError for types jax cannot hold here."""
+    return _NUMPY_DTYPES[hlo_dtype]
+
+
+def random_array(spec, rng: np.random.Generator) -> np.ndarray:
+    """Inputs that keep every elementwise op finite: floats in [0.5, 1.5), integers in [1, 4)."""
+    dtype = numpy_dtype(spec.dtype)
+    if spec.dtype == "pred":
+        return rng.random(spec.dims) < 0.5
+    if spec.dtype.startswith(("s", "u")):
+        return rng.integers(1, 4, size=spec.dims).astype(dtype)
+    return rng.uniform(0.5, 1.5, size=spec.dims).astype(dtype)
+
+
+@dataclasses.dataclass
+class CompiledKernel:
+    """One kernel compiled alone: call `compiled(*args)`; its time is the thunk of `instruction`
+    in module `module_name` of the trace."""
+
+    compiled: object
+    args: tuple
+    module_name: str
+    instruction: str
+
+
+def compile_kernel(graph: Graph, kernel: frozenset[int], rng: np.random.Generator) -> CompiledKernel:
+    """Compile `kernel` (a measurable set of fusible op ids, see `_kernels.measurable`) alone."""
+    # A dummy with the kernel's entry signature; its name makes the module name unique in traces.
+    text_probe, params, exports = _kernels.kernel_module_text(graph, kernel, "HloModule probe")
+    in_specs, out_specs = _kernels.kernel_boundary_specs(graph, params, exports)
+    outputs = [(tuple(s.dims), numpy_dtype(s.dtype)) for s in out_specs]
+
+    def dummy(*args):
+        results = tuple(jnp.zeros(shape, dtype) for shape, dtype in outputs)
+        return results if len(results) > 1 else results[0]
+
+    dummy.__name__ = dummy.__qualname__ = f"disco_kernel_{next(_fresh)}"
+    args = tuple(jax.device_put(random_array(s, rng)) for s in in_specs)
+    lowered = jax.jit(dummy, keep_unused=True).lower(*args)
+    module_name = _capture.module_name(lowered)
+
+    def replace(text: str) -> str:
+        header = text.splitlines()[0]
+        return _kernels.kernel_module_text(graph, kernel, header)[0]
+
+    compiled = _capture.compile_with_hook(lowered, replace, cache_tag=f"{module_name}-{text_probe}")
+    return CompiledKernel(compiled, args, module_name, _kernels.KERNEL_INSTRUCTION)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTiming:
+    """A kernel's measured time: `time_us` is the smallest of the per-round medians (rounds are
+    seconds apart, so a round slowed by other processes on the machine does not decide it);
+    `round_us` are the per-round medians; `runs` the executions seen in all rounds."""
+
+    time_us: float
+    round_us: tuple[float, ...]
+    runs: int
+
+    @property
+    def repeat_error(self) -> float:
+        """|a - b| / min(a, b) for a, b the minima over the first and the second half of the rounds:
+        how far two independent measurements of this kernel disagree (the label noise)."""
+        half = len(self.round_us) // 2
+        if half == 0:
+            return 0.0
+        a, b = min(self.round_us[:half]), min(self.round_us[half:])
+        return abs(a - b) / max(min(a, b), 1e-9)
+
+
+def _wall_us(kernel: CompiledKernel, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        jax.block_until_ready(kernel.compiled(*kernel.args))
+    return (time.perf_counter() - start) * 1e6 / calls
+
+
+def time_kernels(kernels: Sequence[CompiledKernel], *, rounds: int = 4, extra_rounds: int = 4,
+                 noisy: float = 0.1, target_us: float = 5_000.0, min_runs: int = 10,
+                 max_runs: int = 40) -> list[KernelTiming | None]:
+    """Time compiled kernels: `rounds` rounds, each a profiler trace in which every kernel runs
+    back to back (inputs stay warm, as inside a step) about `target_us` of wall time, between
+    `min_runs` and `max_runs` executions. Kernels whose `repeat_error` then exceeds `noisy` get
+    `extra_rounds` more. A kernel's time per execution is the union of its instruction's thunk
+    events in the trace. None for a kernel the trace never showed."""
+    runs = []
+    for k in kernels:
+        wall = _wall_us(k, 3)  # warm-up, and the wall time that sizes the runs
+        runs.append(int(min(max_runs, max(min_runs, target_us / max(wall, 1.0)))))
+    per_round: list[list[float]] = [[] for _ in kernels]
+    total_runs = [0] * len(kernels)
+
+    def measure(indices: list[int], count: int) -> None:
+        for _ in range(count):
+            times = _traced_times([kernels[i] for i in indices], [runs[i] for i in indices])
+            for i, t in zip(indices, times):
+                if t:
+                    per_round[i].append(float(np.median(t)))
+                    total_runs[i] += len(t)
+
+    measure(list(range(len(kernels))), rounds)
+    timings = [KernelTiming(min(r), tuple(r), n) if r else None for r, n in zip(per_round, total_runs)]
+    again = [i for i, t in enumerate(timings) if t is not None and t.repeat_error > noisy]
+    if again and extra_rounds:
+        measure(again, extra_rounds)
+    return [KernelTiming(min(r), tuple(r), n) if r else None for r, n in zip(per_round, total_runs)]
+
+
+def _traced_times(kernels: Sequence[CompiledKernel], runs: Sequence[int], skip: int = 2) -> list[list[float]]:
+    """Microseconds per execution of each kernel, from one profiler trace; each kernel's first
+    `skip` executions warm it up again (caches, allocator) and are not counted."""
+    with tempfile.TemporaryDirectory(prefix="disco-gnn-trace-") as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for k, n in zip(kernels, runs):
+                for _ in range(n + skip):
+                    jax.block_until_ready(k.compiled(*k.args))
+        traces = [jax.profiler.ProfileData.from_file(str(p)) for p in sorted(Path(trace_dir).rglob("*.xplane.pb"))]
+    wanted = {(k.module_name, k.instruction): i for i, k in enumerate(kernels)}
+    spans: dict[tuple[int, object], list[tuple[float, float]]] = {}
+    for trace in traces:
+        for plane in trace.planes:
+            for line in plane.lines:
+                for event in line.events:
+                    stats = dict(event.stats)
+                    i = wanted.get((stats.get("hlo_module"), stats.get("hlo_op")))
+                    if i is None:
+                        continue
+                    start = float(event.start_ns)
+                    spans.setdefault((i, stats.get("run_id")), []).append((start, start + float(event.duration_ns)))
+    executions: list[list[tuple[float, float]]] = [[] for _ in kernels]
+    for (i, _), intervals in spans.items():
+        executions[i].append((min(s for s, _ in intervals), _union_ns(intervals) / 1e3))
+    return [[us for _, us in sorted(e)[skip:]] for e in executions]
+
+
+def _union_ns(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -np.inf
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total

@@ -1,0 +1,230 @@
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import dataclasses
+import json
+import random
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from disco_jax import _capture, _graph
+from disco_jax._cost import kernel_signature
+from disco_jax._strategy import _components
+from gnn_estimator import (
+    FEATURE_VERSION,
+    METADATA_FILE,
+    WEIGHTS_FILE,
+    GnnEstimator,
+    GnnWeightsWarning,
+    ModelConfig,
+    WeightsError,
+    describe_kernel,
+    estimator_for_device,
+    featurize,
+    kernel_features,
+    load_estimator,
+    read_weights,
+    train,
+    write_weights,
+)
+from gnn_estimator import _kernels, _measure, _train
+
+TINY = ModelConfig(hidden=16, heads=2, layers=2, mlp=(16, 16))
+
+
+def _step_text() -> str:
+    def loss(params, x):
+        h = jnp.tanh(x @ params[0] + 0.5)
+        h = jax.nn.gelu(h @ params[1])
+        return jnp.mean(jax.nn.log_softmax(h) ** 2)
+
+    def step(params, x):
+        grads = jax.grad(loss)(params, x)
+        return [p - 0.1 * jnp.sqrt(jnp.abs(g) + 1e-6) * jnp.sign(g) for p, g in zip(params, grads)]
+
+    params = [jnp.full((32, 32), 0.01), jnp.full((32, 32), 0.02)]
+    text, _ = _capture.capture(jax.jit(step).lower(params, jnp.ones((16, 32))))
+    return text
+
+
+@pytest.fixture(scope="module")
+def step_text() -> str:
+    return _step_text()
+
+
+@pytest.fixture(scope="module")
+def graph(step_text):
+    return _graph.build_graph(step_text)
+
+
+def _fused_kernels(graph, count: int, seed: int = 0) -> list[frozenset[int]]:
+    rng = random.Random(seed)
+    out, seen = [], set()
+    for _ in range(50 * count):
+        k = _kernels.random_kernel(graph, rng, rng.randint(1, 8))
+        if not _kernels.measurable(graph, k) or not _kernels.is_convex(graph, k):
+            continue
+        key = (kernel_signature(graph, k), tuple(_kernels.default_exports(graph, k)))
+        if key in seen:  # structurally equal kernels have equal features
+            continue
+        seen.add(key)
+        out.append(k)
+        if len(out) == count:
+            break
+    return out
+
+
+def _tiny_dataset(graph, count: int = 16) -> list[dict]:
+    """Kernels of the test step with made-up times spanning three orders of magnitude."""
+    rng = np.random.default_rng(0)
+    samples, seen = [], set()
+    for i, k in enumerate(_fused_kernels(graph, 3 * count)):
+        description = describe_kernel(graph, k, {o: 1.0 for o in k})
+        f = featurize(description)
+        if (f.nodes.tobytes(), f.senders.tobytes()) in seen:  # kernels the features cannot tell apart
+            continue
+        seen.add((f.nodes.tobytes(), f.senders.tobytes()))
+        samples.append({"kernel": description, "time_us": float(10 ** rng.uniform(0, 3)),
+                        "key": kernel_signature(graph, k) + str(i), "model": "test", "family": "test",
+                        "read_bytes": 0, "written_bytes": 0, "flops": 0.0})
+        if len(samples) == count:
+            break
+    return samples
+
+
+def test_features_are_deterministic_for_the_same_kernel(step_text, graph):
+    kernel = max(graph.xla_groups, key=len)
+    times = {o: 1.5 for o in kernel}
+    a = kernel_features(graph, kernel, times)
+    b = kernel_features(graph, kernel, dict(times))
+    rebuilt = _graph.build_graph(step_text)  # same module text, a fresh graph
+    c = kernel_features(rebuilt, frozenset(kernel), times)
+    # Through the JSON description the dataset stores: the same arrays again.
+    d = featurize(json.loads(json.dumps(describe_kernel(graph, kernel, times))))
+    for other in (b, c, d):
+        np.testing.assert_array_equal(a.nodes, other.nodes)
+        np.testing.assert_array_equal(a.senders, other.senders)
+        np.testing.assert_array_equal(a.receivers, other.receivers)
+        np.testing.assert_array_equal(a.kernel, other.kernel)
+    assert a.num_nodes == len(kernel)
+    assert a.nodes.dtype == np.float32 and np.isfinite(a.nodes).all()
+
+
+def test_unknown_own_time_is_zero_with_a_known_flag(graph):
+    from gnn_estimator import NODE_FEATURES
+
+    kernel = max(graph.xla_groups, key=len)
+    known = kernel_features(graph, kernel, {o: 2.0 for o in kernel}).nodes
+    unknown = kernel_features(graph, kernel).nodes
+    flag, time = NODE_FEATURES.index("own_time_known"), NODE_FEATURES.index("log_own_time_us")
+    assert (known[:, flag] == 1).all() and (unknown[:, flag] == 0).all() and (unknown[:, time] == 0).all()
+
+
+def test_random_kernels_are_connected_fusible_and_convex(graph):
+    for k in _fused_kernels(graph, 20, seed=1):
+        assert all(graph.ops[o].kind == "fusible" for o in k)
+        assert len(_components(graph, sorted(k))) == 1
+        assert _kernels.is_convex(graph, k)
+
+
+def test_a_kernel_compiles_alone_and_is_timed(graph):
+    kernel = max(graph.xla_groups, key=len)
+    compiled = _measure.compile_kernel(graph, kernel, np.random.default_rng(0))
+    assert "kernel_computation" in compiled.compiled.as_text()
+    (timing,) = _measure.time_kernels([compiled], rounds=2, extra_rounds=0, min_runs=3, max_runs=3)
+    assert timing is not None and timing.time_us > 0 and len(timing.round_us) == 2
+
+
+def test_model_overfits_a_tiny_dataset(graph):
+    samples = _tiny_dataset(graph)
+    trained, history = train(samples, config=TINY, epochs=300, batch_size=len(samples), learning_rate=1e-2,
+                             drop_times=0.0)
+    first, last = history[0]["train_loss"], history[-1]["train_loss"]
+    assert last < first / 100, (first, last)
+    predicted = trained.predict_us(_train.sample_features(samples))
+    measured = np.array([s["time_us"] for s in samples])
+    assert np.median(np.abs(predicted - measured) / measured) < 0.1
+
+
+@pytest.fixture(scope="module")
+def trained_tiny(graph):
+    trained, _ = train(_tiny_dataset(graph, 8), config=TINY, epochs=2, batch_size=8)
+    trained.metadata = {"device_kind": "cpu"}
+    return trained
+
+
+def test_weights_round_trip_through_the_file_format(tmp_path, graph, trained_tiny):
+    write_weights(tmp_path, trained_tiny)
+    assert (tmp_path / WEIGHTS_FILE).exists() and (tmp_path / METADATA_FILE).exists()
+    restored = read_weights(tmp_path)
+    assert restored.config == trained_tiny.config
+    assert restored.metadata["feature_version"] == FEATURE_VERSION
+    features = [kernel_features(graph, k) for k in _fused_kernels(graph, 5)]
+    np.testing.assert_allclose(restored.predict_us(features), trained_tiny.predict_us(features), rtol=1e-6)
+    # msgpack only: the weights file is not a pickle.
+    assert not (tmp_path / WEIGHTS_FILE).read_bytes().startswith(b"\x80")
+
+
+def test_an_ensemble_round_trips_and_averages_its_members(tmp_path, graph):
+    config = ModelConfig(hidden=8, heads=2, layers=1, mlp=(8,), members=2)
+    trained, history = train(_tiny_dataset(graph, 6), config=config, epochs=1, batch_size=6)
+    assert len(trained.params) == 2 and {h["member"] for h in history} == {0, 1}
+    write_weights(tmp_path, trained)
+    restored = read_weights(tmp_path)
+    features = [kernel_features(graph, k) for k in _fused_kernels(graph, 4)]
+    np.testing.assert_allclose(restored.predict_us(features), trained.predict_us(features), rtol=1e-6)
+    singles = [_train.TrainedEstimator(dataclasses.replace(config, members=1), [p], trained.normalization)
+               for p in trained.params]
+    mean_log = np.mean([np.log(m.predict_us(features)) for m in singles], axis=0)
+    np.testing.assert_allclose(np.log(trained.predict_us(features)), mean_log, rtol=1e-5, atol=1e-5)
+
+
+def test_wrong_version_or_corrupt_weights_are_refused(tmp_path, trained_tiny):
+    directory = tmp_path / "cpu"
+    write_weights(directory, trained_tiny)
+    meta = json.loads((directory / METADATA_FILE).read_text())
+    (directory / METADATA_FILE).write_text(json.dumps({**meta, "feature_version": FEATURE_VERSION + 1}))
+    with pytest.raises(WeightsError, match="feature version"):
+        read_weights(directory)
+    with pytest.warns(GnnWeightsWarning, match="feature version"):
+        assert load_estimator("cpu", tmp_path) is None
+    (directory / METADATA_FILE).write_text(json.dumps({**meta, "node_features": meta["node_features"][:-1]}))
+    with pytest.raises(WeightsError):
+        read_weights(directory)
+    (directory / METADATA_FILE).write_text(json.dumps(meta))
+    (directory / WEIGHTS_FILE).write_bytes(b"not msgpack")
+    with pytest.warns(GnnWeightsWarning):
+        assert load_estimator("cpu", tmp_path) is None
+
+
+def test_search_uses_the_gnn_only_when_weights_exist_for_the_device_kind(tmp_path, graph, trained_tiny):
+    fallback = object()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no weights is not worth a warning
+        assert load_estimator("cpu", tmp_path) is None
+        assert estimator_for_device("cpu", fallback, tmp_path) is fallback
+    write_weights(tmp_path / "cpu", trained_tiny)
+    estimator = estimator_for_device("cpu", fallback, tmp_path)
+    assert isinstance(estimator, GnnEstimator) and estimator.name == "gnn"
+    assert estimator_for_device("NVIDIA H100 80GB HBM3", fallback, tmp_path) is fallback
+
+
+def test_gnn_estimator_batches_caches_and_skips_opaque_kernels(tmp_path, graph, trained_tiny, monkeypatch):
+    estimator = GnnEstimator(trained_tiny)
+    kernels = _fused_kernels(graph, 12) + [frozenset([graph.opaque_ops[0]])]
+    calls = []
+    predict = trained_tiny.predict_us
+    monkeypatch.setattr(trained_tiny, "predict_us", lambda f, chunk=256: calls.append(len(f)) or predict(f, chunk))
+    distinct = len({estimator._key(graph, k) for k in kernels[:-1]})  # structurally equal kernels share one
+    times = estimator.estimate(graph, kernels + kernels[:3])
+    assert times[len(kernels) - 1] is None  # a dot: left to the next estimator of a chain
+    assert all(isinstance(t, float) and t > 0 for i, t in enumerate(times) if i != len(kernels) - 1)
+    assert times[:3] == times[len(kernels):]
+    assert calls == [distinct]  # one batched call for all distinct fusible kernels
+    assert estimator.estimate(graph, kernels[:5]) == times[:5]
+    assert calls == [distinct]  # served from the cache
