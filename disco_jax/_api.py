@@ -21,16 +21,14 @@ import hashlib
 import json
 import logging
 import os
-import sys
 import warnings
-from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import numpy as np
 
-from disco_jax import (_capture, _cost, _distributed, _graph, _hlo, _plan, _profile, _rewrite, _search, _strategy,
-                       _validate)
+from disco_jax import (_capture, _cost, _distributed, _files, _graph, _hlo, _plan, _profile, _rewrite, _search,
+                       _strategy, _validate)
 
 logger = logging.getLogger("disco_jax")
 ENABLE_SEARCH_ENV = "ENABLE_SEARCH"
@@ -429,7 +427,7 @@ class OptimizedStep:
         if leader:
             try:
                 path = _plan.save_plan(plan, options.plan_dir)
-                _plan.write_json_atomic(path.with_suffix(".timeline.json"), timeline)
+                _files.write_json_atomic(path.with_suffix(".timeline.json"), timeline)
                 report["plan_path"] = str(path)
             except OSError as e:
                 warnings.warn(f"disco-jax: {e}; the plan is used for this run only", _plan.PlanWarning, stacklevel=4)

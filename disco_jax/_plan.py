@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -20,6 +19,8 @@ from typing import Any
 
 import jax
 import jaxlib
+
+from disco_jax._files import write_json_atomic
 
 PLAN_FORMAT_VERSION = 1
 PLAN_DIR_ENV = "DISCO_JAX_PLAN_DIR"
@@ -106,25 +107,6 @@ def resolve_plan_dir(plan_dir: str | os.PathLike | None = None) -> Path:
     if os.environ.get(PLAN_DIR_ENV):
         return Path(os.environ[PLAN_DIR_ENV]).expanduser()
     return Path("~/.cache/disco-jax/plans").expanduser()
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON so that readers see the old file or the new one, never a partial one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def save_plan(plan: Plan, plan_dir: str | os.PathLike | None = None) -> Path:

@@ -37,6 +37,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from disco_jax._files import write_json_atomic
+
 FORMAT_VERSION = 1
 """Version of both JSON formats written here (`Profile.to_json` and the database files)."""
 
@@ -507,7 +509,7 @@ class ProfileDatabase:
         data["jax_version"] = jax.__version__
         data["updated"] = _utc_now()
         path = self.user_path(device_kind)
-        _write_json_atomic(path, data)
+        write_json_atomic(path, data)
         return path
 
 
@@ -551,22 +553,3 @@ def _parse_profile_file(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
         raise _UnreadableProfileFile(str(err)) from err
     return data
-
-
-def _write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to a temp file in the target directory, then os.replace: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True, allow_nan=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise

@@ -85,6 +85,48 @@ class _Emitter:
                     progress = True
 
 
+def fused_computation(graph: Graph, members: frozenset[int], exports: list[int], name: str,
+                      suffix: str) -> tuple[_hlo.Computation, list[int], str]:
+    """The fused computation of a kLoop fusion of `members` that outputs `exports` (a tuple, i.e.
+    a multi-output fusion, when there are several). Small constants are cloned inside; every other
+    value from outside becomes a parameter. Inner names get `.{suffix}`.
+
+    Returns (computation, op ids feeding its parameters in order, result shape text). Used by
+    the rewrite and by the GNN's kernel measurements, so both see the same code."""
+    inner: dict[int, str] = {}
+    params: list[int] = []
+    body: list[_hlo.Instruction] = []
+    for o in sorted(members):
+        for v in graph.ops[o].operands:
+            if v in members or v in inner:
+                continue
+            src = graph.ops[v]
+            if src.opcode == "constant" and src.kind == "free" and src.output_bytes <= _CLONE_CONSTANT_BYTES:
+                inner[v] = f"{src.name}.{suffix}"
+                body.append(dataclasses.replace(src.inst, name=inner[v], is_root=False, attrs=[]))
+            else:
+                inner[v] = f"param_{len(params)}.{suffix}"
+                params.append(v)
+    param_insts = [_hlo.Instruction(inner[v], graph.ops[v].inst.shape, "parameter", [], str(i), [])
+                   for i, v in enumerate(params)]
+    for o in sorted(members):
+        op = graph.ops[o]
+        inner[o] = f"{op.name}.{suffix}"
+        attrs = [(k, v) for k, v in op.inst.attrs if k not in ("metadata", "control-predecessors")]
+        body.append(dataclasses.replace(op.inst, name=inner[o], operands=[inner[v] for v in op.operands],
+                                        attrs=attrs, is_root=False))
+    if len(exports) == 1:
+        root_shape = graph.ops[exports[0]].inst.shape
+        body = [dataclasses.replace(i, is_root=True) if i.name == inner[exports[0]] else i for i in body]
+    else:
+        root_shape = "(" + ", ".join(graph.ops[o].inst.shape for o in exports) + ")"
+        body.append(_hlo.Instruction(f"tuple.{suffix}", root_shape, "tuple", [inner[o] for o in exports],
+                                     None, [], is_root=True))
+    header_params = ", ".join(f"{inner[v]}: {_strip_layout(graph.ops[v].inst.shape)}" for v in params)
+    header = f"%{name} ({header_params}) -> {_strip_layout(root_shape)} {{"
+    return _hlo.Computation(name, header, param_insts + body), params, root_shape
+
+
 class CpuRewriter:
     """Rewriter for XLA:CPU's PRE_SCHEDULER hook stage (DESIGN.md points 2-3)."""
 
@@ -175,45 +217,11 @@ class CpuRewriter:
             return
         em.counter += 1
         n = em.counter
-        inner: dict[int, str] = {}
-        params: list[int] = []
-        body: list[_hlo.Instruction] = []
-        for o in sorted(members):
-            for v in graph.ops[o].operands:
-                if v in members or v in inner:
-                    continue
-                src = graph.ops[v]
-                if src.opcode == "constant" and src.kind == "free" and src.output_bytes <= _CLONE_CONSTANT_BYTES:
-                    inner[v] = f"{src.name}.d{n}"
-                    body.append(dataclasses.replace(src.inst, name=inner[v], is_root=False, attrs=[]))
-                else:
-                    inner[v] = f"param_{len(params)}.d{n}"
-                    params.append(v)
-        param_insts = [
-            _hlo.Instruction(inner[v], graph.ops[v].inst.shape, "parameter", [], str(i), [])
-            for i, v in enumerate(params)]
-        for o in sorted(members):
-            op = graph.ops[o]
-            inner[o] = f"{op.name}.d{n}"
-            attrs = [(k, v) for k, v in op.inst.attrs if k not in ("metadata", "control-predecessors")]
-            body.append(dataclasses.replace(op.inst, name=inner[o], operands=[inner[v] for v in op.operands],
-                                            attrs=attrs, is_root=False))
-        if len(exports) == 1:
-            root_shape = graph.ops[exports[0]].inst.shape
-            for i in body:
-                if i.name == inner[exports[0]]:
-                    i.is_root = True
-        else:
-            root_shape = "(" + ", ".join(graph.ops[o].inst.shape for o in exports) + ")"
-            body.append(_hlo.Instruction(f"tuple.d{n}", root_shape, "tuple", [inner[o] for o in exports],
-                                         None, [], is_root=True))
-        comp_name = f"disco_fused_computation.{n}"
-        header_params = ", ".join(f"{inner[v]}: {_strip_layout(graph.ops[v].inst.shape)}" for v in params)
-        header = f"%{comp_name} ({header_params}) -> {_strip_layout(root_shape)} {{"
-        em.computations.append(_hlo.Computation(comp_name, header, param_insts + body))
+        comp, params, root_shape = fused_computation(graph, members, exports, f"disco_fused_computation.{n}", f"d{n}")
+        em.computations.append(comp)
         name = f"disco_fusion.{n}"
         em.emit(_hlo.Instruction(name, root_shape, "fusion", em.operand_names(params), None,
-                                 [("kind", "kLoop"), ("calls", f"%{comp_name}")]))
+                                 [("kind", "kLoop"), ("calls", f"%{comp.name}")]))
         if len(exports) == 1:
             em.names[exports[0]] = name
         else:

@@ -23,6 +23,7 @@ from typing import Sequence
 
 from disco_jax import _hlo
 from disco_jax._graph import Graph
+from disco_jax._rewrite import _CLONE_CONSTANT_BYTES as CLONE_CONSTANT_BYTES, fused_computation
 from disco_jax._strategy import _NO_PRODUCER_FUSION
 
 
@@ -125,14 +126,6 @@ def measurable(graph: Graph, kernel: frozenset[int]) -> bool:
     return True
 
 
-# Constants up to this size are cloned into the fusion that reads them (as XLA and the rewrite do).
-CLONE_CONSTANT_BYTES = 64
-
-
-def _strip_layout(shape: str) -> str:
-    return re.sub(r"\{[^{}]*\}", "", shape)
-
-
 def kernel_module_text(graph: Graph, kernel: frozenset[int], header: str) -> tuple[str, list[int], list[int]]:
     """A standalone HLO module running `kernel` the way the core's rewrite emits it.
 
@@ -173,27 +166,9 @@ def kernel_module_text(graph: Graph, kernel: frozenset[int], header: str) -> tup
             attrs=[(k, v) for k, v in op.inst.attrs if k not in ("metadata", "control-predecessors")],
             is_root=True)]
     else:
-        fused_params = [_hlo.Instruction(f"param_{i}.k", graph.ops[v].inst.shape, "parameter", [], str(i), [])
-                        for i, v in enumerate(params)]
-        names = {v: (f"param_{params.index(v)}.k" if v in params else inner[v]) for v in inner}
-        body: list[_hlo.Instruction] = []
-        for o in sorted(kernel):
-            op = graph.ops[o]
-            names[o] = f"{op.name}.k"
-            body.append(dataclasses.replace(
-                op.inst, name=names[o], operands=[names[v] for v in op.operands],
-                attrs=[(k, v) for k, v in op.inst.attrs if k not in ("metadata", "control-predecessors")],
-                is_root=False))
-        if len(exports) == 1:
-            body = [dataclasses.replace(i, is_root=True) if i.name == names[exports[0]] else i for i in body]
-        else:
-            body.append(_hlo.Instruction("tuple.k", result_shape, "tuple", [names[o] for o in exports], None, [],
-                                         is_root=True))
-        header_params = ", ".join(f"param_{i}.k: {_strip_layout(graph.ops[v].inst.shape)}"
-                                  for i, v in enumerate(params))
-        computations.append(_hlo.Computation(
-            "kernel_computation", f"%kernel_computation ({header_params}) -> {_strip_layout(result_shape)} {{",
-            fused_params + constants + body))
+        computation, fused_inputs, _ = fused_computation(graph, kernel, exports, "kernel_computation", "k")
+        assert fused_inputs == params, "kernel inputs and fused computation parameters disagree"
+        computations.append(computation)
         entry_body = [_hlo.Instruction(KERNEL_INSTRUCTION, result_shape, "fusion",
                                        [f"arg.{i}" for i in range(len(params))], None,
                                        [("kind", "kLoop"), ("calls", "%kernel_computation")], is_root=True)]

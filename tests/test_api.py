@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from disco_jax import _api, _capture, _graph, _plan, _search, _strategy, _validate, optimize_distributed
+from disco_jax import _api, _capture, _files, _graph, _plan, _search, _strategy, _validate, optimize_distributed
 from _steps import make_step
 
 FAST = dict(budget_s=2.0, validation_pairs=4, verbose=False)
@@ -95,7 +95,7 @@ def test_plan_naming_unknown_ops_is_refused(tmp_path):
     plan, _ = _store_per_gradient_plan(step, args, tmp_path)
     data = plan.to_json()
     data["strategy"]["buckets"][0] = ["not-an-op"]
-    _plan.write_json_atomic(tmp_path / plan.file_name, data)
+    _files.write_json_atomic(tmp_path / plan.file_name, data)
     wrapped = optimize_distributed(**FAST, plan_dir=tmp_path)(step)
     with pytest.warns(_plan.PlanWarning, match="cannot be applied"):
         wrapped(*args)

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from disco_jax import _plan
+from disco_jax import _files, _plan
 
 
 def _plan_for(fingerprint="abc123", **machine):
@@ -50,7 +50,7 @@ def test_missing_plan_is_none_without_warning(tmp_path):
 def test_stale_plan_is_refused_with_a_warning(tmp_path, change):
     stored = _plan_for(**change)
     path = tmp_path / _plan.plan_file_name("abc123", _plan.MachineKey("cpu", "cpu", 8))
-    _plan.write_json_atomic(path, stored.to_json())
+    _files.write_json_atomic(path, stored.to_json())
     with pytest.warns(_plan.PlanWarning, match="does not match"):
         plan, _ = _plan.find_plan("abc123", _plan.MachineKey("cpu", "cpu", 8), tmp_path)
     assert plan is None
@@ -58,7 +58,7 @@ def test_stale_plan_is_refused_with_a_warning(tmp_path, change):
 
 def test_foreign_plan_under_our_name_is_refused(tmp_path):
     key = _plan.MachineKey("cpu", "cpu", 8)
-    _plan.write_json_atomic(tmp_path / _plan.plan_file_name("abc123", key), _plan_for("zzz999").to_json())
+    _files.write_json_atomic(tmp_path / _plan.plan_file_name("abc123", key), _plan_for("zzz999").to_json())
     with pytest.warns(_plan.PlanWarning, match="fingerprint"):
         plan, _ = _plan.find_plan("abc123", key, tmp_path)
     assert plan is None
