@@ -185,12 +185,8 @@ class CpuRewriter:
         members = s.groups[gi]
         if not exports:
             return
-        if len(members) == 1:
-            (o,) = members
-            op = graph.ops[o]
-            em.emit(em.renamed(op.inst, em.operand_names(op.operands), name=op.name))
-            em.names[o] = op.name
-            return
+        # XLA's own kernel where the group is unchanged, including the one-op fusions XLA wraps
+        # around lone ops (a bare op is generated differently: not bitwise equal).
         original = xla_by_members.get(members)
         if original is not None and set(exports) <= set(original[1]):
             inst, outputs = original

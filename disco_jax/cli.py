@@ -2,6 +2,8 @@
 
     disco-jax demo [--models mlp transformer] [--budget S] [--plan-dir DIR] [--style jit|shard_map]
     disco-jax inspect PLAN.json [--out DIR]
+    disco-jax bench --out report            (baselines vs disco-jax per model and platform)
+    disco-jax launch -n N -- python train.py (an N-process job on loopback)
 """
 
 from __future__ import annotations

@@ -1,0 +1,401 @@
+"""The baselines of DisCo's evaluation (section 6.1), each expressed two ways at once.
+
+A `Baseline` is
+
+* a `Strategy` on the captured graph, for the simulator (every platform), and
+* how the measured CPU platform enacts it: XLA compile options (`compiler_options`), or, for the
+  framework-style bucketings XLA has no option for, a rewrite of the strategy into the module
+  (`compiler_options is None`: compile with `disco_jax._api.compile_strategy`). The bucketing
+  is what PyTorch DDP and Horovod do; enacting it through our rewriter is enacting that policy.
+
+The baselines (one function each):
+
+| function | name | op fusion | all-reduce combining |
+|---|---|---|---|
+| `jax_no_fusion` | JAX_no_fusion | none | none (one per gradient) |
+| `jax_op_fusion` | JAX_op_fusion | XLA's | none |
+| `jax_allreduce_fusion` | JAX_AllReduce_fusion | none | XLA's |
+| `jax_default` | JAX_default | XLA's | XLA's |
+| `pytorch_ddp` | PyTorch_DDP | XLA's | 25 MiB buckets in gradient-ready order, first bucket 1 MiB |
+| `horovod` | Horovod | XLA's | fuse ready gradients up to 128 MiB per cycle |
+
+XLA:CPU levers (checked on compiled HLO in tests/test_baselines.py): the pass `fusion` forms loop
+fusions (with it disabled, `fusion-wrapper` still wraps each elementwise op alone in a
+one-instruction kLoop fusion, which is how XLA:CPU emits code for it); `cpu-all-reduce-combiner`
+combines all-reduces (the CPU combiner takes everything it can; DESIGN.md point 4). XLA's
+library-call fusions (`__ynn_fusion` around a dot or convolution) are not op fusion and stay.
+
+"XLA's all-reduce combining" depends on the platform: on CPU it is what the captured module
+shows (`graph.xla_buckets`); on GPU XLA combines neighbouring all-reduces up to
+`xla_gpu_all_reduce_combine_threshold_bytes` (30 MiB by default, DESIGN.md point 4), modelled by
+`xla_gpu_buckets`. The module is captured on CPU, so on a simulated GPU cluster "XLA's op fusion"
+is XLA:CPU's fusion decisions (XLA:GPU's differ in detail; both fuse elementwise chains greedily).
+
+PyTorch DDP and Horovod do not fuse ops (eager PyTorch; Horovod leaves that to the framework). Here
+they get XLA's op fusion, so they are the strongest version of their bucketing policy; pass
+`fusion="none"` for the eager variant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Callable, Sequence
+
+from disco_jax import _strategy
+from disco_jax._graph import Graph
+from disco_jax._strategy import BUCKET, Strategy
+
+MiB = 1 << 20
+NO_FUSION_PASS = "fusion"
+ALLREDUCE_COMBINER_PASS = "cpu-all-reduce-combiner"
+XLA_GPU_COMBINE_THRESHOLD_BYTES = 30 * MiB  # xla_gpu_all_reduce_combine_threshold_bytes default
+XLA_GPU_COMBINE_THRESHOLD_COUNT = 256  # xla_gpu_collective_combine_threshold_count default
+DDP_BUCKET_CAP_BYTES = 25 * MiB  # torch DistributedDataParallel(bucket_cap_mb=25)
+DDP_FIRST_BUCKET_BYTES = 1 * MiB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+HOROVOD_FUSION_THRESHOLD_BYTES = 128 * MiB  # HOROVOD_FUSION_THRESHOLD default since v0.21.0
+HOROVOD_CYCLE_TIME_US = 1000.0  # HOROVOD_CYCLE_TIME default (1 ms) since v0.21.0
+
+SOURCES = {
+    "JAX_no_fusion": "DisCo section 6.1 baseline (1); XLA:CPU passes 'fusion' and 'cpu-all-reduce-combiner' disabled",
+    "JAX_op_fusion": "DisCo section 6.1 baseline (2); XLA:CPU pass 'cpu-all-reduce-combiner' disabled",
+    "JAX_AllReduce_fusion": "DisCo section 6.1 baseline (3); XLA:CPU pass 'fusion' disabled",
+    "JAX_default": "DisCo section 6.1 baseline (4); XLA's defaults (GPU combine threshold 30 MiB, "
+                   "xla_gpu_all_reduce_combine_threshold_bytes)",
+    "PyTorch_DDP": "DisCo section 6.1 baseline (5); torch DistributedDataParallel bucket_cap_mb=25 and "
+                   "_DEFAULT_FIRST_BUCKET_BYTES = 1 MiB; buckets close once they reach the cap "
+                   "(reducer.cpp compute_bucket_assignment_by_size), in the order gradients become ready "
+                   "(DDP's reverse parameter order stands for that)",
+    "Horovod": "Horovod tensor fusion (docs/tensor-fusion.rst): every cycle, ready tensors of one dtype fused "
+               "up to HOROVOD_FUSION_THRESHOLD; defaults 128 MB and 1 ms since v0.21.0 (changelog, #2468)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+    """One baseline on one captured graph.
+
+    name: the baseline's name in the report. strategy: its decisions on the graph, for the
+    simulator. compiler_options: XLA compile options that make XLA:CPU compile the step this way
+    (``{}``: XLA's defaults), or None when it is enacted by rewriting `strategy` into the module.
+    description: one line for the report."""
+
+    name: str
+    strategy: Strategy
+    compiler_options: dict | None
+    description: str
+
+    @property
+    def enacted_by(self) -> str:
+        return "rewrite" if self.compiler_options is None else "compile options"
+
+
+def _disable(*passes: str) -> dict:
+    return {"xla_disable_hlo_passes": ",".join(passes)}
+
+
+# --------------------------------------------------------------------------- bucket builders
+
+
+def gradient_ready_order(graph: Graph, ready_times_us: Sequence[float] | None = None) -> list[int]:
+    """Gradient ids in the order they become ready: by ready time when given, else by the
+    program position of their producers (the order the backward pass produces them)."""
+    if ready_times_us is not None:
+        return sorted(range(len(graph.gradients)),
+                      key=lambda g: (ready_times_us[g], graph.gradients[g].producer, g))
+    return sorted(range(len(graph.gradients)), key=lambda g: (graph.gradients[g].producer, g))
+
+
+def _reduced_dependencies(graph: Graph) -> list[int]:
+    """Per gradient, a bitmask of the gradients whose all-reduced value its producer depends on
+    (forward-pass all-reduces such as batch-norm statistics feed later gradients)."""
+    cached = graph.__dict__.get("_reduced_dependencies")
+    if cached is None:
+        masks: list[int] = []
+        for op in graph.ops:
+            m = 0
+            for v in op.operands:
+                m |= masks[v]
+            if op.kind == "reduced" and op.gradient is not None:
+                m |= 1 << op.gradient
+            masks.append(m)
+        cached = [masks[g.producer] for g in graph.gradients]
+        graph.__dict__["_reduced_dependencies"] = cached
+    return cached
+
+
+class _Buckets:
+    """Open buckets (one per kind of gradient, `compat`) and closed ones. A gradient that depends
+    on the reduced value of a gradient in an open bucket closes that bucket first: buckets then
+    close before anything that waits for them joins one, so the buckets can never wait for each
+    other in a cycle."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.dependencies = _reduced_dependencies(graph)
+        self.open: dict[tuple, list[int]] = {}
+        self.bytes: dict[tuple, int] = {}
+        self.masks: dict[tuple, int] = {}
+        self.closed_count: dict[tuple, int] = {}
+        self.done: list[tuple[int, ...]] = []
+
+    def close(self, compat: tuple) -> None:
+        if self.open.get(compat):
+            self.done.append(tuple(self.open[compat]))
+            self.closed_count[compat] = self.closed_count.get(compat, 0) + 1
+        self.open[compat], self.bytes[compat], self.masks[compat] = [], 0, 0
+
+    def close_dependencies(self, gid: int) -> None:
+        mask = self.dependencies[gid]
+        for compat, open_mask in list(self.masks.items()):
+            if mask & open_mask:
+                self.close(compat)
+
+    def add(self, gid: int) -> None:
+        g = self.graph.gradients[gid]
+        if g.compat not in self.open:
+            self.close(g.compat)
+        self.open[g.compat].append(gid)
+        self.bytes[g.compat] += g.nbytes
+        self.masks[g.compat] |= 1 << gid
+
+    def finish(self) -> list[tuple[int, ...]]:
+        for compat in list(self.open):
+            self.close(compat)
+        return self.done
+
+
+def fit_buckets(graph: Graph, order: Sequence[int], threshold_bytes: int,
+                max_count: int | None = None) -> list[tuple[int, ...]]:
+    """Greedy combining in `order` (gradients after those they depend on): add a gradient to the
+    open bucket of its kind (`compat`) while the bucket stays within `threshold_bytes` (and
+    `max_count` gradients); a gradient that does not fit closes it. A gradient larger than the
+    threshold travels alone. (XLA's combiner and Horovod's fusion buffer.)"""
+    buckets = _Buckets(graph)
+    for gid in order:
+        g = graph.gradients[gid]
+        buckets.close_dependencies(gid)
+        bucket = buckets.open.get(g.compat)
+        if bucket and (buckets.bytes[g.compat] + g.nbytes > threshold_bytes
+                       or (max_count is not None and len(bucket) >= max_count)):
+            buckets.close(g.compat)
+        buckets.add(gid)
+    return buckets.finish()
+
+
+def ddp_buckets(graph: Graph, order: Sequence[int], bucket_cap_bytes: int = DDP_BUCKET_CAP_BYTES,
+                first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES) -> list[tuple[int, ...]]:
+    """PyTorch DDP's assignment: per dtype, fill a bucket in `order` and close it as soon as it
+    holds at least its limit; the first bucket's limit is `first_bucket_bytes`, later ones
+    `bucket_cap_bytes`."""
+    buckets = _Buckets(graph)
+    for gid in order:
+        g = graph.gradients[gid]
+        buckets.close_dependencies(gid)
+        buckets.add(gid)
+        limit = first_bucket_bytes if buckets.closed_count.get(g.compat, 0) == 0 else bucket_cap_bytes
+        if buckets.bytes[g.compat] >= limit:
+            buckets.close(g.compat)
+    return buckets.finish()
+
+
+def horovod_buckets(graph: Graph, threshold_bytes: int = HOROVOD_FUSION_THRESHOLD_BYTES,
+                    ready_times_us: Sequence[float] | None = None,
+                    cycle_us: float = HOROVOD_CYCLE_TIME_US) -> list[tuple[int, ...]]:
+    """Horovod's tensor fusion: the gradients that became ready within one cycle are fused, in
+    ready order and per dtype, into buffers of at most `threshold_bytes`. Without ready times
+    every gradient counts as ready in one cycle (pure threshold fusion in production order)."""
+    order = gradient_ready_order(graph, ready_times_us)
+    if ready_times_us is None or cycle_us <= 0:
+        return fit_buckets(graph, order, threshold_bytes)
+    cycles: dict[int, list[int]] = {}
+    for gid in order:
+        cycles.setdefault(int(ready_times_us[gid] // cycle_us), []).append(gid)
+    buckets: list[tuple[int, ...]] = []
+    for c in sorted(cycles):
+        buckets.extend(fit_buckets(graph, cycles[c], threshold_bytes))
+    return buckets
+
+
+def xla_gpu_buckets(graph: Graph, threshold_bytes: int = XLA_GPU_COMBINE_THRESHOLD_BYTES,
+                    max_count: int = XLA_GPU_COMBINE_THRESHOLD_COUNT) -> list[tuple[int, ...]]:
+    """XLA:GPU's all-reduce combiner: neighbouring all-reduces (production order) combined up to
+    the byte threshold and the op count threshold."""
+    return fit_buckets(graph, gradient_ready_order(graph), threshold_bytes, max_count)
+
+
+def xla_buckets(graph: Graph, platform: str = "cpu") -> list[tuple[int, ...]]:
+    """XLA's all-reduce combining on `platform`: 'cpu' is what the captured module holds
+    (XLA:CPU combines everything it can), 'gpu' the GPU combiner's thresholds."""
+    if platform == "cpu":
+        return [tuple(b) for b in graph.xla_buckets]
+    if platform == "gpu":
+        return xla_gpu_buckets(graph)
+    raise ValueError(f"platform must be 'cpu' or 'gpu', got {platform!r}")
+
+
+def per_gradient(graph: Graph) -> list[tuple[int, ...]]:
+    return [(g.id,) for g in graph.gradients]
+
+
+def gradient_ready_times(graph: Graph, strategy: Strategy, kernel_time_us: Callable[[list], list]) -> list[float]:
+    """When each gradient is ready in a compute-only run of `strategy` (one stream, the
+    simulator's order: earliest-ready kernel first, program order on ties).
+    `kernel_time_us(kernels)` costs a list of kernels (frozensets of op ids)."""
+    dag = _strategy.kernel_dag(graph, strategy)
+    if dag is None:
+        raise ValueError("strategy has no valid kernel graph")
+    n = len(dag.kinds)
+    compute = [k for k in range(n) if dag.kinds[k] != BUCKET]
+    costs = [0.0] * n
+    for k, t in zip(compute, kernel_time_us([dag.members[k] for k in compute])):
+        costs[k] = float(t or 0.0)
+    position = {k: i for i, k in enumerate(dag.order)}
+    users: list[list[int]] = [[] for _ in range(n)]
+    waiting = [len(d) for d in dag.deps]
+    for k, d in enumerate(dag.deps):
+        for p in d:
+            users[p].append(k)
+    ready_at, end = [0.0] * n, [0.0] * n
+    heap = [(0.0, position[k], k) for k in range(n) if waiting[k] == 0]
+    heapq.heapify(heap)
+    stream_free = 0.0
+    while heap:
+        r, _, k = heapq.heappop(heap)
+        if dag.kinds[k] == BUCKET:
+            end[k] = r  # communication is free here: only compute decides readiness
+        else:
+            start = max(stream_free, r)
+            end[k] = stream_free = start + costs[k]
+        for u in users[k]:
+            ready_at[u] = max(ready_at[u], end[k])
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(heap, (ready_at[u], position[u], u))
+    producer_kernel: dict[int, int] = {}
+    for k in range(n):
+        if dag.kinds[k] == BUCKET:
+            for gid in dag.members[k]:
+                producer_kernel[gid] = k
+    # A bucket kernel starts when its gradients are ready: with one gradient per bucket that
+    # start is the gradient's ready time.
+    return [ready_at[producer_kernel[g.id]] for g in graph.gradients]
+
+
+# --------------------------------------------------------------------------- the baselines
+
+
+def _fusion_groups(graph: Graph, fusion: str) -> Strategy:
+    if fusion == "xla":
+        return _strategy.xla_default(graph)
+    if fusion == "none":
+        return _strategy.unfused(graph)
+    raise ValueError(f"fusion must be 'xla' or 'none', got {fusion!r}")
+
+
+def jax_no_fusion(graph: Graph, platform: str = "cpu") -> Baseline:
+    """Neither op fusion nor all-reduce combining."""
+    s = _strategy.with_buckets(_strategy.unfused(graph), per_gradient(graph), "JAX_no_fusion")
+    return Baseline("JAX_no_fusion", s, _disable(NO_FUSION_PASS, ALLREDUCE_COMBINER_PASS),
+                    "no op fusion, one all-reduce per gradient")
+
+
+def jax_op_fusion(graph: Graph, platform: str = "cpu") -> Baseline:
+    """XLA's op fusion, no all-reduce combining."""
+    s = _strategy.with_buckets(_strategy.xla_default(graph), per_gradient(graph), "JAX_op_fusion")
+    return Baseline("JAX_op_fusion", s, _disable(ALLREDUCE_COMBINER_PASS),
+                    "XLA's op fusion, one all-reduce per gradient")
+
+
+def jax_allreduce_fusion(graph: Graph, platform: str = "cpu") -> Baseline:
+    """XLA's all-reduce combining, no op fusion."""
+    s = _strategy.with_buckets(_strategy.unfused(graph), xla_buckets(graph, platform), "JAX_AllReduce_fusion")
+    return Baseline("JAX_AllReduce_fusion", s, _disable(NO_FUSION_PASS),
+                    f"no op fusion, XLA's all-reduce combining ({platform})")
+
+
+def jax_default(graph: Graph, platform: str = "cpu") -> Baseline:
+    """XLA's op fusion and all-reduce combining."""
+    s = _strategy.with_buckets(_strategy.xla_default(graph), xla_buckets(graph, platform), "JAX_default")
+    return Baseline("JAX_default", s, {}, f"XLA's op fusion and all-reduce combining ({platform})")
+
+
+def pytorch_ddp(graph: Graph, platform: str = "cpu", *, bucket_cap_bytes: int = DDP_BUCKET_CAP_BYTES,
+                first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES, fusion: str = "xla",
+                ready_times_us: Sequence[float] | None = None) -> Baseline:
+    """PyTorch DDP's gradient buckets (enacted by rewrite on CPU)."""
+    order = gradient_ready_order(graph, ready_times_us)
+    s = _strategy.with_buckets(_fusion_groups(graph, fusion),
+                               ddp_buckets(graph, order, bucket_cap_bytes, first_bucket_bytes), "PyTorch_DDP")
+    return Baseline("PyTorch_DDP", s, None,
+                    f"{'XLA op fusion' if fusion == 'xla' else 'no op fusion'}, DDP buckets "
+                    f"(cap {bucket_cap_bytes / MiB:g} MiB, first {first_bucket_bytes / MiB:g} MiB)")
+
+
+def horovod(graph: Graph, platform: str = "cpu", *, threshold_bytes: int = HOROVOD_FUSION_THRESHOLD_BYTES,
+            cycle_us: float = HOROVOD_CYCLE_TIME_US, ready_times_us: Sequence[float] | None = None,
+            fusion: str = "xla") -> Baseline:
+    """Horovod's threshold tensor fusion per cycle (enacted by rewrite on CPU)."""
+    s = _strategy.with_buckets(_fusion_groups(graph, fusion),
+                               horovod_buckets(graph, threshold_bytes, ready_times_us, cycle_us), "Horovod")
+    cycle = f", cycle {cycle_us / 1000:g} ms" if ready_times_us is not None else ""
+    return Baseline("Horovod", s, None,
+                    f"{'XLA op fusion' if fusion == 'xla' else 'no op fusion'}, fusion threshold "
+                    f"{threshold_bytes / MiB:g} MiB{cycle}")
+
+
+BASELINES: dict[str, Callable[..., Baseline]] = {
+    "JAX_no_fusion": jax_no_fusion,
+    "JAX_op_fusion": jax_op_fusion,
+    "JAX_AllReduce_fusion": jax_allreduce_fusion,
+    "JAX_default": jax_default,
+    "PyTorch_DDP": pytorch_ddp,
+    "Horovod": horovod,
+}
+
+
+def all_baselines(graph: Graph, platform: str = "cpu", *,
+                  kernel_time_us: Callable[[list], list] | None = None, **thresholds) -> list[Baseline]:
+    """Every baseline on `graph` for `platform` ('cpu' or 'gpu'). With `kernel_time_us` (the
+    platform's kernel cost), DDP and Horovod order gradients by when they become ready in
+    XLA's plan, and Horovod fuses per cycle; without it, by program position and in one cycle.
+    `thresholds`: bucket_cap_bytes / first_bucket_bytes (DDP), threshold_bytes / cycle_us (Horovod)."""
+    ready = None
+    if kernel_time_us is not None:
+        ready = gradient_ready_times(graph, _strategy.with_buckets(
+            _strategy.xla_default(graph), per_gradient(graph), "ready-times"), kernel_time_us)
+    ddp_args = {k: thresholds[k] for k in ("bucket_cap_bytes", "first_bucket_bytes") if k in thresholds}
+    hvd_args = {k: thresholds[k] for k in ("threshold_bytes", "cycle_us") if k in thresholds}
+    return [jax_no_fusion(graph, platform), jax_op_fusion(graph, platform), jax_allreduce_fusion(graph, platform),
+            jax_default(graph, platform), pytorch_ddp(graph, platform, ready_times_us=ready, **ddp_args),
+            horovod(graph, platform, ready_times_us=ready, **hvd_args)]
+
+
+# --------------------------------------------------------------------------- compiled HLO
+
+
+def compiled_hlo_stats(text: str) -> dict[str, int]:
+    """What a compiled module's entry computation holds: all-reduces (and how many tensors they
+    carry), loop fusions, loop fusions of more than one compute instruction (op fusion proper:
+    with the `fusion` pass off, XLA:CPU still wraps single ops in one-instruction kLoop fusions),
+    and library-call custom fusions."""
+    from disco_jax import _hlo
+
+    module = _hlo.parse_module(text)
+    stats = {"all-reduce": 0, "all-reduce-operands": 0, "loop_fusions": 0, "multi_op_loop_fusions": 0,
+             "custom_fusions": 0}
+    trivial = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
+    for inst in module.entry.instructions:
+        if inst.opcode in ("all-reduce", "all-reduce-start"):
+            stats["all-reduce"] += 1
+            stats["all-reduce-operands"] += len(inst.operands)
+        elif inst.opcode == "fusion":
+            kind = inst.attr("kind")
+            if kind == "kCustom":
+                stats["custom_fusions"] += 1
+                continue
+            stats["loop_fusions"] += 1
+            comp = module.computation((inst.attr("calls") or "").lstrip("%"))
+            if sum(1 for i in comp.instructions if i.opcode not in trivial) > 1:
+                stats["multi_op_loop_fusions"] += 1
+    return stats
