@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Protocol
+from typing import Callable, Protocol
 
 from disco_jax import _hlo
 from disco_jax._graph import Graph
@@ -85,6 +85,28 @@ class _Emitter:
                     progress = True
 
 
+def kernel_inputs(graph: Graph, members: frozenset[int], suffix: str,
+                  param_name: Callable[[int], str]) -> tuple[dict[int, str], list[int], list[_hlo.Instruction]]:
+    """What a kernel of `members` reads from outside it: small constants are cloned inside (as
+    XLA does), every other value becomes a parameter. Returns (name inside the kernel by op id,
+    parameter op ids in order, the cloned constant instructions)."""
+    inner: dict[int, str] = {}
+    params: list[int] = []
+    constants: list[_hlo.Instruction] = []
+    for o in sorted(members):
+        for v in graph.ops[o].operands:
+            if v in members or v in inner:
+                continue
+            src = graph.ops[v]
+            if src.opcode == "constant" and src.kind == "free" and src.output_bytes <= _CLONE_CONSTANT_BYTES:
+                inner[v] = f"{src.name}.{suffix}"
+                constants.append(dataclasses.replace(src.inst, name=inner[v], is_root=False, attrs=[]))
+            else:
+                inner[v] = param_name(len(params))
+                params.append(v)
+    return inner, params, constants
+
+
 def fused_computation(graph: Graph, members: frozenset[int], exports: list[int], name: str,
                       suffix: str) -> tuple[_hlo.Computation, list[int], str]:
     """The fused computation of a kLoop fusion of `members` that outputs `exports` (a tuple, i.e.
@@ -93,20 +115,7 @@ def fused_computation(graph: Graph, members: frozenset[int], exports: list[int],
 
     Returns (computation, op ids feeding its parameters in order, result shape text). Used by
     the rewrite and by the GNN's kernel measurements, so both see the same code."""
-    inner: dict[int, str] = {}
-    params: list[int] = []
-    body: list[_hlo.Instruction] = []
-    for o in sorted(members):
-        for v in graph.ops[o].operands:
-            if v in members or v in inner:
-                continue
-            src = graph.ops[v]
-            if src.opcode == "constant" and src.kind == "free" and src.output_bytes <= _CLONE_CONSTANT_BYTES:
-                inner[v] = f"{src.name}.{suffix}"
-                body.append(dataclasses.replace(src.inst, name=inner[v], is_root=False, attrs=[]))
-            else:
-                inner[v] = f"param_{len(params)}.{suffix}"
-                params.append(v)
+    inner, params, body = kernel_inputs(graph, members, suffix, lambda i: f"param_{i}.{suffix}")
     param_insts = [_hlo.Instruction(inner[v], graph.ops[v].inst.shape, "parameter", [], str(i), [])
                    for i, v in enumerate(params)]
     for o in sorted(members):

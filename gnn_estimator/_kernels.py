@@ -23,7 +23,7 @@ from typing import Sequence
 
 from disco_jax import _hlo
 from disco_jax._graph import Graph
-from disco_jax._rewrite import _CLONE_CONSTANT_BYTES as CLONE_CONSTANT_BYTES, fused_computation
+from disco_jax._rewrite import fused_computation, kernel_inputs
 from disco_jax._strategy import _NO_PRODUCER_FUSION
 
 
@@ -137,20 +137,7 @@ def kernel_module_text(graph: Graph, kernel: frozenset[int], header: str) -> tup
     exported op ids in result order). The kernel instruction is named `KERNEL_INSTRUCTION`.
     """
     exports = default_exports(graph, kernel)
-    inner: dict[int, str] = {}
-    params: list[int] = []
-    constants: list[_hlo.Instruction] = []
-    for o in sorted(kernel):
-        for v in graph.ops[o].operands:
-            if v in kernel or v in inner:
-                continue
-            src = graph.ops[v]
-            if src.opcode == "constant" and src.kind == "free" and src.output_bytes <= CLONE_CONSTANT_BYTES:
-                inner[v] = f"{src.name}.k"
-                constants.append(dataclasses.replace(src.inst, name=inner[v], is_root=False, attrs=[]))
-            else:
-                inner[v] = f"arg.{len(params)}"
-                params.append(v)
+    inner, params, constants = kernel_inputs(graph, kernel, "k", lambda i: f"arg.{i}")
     entry_params = [_hlo.Instruction(f"arg.{i}", graph.ops[v].inst.shape, "parameter", [], str(i), [])
                     for i, v in enumerate(params)]
     computations: list[_hlo.Computation] = []
