@@ -39,12 +39,12 @@ they get XLA's op fusion, so they are the strongest version of their bucketing p
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from typing import Callable, Sequence
 
-from disco_jax import _strategy
+from disco_jax import _cost, _strategy
 from disco_jax._graph import Graph
-from disco_jax._strategy import BUCKET, Strategy
+from disco_jax._profile import AllReduceCostModel
+from disco_jax._strategy import Strategy
 
 MiB = 1 << 20
 NO_FUSION_PASS = "fusion"
@@ -238,48 +238,27 @@ def per_gradient(graph: Graph) -> list[tuple[int, ...]]:
     return [(g.id,) for g in graph.gradients]
 
 
+class _GivenCosts:
+    """An `Estimator` from a function of a list of kernels."""
+
+    name = "given"
+
+    def __init__(self, kernel_time_us: Callable[[list], list]):
+        self.kernel_time_us = kernel_time_us
+
+    def estimate(self, graph, kernels):
+        return self.kernel_time_us(list(kernels))
+
+
 def gradient_ready_times(graph: Graph, strategy: Strategy, kernel_time_us: Callable[[list], list]) -> list[float]:
-    """When each gradient is ready in a compute-only run of `strategy` (one stream, the
-    simulator's order: earliest-ready kernel first, program order on ties).
-    `kernel_time_us(kernels)` costs a list of kernels (frozensets of op ids)."""
-    dag = _strategy.kernel_dag(graph, strategy)
-    if dag is None:
+    """When each gradient is ready when `strategy`'s kernels run on the simulator's compute stream
+    and communication costs nothing. `kernel_time_us(kernels)` costs a list of kernels
+    (frozensets of op ids). Raises ValueError for an invalid strategy."""
+    per_gradient_buckets = _strategy.with_buckets(strategy, [(g.id,) for g in graph.gradients], "ready-times")
+    step = _cost.simulate(graph, per_gradient_buckets, _GivenCosts(kernel_time_us), AllReduceCostModel(0.0, 0.0))
+    if step is None:
         raise ValueError("strategy has no valid kernel graph")
-    n = len(dag.kinds)
-    compute = [k for k in range(n) if dag.kinds[k] != BUCKET]
-    costs = [0.0] * n
-    for k, t in zip(compute, kernel_time_us([dag.members[k] for k in compute])):
-        costs[k] = float(t or 0.0)
-    position = {k: i for i, k in enumerate(dag.order)}
-    users: list[list[int]] = [[] for _ in range(n)]
-    waiting = [len(d) for d in dag.deps]
-    for k, d in enumerate(dag.deps):
-        for p in d:
-            users[p].append(k)
-    ready_at, end = [0.0] * n, [0.0] * n
-    heap = [(0.0, position[k], k) for k in range(n) if waiting[k] == 0]
-    heapq.heapify(heap)
-    stream_free = 0.0
-    while heap:
-        r, _, k = heapq.heappop(heap)
-        if dag.kinds[k] == BUCKET:
-            end[k] = r  # communication is free here: only compute decides readiness
-        else:
-            start = max(stream_free, r)
-            end[k] = stream_free = start + costs[k]
-        for u in users[k]:
-            ready_at[u] = max(ready_at[u], end[k])
-            waiting[u] -= 1
-            if waiting[u] == 0:
-                heapq.heappush(heap, (ready_at[u], position[u], u))
-    producer_kernel: dict[int, int] = {}
-    for k in range(n):
-        if dag.kinds[k] == BUCKET:
-            for gid in dag.members[k]:
-                producer_kernel[gid] = k
-    # A bucket kernel starts when its gradients are ready: with one gradient per bucket that
-    # start is the gradient's ready time.
-    return [ready_at[producer_kernel[g.id]] for g in graph.gradients]
+    return step.allreduce_ready_us  # one bucket per gradient, in gradient order
 
 
 # --------------------------------------------------------------------------- the baselines

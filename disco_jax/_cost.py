@@ -250,10 +250,12 @@ class SimulatedStep:
     num_fusions: int
     num_allreduces: int
     events: list[tuple[str, str, float, float]]  # (lane 'compute'|'comm', kernel label, start, end)
+    allreduce_ready_us: list[float]  # per bucket of the strategy, in order: when its last gradient is ready
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("events")
+        d.pop("allreduce_ready_us")
         return d
 
 
@@ -379,7 +381,8 @@ def simulate(graph: Graph, strategy: Strategy, estimator: Estimator, allreduce: 
         full_overlap_us=max(compute_us, comm_us),
         num_fusions=sum(1 for k in range(n) if dag.kinds[k] == GROUP and len(dag.members[k]) > 1),
         num_allreduces=sum(1 for k in range(n) if dag.kinds[k] == BUCKET),
-        events=events)
+        events=events,
+        allreduce_ready_us=[ready_at[k] for k in range(n) if dag.kinds[k] == BUCKET])
 
 
 def _label(graph: Graph, dag: KernelDag, k: int) -> str:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import jax
 import numpy as np
 from flax import serialization
 
+from disco_jax._files import write_bytes_atomic, write_json_atomic
 from gnn_estimator._features import FEATURE_VERSION, KERNEL_FEATURES, NODE_FEATURES, OPCODE_VOCABULARY
 from gnn_estimator._model import ModelConfig, init_ensemble
 from gnn_estimator._train import Normalization, TrainedEstimator
@@ -49,8 +49,8 @@ def write_weights(directory: str | os.PathLike, trained: TrainedEstimator) -> Pa
         "normalization": trained.normalization.to_json(),
         "weights_sha256": hashlib.sha256(blob).hexdigest(),
     }
-    _write_atomic(directory / WEIGHTS_FILE, blob)
-    _write_atomic(directory / METADATA_FILE, (json.dumps(metadata, indent=1, sort_keys=True) + "\n").encode())
+    write_bytes_atomic(directory / WEIGHTS_FILE, blob)
+    write_json_atomic(directory / METADATA_FILE, metadata)
     return directory / METADATA_FILE
 
 
@@ -91,18 +91,3 @@ def read_weights(directory: str | os.PathLike) -> TrainedEstimator:
         raise WeightsError(f"weights in {directory} do not have the shapes of their model config")
     params = [jax.tree.map(lambda x: np.asarray(x, np.float32), member) for member in params]
     return TrainedEstimator(config, params, normalization, metadata)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; these files are shipped and shared
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise

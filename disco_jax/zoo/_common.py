@@ -249,6 +249,16 @@ def mean_cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: fl
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
 
 
+def random_image_batch(rng: jax.Array, global_batch_size: int, image_size: int, num_classes: int) -> dict:
+    """NHWC float32 images and int32 class labels, for the image classifiers."""
+    image_rng, label_rng = jax.random.split(rng)
+    shape = (global_batch_size, image_size, image_size, 3)
+    return {
+        "images": jax.random.normal(image_rng, shape, jnp.float32),
+        "labels": jax.random.randint(label_rng, (global_batch_size,), 0, num_classes, jnp.int32),
+    }
+
+
 def random_tokens(rng: jax.Array, shape: tuple[int, ...], vocab_size: int) -> jax.Array:
     return jax.random.randint(rng, shape, 0, vocab_size, dtype=jnp.int32)
 

@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ._common import ModelSpec, mean_cross_entropy
+from ._common import ModelSpec, mean_cross_entropy, random_image_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +56,7 @@ class VGG(nn.Module):
 
 
 def _make_batch(cfg: VGGConfig, rng: jax.Array, global_batch_size: int):
-    image_rng, label_rng = jax.random.split(rng)
-    shape = (global_batch_size, cfg.image_size, cfg.image_size, 3)
-    return {
-        "images": jax.random.normal(image_rng, shape, jnp.float32),
-        "labels": jax.random.randint(label_rng, (global_batch_size,), 0, cfg.num_classes, jnp.int32),
-    }
+    return random_image_batch(rng, global_batch_size, cfg.image_size, cfg.num_classes)
 
 
 def make_spec(config: str) -> ModelSpec:
