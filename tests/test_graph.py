@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from disco_jax import _capture, _graph
@@ -55,7 +55,9 @@ def test_operands_come_before_users(graph):
 
 
 def test_control_flow_is_one_opaque_kernel():
-    mesh = jax.make_mesh((8,), ("data",))
+    # Auto axes: with Explicit ones (jax.make_mesh's default) jax >= 0.12 refuses the gradient's
+    # dot, whose contracting dimension is sharded, without an out_sharding.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
 
     @jax.jit
     def step(w, x):
