@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from disco_jax import _capture
+from disco_jax import _capture, _hlo
 from disco_jax._graph import Graph
 from gnn_estimator import _kernels
 
@@ -83,7 +83,18 @@ def compile_kernel(graph: Graph, kernel: frozenset[int], rng: np.random.Generato
         return _kernels.kernel_module_text(graph, kernel, header)[0]
 
     compiled = _capture.compile_with_hook(lowered, replace, cache_tag=f"{module_name}-{text_probe}")
-    return CompiledKernel(compiled, args, module_name, _kernels.KERNEL_INSTRUCTION)
+    return CompiledKernel(compiled, args, module_name, _compiled_kernel_name(compiled.as_text()))
+
+
+def _compiled_kernel_name(compiled_text: str) -> str:
+    """The name the kernel has in the compiled module, which the trace reports: XLA:CPU (jaxlib
+    0.12) wraps a lone op in a one-op fusion named after the op (`wrapped_tanh`), so it is not
+    always `KERNEL_INSTRUCTION`. The entry computation holds that one kernel and free ops."""
+    kernels = [i.name for i in _hlo.parse_module(compiled_text).entry.instructions
+               if i.opcode not in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")]
+    if len(kernels) != 1:
+        raise ValueError(f"expected one kernel in the compiled kernel module, found {kernels}")
+    return kernels[0]
 
 
 @dataclasses.dataclass(frozen=True)
