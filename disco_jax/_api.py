@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -236,17 +237,62 @@ def compile_strategy(lowered, graph: _graph.Graph, strategy: _strategy.Strategy,
     return compiled, status[0]
 
 
+class _StaticArgs:
+    """Which arguments of a jitted function are static (`static_argnums` / `static_argnames`, read
+    from the jit object): they are part of the program, not inputs of the executable. `split`
+    separates a call into the executable's arguments and the static values, by position and by
+    name, whichever way the caller passed them."""
+
+    def __init__(self, fn: Callable):
+        info = getattr(fn, "_jit_info", None)
+        nums = set(getattr(info, "static_argnums", ()) or ())
+        names = set(getattr(info, "static_argnames", ()) or ())
+        signature = getattr(info, "fun_signature", None)
+        positional = [] if signature is None else [
+            p.name for p in signature.parameters.values()
+            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        self.nums = frozenset(nums | {i for i, n in enumerate(positional) if n in names})
+        self.names = frozenset(names | {positional[i] for i in nums if 0 <= i < len(positional)})
+        self.any = bool(self.nums or self.names)
+
+    def split(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple]:
+        """(executable's positional args, its keyword args, the static values as a hashable key)."""
+        if not self.any:
+            return args, kwargs, ()
+        nums = {i if i >= 0 else i + len(args) for i in self.nums}
+        dynamic_args = tuple(a for i, a in enumerate(args) if i not in nums)
+        dynamic_kwargs = {k: v for k, v in kwargs.items() if k not in self.names}
+        static = (tuple((i, args[i]) for i in sorted(nums) if 0 <= i < len(args)),
+                  tuple(sorted(((k, v) for k, v in kwargs.items() if k in self.names), key=lambda kv: kv[0])))
+        return dynamic_args, dynamic_kwargs, static
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """What one program (argument signature and static values) runs: a compiled executable that
+    takes the dynamic arguments only, or the user's jitted function (`takes_static`)."""
+
+    run: Callable
+    static: tuple
+    takes_static: bool
+
+
 class OptimizedStep:
-    """A jitted step with disco-jax's plan applied. Call it like the original function."""
+    """A jitted step with disco-jax's plan applied. Call it like the original function.
+
+    Calls go first to the executable of the previous call, whose own (C++) argument check is the
+    only per-call work: a call it does not fit (other shapes, dtypes, shardings, tree or static
+    values) raises there before anything runs, and takes the slow path, which keys programs by
+    signature and static values and prepares a new one when needed."""
 
     def __init__(self, fn: Callable, options: Options):
         if not hasattr(fn, "lower") or not callable(fn):
-            raise TypeError(
-                f"optimize_distributed expects a jax.jit-ed function, got {fn!r}; "
-                "apply @jax.jit first (@optimize_distributed goes above @jax.jit)")
+            raise TypeError(f"optimize_distributed expects a function, got {fn!r}")
         self._fn = fn
         self.options = options
-        self._compiled: dict[Any, Callable] = {}
+        self._statics = _StaticArgs(fn)
+        self._prepared: dict[Any, _Prepared] = {}
+        self._last: _Prepared | None = None
         self.reports: list[dict] = []
         functools.update_wrapper(self, fn)
 
@@ -257,17 +303,46 @@ class OptimizedStep:
     def lower(self, *args, **kwargs):
         return self._fn.lower(*args, **kwargs)
 
+    def executable(self, *args, **kwargs) -> Callable:
+        """What a call with these arguments runs, prepared (searched or enacted) if it is new: a
+        `jax.stages.Compiled` taking the non-static arguments (`.as_text()` shows the plan in the
+        compiled module), or the jitted function itself on backends disco-jax leaves alone."""
+        return self._lookup(args, kwargs)[0].run
+
     def __call__(self, *args, **kwargs):
-        key = _signature(args, kwargs)
-        run = self._compiled.get(key)
-        if run is None:
-            run = self._prepare(args, kwargs)
-            self._compiled[key] = run
-        return run(*args, **kwargs)
+        last = self._last
+        if last is not None:
+            try:
+                if last.takes_static or not self._statics.any:
+                    return last.run(*args, **kwargs)
+                dynamic_args, dynamic_kwargs, static = self._statics.split(args, kwargs)
+                if static == last.static:
+                    return last.run(*dynamic_args, **dynamic_kwargs)
+            except (TypeError, ValueError):
+                pass  # not this program: the executable refused the arguments before running
+        prepared, dynamic_args, dynamic_kwargs = self._lookup(args, kwargs)
+        self._last = prepared
+        if prepared.takes_static:
+            return prepared.run(*args, **kwargs)
+        return prepared.run(*dynamic_args, **dynamic_kwargs)
+
+    def _lookup(self, args: tuple, kwargs: dict) -> tuple[_Prepared, tuple, dict]:
+        """The slow path: the program of this call by signature and static values, prepared if
+        new; with the call's dynamic arguments."""
+        dynamic_args, dynamic_kwargs, static = self._statics.split(args, kwargs)
+        key = (_signature(dynamic_args, dynamic_kwargs), static)
+        prepared = self._prepared.get(key)
+        if prepared is None:
+            run = self._prepare(args, kwargs, dynamic_args, dynamic_kwargs)
+            prepared = self._prepared[key] = _Prepared(run, static, takes_static=run is self._fn)
+        return prepared, dynamic_args, dynamic_kwargs
 
     # ---------------------------------------------------------------- phases
 
-    def _prepare(self, args, kwargs) -> Callable:
+    def _prepare(self, args, kwargs, dynamic_args, dynamic_kwargs) -> Callable:
+        """The executable for this program: the plan's, or XLA's own when there is no usable plan
+        (compiled either way, so that later calls of another program miss it and come back here).
+        `args`/`kwargs` are the call as made (for lowering); `dynamic_*` without static arguments."""
         search = search_enabled()  # validate the variable before any work
         options = self.options
         backend = jax.default_backend()
@@ -282,7 +357,7 @@ class OptimizedStep:
         lowered = self._fn.lower(*args, **kwargs)
         text, default_compiled = _capture.capture(lowered)
         graph = _graph.build_graph(text)
-        devices = _step_devices(args, kwargs)
+        devices = _step_devices(dynamic_args, dynamic_kwargs)
         machine = _plan.MachineKey.current(devices)
         report.update(fingerprint=graph.fingerprint, module=graph.module.name, graph=graph.summary(),
                       default_counts=compiled_counts(default_compiled.as_text()))
@@ -298,13 +373,13 @@ class OptimizedStep:
             _say(options, f"{graph.module.name}: no all-reduce in the step, nothing to optimize; "
                           "running it unmodified")
             report["reason"] = "no collectives"
-            return self._fn
+            return default_compiled
         if search:
-            return self._search_phase(lowered, graph, default_compiled, args, kwargs, devices, machine, report,
-                                      scope)
-        return self._enact_phase(lowered, graph, machine, report, scope)
+            return self._search_phase(lowered, graph, default_compiled, dynamic_args, dynamic_kwargs, devices,
+                                      machine, report, scope)
+        return self._enact_phase(lowered, graph, default_compiled, machine, report, scope)
 
-    def _enact_phase(self, lowered, graph, machine, report, scope: str | None = None) -> Callable:
+    def _enact_phase(self, lowered, graph, default_compiled, machine, report, scope: str | None = None) -> Callable:
         options = self.options
         plan, path = _plan.find_plan(graph.fingerprint, machine, options.plan_dir)
         if scope is not None:
@@ -317,12 +392,12 @@ class OptimizedStep:
                               f"in {path.parent}; running the unmodified step. Run once with ENABLE_SEARCH=1 "
                               "to make one.", _plan.PlanWarning, stacklevel=4)
             report["reason"] = "no usable plan"
-            return self._fn
+            return default_compiled
         report["plan"] = plan.to_json()
         if plan.use_default:
             _say(options, f"{graph.module.name}: plan keeps XLA's default ({plan.reason})")
             report["reason"] = plan.reason
-            return self._fn
+            return default_compiled
         try:
             strategy = _strategy.Strategy.from_json(graph, plan.strategy)
             compiled, applied = compile_strategy(lowered, graph, strategy, machine.backend)
@@ -330,14 +405,14 @@ class OptimizedStep:
             warnings.warn(f"disco-jax: plan {path} cannot be applied ({e}); running the unmodified step",
                           _plan.PlanWarning, stacklevel=4)
             report["reason"] = f"plan not applicable: {e}"
-            return self._fn
+            return default_compiled
         counts = compiled_counts(compiled.as_text())
         report.update(compile_status=applied, plan_counts=counts)
         if applied == "fingerprint-mismatch" or counts["all-reduce"] != len(strategy.buckets):
             warnings.warn(f"disco-jax: the compiled step has {counts['all-reduce']} all-reduces, the plan "
                           f"{len(strategy.buckets)}; running the unmodified step", _plan.PlanWarning, stacklevel=4)
             report["reason"] = "plan not enacted by XLA"
-            return self._fn
+            return default_compiled
         report.update(applied=True, reason=plan.reason)
         _say(options, f"{graph.module.name}: applied plan {path.name} "
                       f"({counts['all-reduce']} all-reduces, {counts['fusion']} fusions)")
@@ -434,7 +509,7 @@ class OptimizedStep:
                 report["plan_path"] = None
             if options.verbose:
                 _print_summary(graph, plan, report)
-        return self._fn if plan.use_default else compiled
+        return default_compiled if plan.use_default else compiled
 
 
 def _merge_comparisons(comparisons: list[dict]) -> _validate.Comparison:
@@ -520,10 +595,14 @@ def _signature(args, kwargs):
 
 def optimize_distributed(fn: Callable | None = None, *, alpha: float = 1.05, beta: int = 10, seed: int = 0,
                          budget_s: float = 60.0, max_unchanged: int = 1000, plan_dir: str | os.PathLike | None = None,
-                         validation_pairs: int = 20, verbose: bool = True):
-    """Optimize a jitted data-parallel training step by joint op fusion and all-reduce fusion.
+                         validation_pairs: int = 20, verbose: bool = True, **jit_kwargs):
+    """Optimize a data-parallel training step by joint op fusion and all-reduce fusion.
 
-    Use as `@optimize_distributed` or `@optimize_distributed(alpha=..., ...)` above `@jax.jit`.
+    Use as `@optimize_distributed` or `@optimize_distributed(alpha=..., ...)`, above `@jax.jit` or on
+    a plain function, which is then jitted with `jit_kwargs` (`static_argnames=`, `donate_argnums=`,
+    ... as `jax.jit` takes them). Static arguments are part of the program: each static value is a
+    program of its own, with a plan of its own.
+
     With `ENABLE_SEARCH=1` the first call searches for a plan, validates it against the
     unmodified step and stores it in `plan_dir` (default `$DISCO_JAX_PLAN_DIR` or
     `~/.cache/disco-jax/plans`); otherwise the first call applies the stored plan, or runs the
@@ -535,6 +614,16 @@ def optimize_distributed(fn: Callable | None = None, *, alpha: float = 1.05, bet
                       plan_dir=None if plan_dir is None else str(plan_dir), validation_pairs=validation_pairs,
                       verbose=verbose)
     options.search_config()  # validate early
-    if fn is None:
-        return lambda f: OptimizedStep(f, options)
-    return OptimizedStep(fn, options)
+
+    def wrap(f: Callable) -> OptimizedStep:
+        if not callable(f):
+            raise TypeError(f"optimize_distributed expects a function, got {f!r}")
+        if hasattr(f, "lower"):
+            if jit_kwargs:
+                raise TypeError(f"optimize_distributed got jax.jit options ({', '.join(sorted(jit_kwargs))}) for a "
+                                "function that is jitted already; pass them to its jax.jit")
+        else:
+            f = jax.jit(f, **jit_kwargs)
+        return OptimizedStep(f, options)
+
+    return wrap if fn is None else wrap(fn)

@@ -254,7 +254,7 @@ def measured_row(name: str, style: str, *, budget_s: float, pairs: int, plan_dir
     report = optimized.last_report
     plan = report.get("plan") or {}
     applied = bool(report.get("applied"))
-    enacted = next(iter(optimized._compiled.values()), None)
+    enacted = optimized.executable(*args)
     disco_hlo = (_baselines.compiled_hlo_stats(enacted.as_text()) if applied and hasattr(enacted, "as_text")
                  else default_counts)
     if applied:

@@ -8,7 +8,7 @@ Two measurements feed the simulator, and one store keeps them:
 - `measure_allreduce_cost` times float32 all-reduces of several sizes on a mesh and fits DisCo's
   line T(bytes) = C * bytes + D (`AllReduceCostModel`).
 - `Profile` is everything measured for one device kind and device count; `ProfileDatabase` keeps
-  profiles as JSON files: shipped ones in the repo's `profiles/<device kind>/profile.json`, and the
+  profiles as JSON files: shipped ones in the package data `disco_jax/profiles/<device kind>/profile.json`, and the
   user's own in a cache directory that takes precedence.
 
 Data flow: compiled step -> trace -> {instruction name: us} -> (the caller turns names into kernel
@@ -19,6 +19,7 @@ signatures) -> Profile.kernel_times_us -> ProfileDatabase.save -> JSON on disk -
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import datetime
 import json
 import math
@@ -42,7 +43,9 @@ from disco_jax._files import write_json_atomic
 FORMAT_VERSION = 1
 """Version of both JSON formats written here (`Profile.to_json` and the database files)."""
 
-SHIPPED_PROFILE_DIR = Path(__file__).resolve().parents[1] / "profiles"
+# Shipped profiles and estimator weights are package data (`disco_jax/profiles/<device kind>/`), so a
+# wheel carries them; importlib.resources finds them wherever the package is installed.
+SHIPPED_PROFILE_DIR = Path(str(importlib.resources.files("disco_jax") / "profiles"))
 DEFAULT_USER_PROFILE_DIR = Path("~/.cache/disco-jax/profiles")
 PROFILE_DIR_ENV = "DISCO_JAX_PROFILE_DIR"
 PROFILE_FILE_NAME = "profile.json"
@@ -398,7 +401,7 @@ def _check_format_version(d: Any, what: str) -> None:
 class ProfileDatabase:
     """Profiles as JSON files, one per device kind: `<root>/<device kind key>/profile.json`.
 
-    Two roots: the shipped, read-only `profiles/` directory of the repository, and the user cache
+    Two roots: the shipped, read-only `profiles/` package data (`SHIPPED_PROFILE_DIR`), and the user cache
     (`user_dir`, else env `DISCO_JAX_PROFILE_DIR`, else `~/.cache/disco-jax/profiles`), where
     `save` writes. A file holds the kernel times of its device kind (they do not depend on how
     many devices run) and one all-reduce fit per device count (they do):

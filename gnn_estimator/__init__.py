@@ -8,7 +8,7 @@ Data flow:
             {kernel description, measured us, device kind}
   train     scripts/train_estimator.py: descriptions -> features (`_features`) -> `FusedOpEstimator`
             (`_model`, Flax) fitted with optax Adam on squared log error (`_train`) ->
-            profiles/<device kind>/gnn_estimator.{msgpack,json} (`_weights`)
+            disco_jax/profiles/<device kind>/gnn_estimator.{msgpack,json} (`_weights`)
   serve     `load_estimator(device_kind)` -> `GnnEstimator`, an `Estimator` of the core:
             `estimate(graph, kernels)` batches every kernel of a call into padded, jitted forward
             passes and caches predictions by kernel signature.

@@ -1,4 +1,4 @@
-"""Trained estimator files: `profiles/<device kind>/gnn_estimator.msgpack` (the parameters, by
+"""Trained estimator files: `disco_jax/profiles/<device kind>/gnn_estimator.msgpack` (the parameters, by
 `flax.serialization`) and `gnn_estimator.json` (metadata: feature version and lists, opcode
 vocabulary, model config, normalization, training summary, accuracy, and the weights' sha256).
 

@@ -15,7 +15,7 @@ Kernels are compiled alone through the XLA pass hook and timed under the profile
 (`gnn_estimator._measure`). Every sample is one JSON line appended to --out (resumable: a rerun
 skips what the file already holds), with the device kind recorded. Usage:
 
-    python scripts/collect_kernel_samples.py --out profiles/cpu/kernel_samples.jsonl --per-model 350
+    python scripts/collect_kernel_samples.py --out disco_jax/profiles/cpu/kernel_samples.jsonl --per-model 350
     python scripts/collect_kernel_samples.py --list
 """
 
@@ -42,7 +42,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from disco_jax import _capture, _graph  # noqa: E402
 from disco_jax._cost import kernel_io_bytes, kernel_signature  # noqa: E402
-from disco_jax._profile import device_kind_key  # noqa: E402
+from disco_jax._profile import SHIPPED_PROFILE_DIR, device_kind_key  # noqa: E402
 from gnn_estimator import _features, _kernels, _measure  # noqa: E402
 
 console = Console()
@@ -412,7 +412,7 @@ MAX_BATCH_BYTES = 1 << 30  # a batch of compiled kernels holds its inputs in mem
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     device_kind = device_kind_key(jax.devices()[0])
-    parser.add_argument("--out", type=Path, default=Path("profiles") / device_kind / "kernel_samples.jsonl")
+    parser.add_argument("--out", type=Path, default=SHIPPED_PROFILE_DIR / device_kind / "kernel_samples.jsonl")
     parser.add_argument("--models", nargs="*", help="model names (default: all; see --list)")
     parser.add_argument("--per-model", type=int, default=350, help="multi-op kernels per model")
     parser.add_argument("--max-singles", type=int, default=120, help="distinct single ops timed per model")

@@ -1,12 +1,12 @@
 """Accuracy report of the GNN fused-op estimator: CDF of relative error on held-out kernels, next
 to the core's analytical estimator (DisCo Fig. 9 / section 6.5).
 
-Data flow: profiles/<device kind>/gnn_estimator.{msgpack,json} + the sample files it was trained
+Data flow: disco_jax/profiles/<device kind>/gnn_estimator.{msgpack,json} + the sample files it was trained
 from -> the same split the training used (seed and held-out model families from the metadata) ->
 relative errors |predicted - measured| / measured of: the GNN with the ops' own times, the GNN
 without them, the analytical estimator fitted to the same training kernels, and the measurement
 noise itself (two halves of the timing rounds of each kernel) -> a table on the terminal,
-profiles/<kind>/estimator_accuracy.png (CDFs) and profiles/<kind>/estimator_report.md.
+disco_jax/profiles/<kind>/estimator_accuracy.png (CDFs) and disco_jax/profiles/<kind>/estimator_report.md.
 
     python scripts/estimator_report.py [--device-kind cpu] [--data FILE ...]
 """
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     lines += ["![CDF of relative error](estimator_accuracy.png)", "",
               "## Reproduce", "",
               "```",
-              "python scripts/collect_kernel_samples.py --per-model 200 --max-singles 80   # profiles/<kind>/kernel_samples.jsonl",
+              "python scripts/collect_kernel_samples.py --per-model 200 --max-singles 80   # disco_jax/profiles/<kind>/kernel_samples.jsonl",
               f"python scripts/train_estimator.py --epochs {info.get('epochs', 100)} --members "
               f"{trained.config.members}   # weights + metadata",
               "python scripts/estimator_report.py                                          # this report",

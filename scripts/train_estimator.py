@@ -4,7 +4,7 @@ Data flow: samples (JSON lines from scripts/collect_kernel_samples.py, only thos
 --device-kind) -> split (`gnn_estimator._train.split_samples`: the --holdout-family models are
 never trained on; the rest by kernel hash into train / validation / random held-out test) ->
 `train` (best validation epoch kept) -> evaluation on both held-out sets next to the core's
-analytical estimator fitted on the same training samples -> `profiles/<device kind>/
+analytical estimator fitted on the same training samples -> `disco_jax/profiles/<device kind>/
 gnn_estimator.msgpack` + `.json` (metadata: feature version, config, training summary, accuracy).
 
     python scripts/train_estimator.py                       # train from scratch on the shipped data
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_kind = device_kind_key(jax.devices()[0])
     parser.add_argument("--device-kind", default=default_kind)
-    parser.add_argument("--data", type=Path, nargs="*", help="sample files (default: profiles/<kind>/kernel_samples.jsonl)")
+    parser.add_argument("--data", type=Path, nargs="*", help="sample files (default: disco_jax/profiles/<kind>/kernel_samples.jsonl)")
     parser.add_argument("--profiles-dir", type=Path, default=SHIPPED_PROFILE_DIR)
     parser.add_argument("--holdout-family", nargs="*", default=list(DEFAULT_HOLDOUT),
                         help="model families never trained on (the unseen-model test)")

@@ -113,13 +113,6 @@ def test_unwritable_plan_dir_warns_and_still_trains(tmp_path, monkeypatch):
     assert _validate.compare_outputs(step(*args), out, bitwise=False).within_tolerance
 
 
-def test_function_that_is_not_jitted_is_a_type_error():
-    with pytest.raises(TypeError, match="jax.jit"):
-        optimize_distributed(lambda x: x)
-    with pytest.raises(TypeError, match="jax.jit"):
-        optimize_distributed(budget_s=1)(lambda x: x)
-
-
 @pytest.mark.parametrize("value", ["yes", "2", "true"])
 def test_enable_search_must_be_0_or_1(value, monkeypatch):
     monkeypatch.setenv("ENABLE_SEARCH", value)

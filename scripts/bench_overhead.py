@@ -1,0 +1,120 @@
+"""Benchmark: what `@optimize_distributed` adds to each call of a step whose plan is reused.
+
+A data-parallel step with several hundred small parameter leaves (default 300) on
+8 virtual CPU devices. A plan is made first (search phase, small budget, in a temporary plan
+directory), then a fresh decorated step enacts it, as a later training run would. Timed in
+interleaved rounds, each call blocked on its result:
+
+* `jit`: the plain `jax.jit` step (JAX's C++ dispatch);
+* `executable`: the executable the decorated step runs, called directly (`step.executable(...)`);
+* `decorated`: the decorated step.
+
+Printed: the median time per call of each, and the decorator's overhead as the median of the
+per-round differences `decorated - executable` (same executable: only the wrapper differs) with its
+interquartile range, and `decorated - jit` (which also holds the plan's own effect on step time).
+
+    python scripts/bench_overhead.py [--leaves 300] [--rounds 400] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    + ["--xla_force_host_platform_device_count=8"])
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from disco_jax import optimize_distributed  # noqa: E402
+
+
+def make_step(leaves: int, width: int = 8, batch: int = 64):
+    """A cheap step with `leaves` parameter vectors, each with a gradient of its own, so that the
+    call's dispatch, not its arithmetic, is what differs between the timed paths."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    params = {f"p{i:03d}": jnp.full((width,), 1.0 + i / leaves) for i in range(leaves)}
+    opt = optax.sgd(1e-2)
+
+    def step(params, opt_state, x):
+        def loss(params):
+            return sum(jnp.mean(jnp.tanh(x * p)) for p in params.values())
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    replicated = NamedSharding(mesh, P())
+    state = jax.device_put((params, opt.init(params)), replicated)
+    x = jax.device_put(jax.random.normal(jax.random.PRNGKey(1), (batch, width)), NamedSharding(mesh, P("data")))
+    return jax.jit(step), (*state, x)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--leaves", type=int, default=300, help="parameter leaves of the step")
+    parser.add_argument("--rounds", type=int, default=400)
+    parser.add_argument("--budget", type=float, default=3.0, help="search budget for making the plan (s)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    step, call_args = make_step(args.leaves)
+    leaves = len(jax.tree.leaves(call_args[0]))
+    with tempfile.TemporaryDirectory(prefix="disco-overhead-") as plan_dir:
+        os.environ["ENABLE_SEARCH"] = "1"
+        jax.block_until_ready(optimize_distributed(budget_s=args.budget, plan_dir=plan_dir, verbose=False,
+                                                   validation_pairs=6)(step)(*call_args))
+        os.environ["ENABLE_SEARCH"] = "0"
+        decorated = optimize_distributed(plan_dir=plan_dir, verbose=False)(step)
+        jax.block_until_ready(decorated(*call_args))
+    report = decorated.last_report
+    executable = decorated.executable(*call_args)
+    calls = {"jit": step, "executable": executable, "decorated": decorated}
+    for f in calls.values():  # warm every path
+        for _ in range(20):
+            jax.block_until_ready(f(*call_args))
+    times = {name: [] for name in calls}
+    order = list(calls)
+    for r in range(args.rounds):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            f = calls[name]
+            start = time.perf_counter()
+            jax.block_until_ready(f(*call_args))
+            times[name].append((time.perf_counter() - start) * 1e6)
+    t = {k: np.array(v) for k, v in times.items()}
+
+    def spread(d):
+        return float(np.median(d)), float(np.percentile(d, 25)), float(np.percentile(d, 75))
+
+    wrapper = spread(t["decorated"] - t["executable"])
+    versus_jit = spread(t["decorated"] - t["jit"])
+    result = {
+        "parameter_leaves": leaves, "rounds": args.rounds, "plan_applied": bool(report.get("applied")),
+        "median_us": {k: float(np.median(v)) for k, v in t.items()},
+        "overhead_vs_executable_us": wrapper, "overhead_vs_jit_us": versus_jit,
+        "overhead_vs_jit_ratio": float(np.median(t["decorated"] / t["jit"])),
+    }
+    print(f"step with {leaves} parameter leaves on 8 CPU devices, plan "
+          f"{'applied' if result['plan_applied'] else 'kept XLA default'} ({report.get('reason', '')}); "
+          f"{args.rounds} interleaved rounds")
+    for name, median in result["median_us"].items():
+        print(f"  {name:<11} {median:9.1f} us per call (median)")
+    print(f"  decorator overhead, decorated - executable: {wrapper[0]:+.1f} us [IQR {wrapper[1]:+.1f} .. {wrapper[2]:+.1f}]")
+    print(f"  decorated - jit: {versus_jit[0]:+.1f} us [IQR {versus_jit[1]:+.1f} .. {versus_jit[2]:+.1f}], "
+          f"ratio {result['overhead_vs_jit_ratio']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""One training process for the fault tests (test_faults.py): decorates the small MLP step of
+`_steps.py` on 8 CPU devices and calls it once, in the phase ENABLE_SEARCH says.
+
+    python tests/_search_worker.py PLAN_DIR BUDGET_S
+
+Prints the decorator's progress on stderr and one line `RESULT {json}` on stdout at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+
+from _steps import make_step  # noqa: E402
+from disco_jax import optimize_distributed  # noqa: E402
+
+plan_dir, budget_s = sys.argv[1], float(sys.argv[2])
+step, args = make_step("jit", optimizer=optax.adam(1e-2))
+wrapped = optimize_distributed(budget_s=budget_s, validation_pairs=4, plan_dir=plan_dir, verbose=True)(step)
+jax.block_until_ready(wrapped(*args))
+report = wrapped.last_report
+print("RESULT " + json.dumps({key: report.get(key) for key in ("phase", "search_ran", "applied", "plan_path",
+                                                             "fingerprint")}), flush=True)
