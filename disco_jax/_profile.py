@@ -19,8 +19,8 @@ signatures) -> Profile.kernel_times_us -> ProfileDatabase.save -> JSON on disk -
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
 import datetime
+import importlib.resources
 import json
 import math
 import os
