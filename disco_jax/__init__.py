@@ -5,7 +5,9 @@ Decorate a jitted data-parallel training step with `@optimize_distributed`. Run 
 See README.md for the data flow (capture -> graph -> profile -> cost -> search -> rewrite -> plan).
 """
 
-from disco_jax._api import OptimizedStep, optimize_distributed, search_enabled
+from disco_jax import backends
+from disco_jax._api import OptimizedStep, optimize_distributed
+from disco_jax._pipeline import StepReport, search_enabled
 from disco_jax._cost import AnalyticalEstimator, ChainEstimator, Estimator, SimulatedStep, TableEstimator, simulate
 from disco_jax._distributed import PlanMismatchError, initialize_from_env
 from disco_jax._graph import Graph, build_graph
@@ -19,7 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AllReduceCostModel", "AnalyticalEstimator", "ChainEstimator", "Estimator", "Graph", "OptimizedStep", "Plan",
     "PlanMismatchError", "PlanWarning", "Profile", "ProfileDatabase", "SearchConfig", "SearchResult",
-    "SimulatedStep", "Strategy", "TableEstimator", "backtracking_search", "build_graph", "find_plan",
+    "SimulatedStep", "StepReport", "Strategy", "TableEstimator", "backends", "backtracking_search", "build_graph", "find_plan",
     "initialize_from_env", "optimize_distributed", "read_plan_file", "search_enabled", "simulate",
     "start_candidates", "unfused", "xla_default",
 ]

@@ -55,7 +55,7 @@ KERNELS_ANALYTICAL = "analytical-scaled"
 
 
 def default_platforms() -> tuple[str, ...]:
-    from disco_jax import _clusters
+    from disco_jax import backends, _clusters, _compile
     return (CPU_PLATFORM, *_clusters.CLUSTERS)
 
 
@@ -172,7 +172,7 @@ def capture_paper_model(name: str, style: str):
     started = time.perf_counter()
     lowered = zoo.lower_abstract(spec, optax.adam(1e-3), zoo.data_mesh(NUM_CPU_DEVICES), style)
     text, _ = _capture.capture(lowered)
-    graph = _graph.build_graph(text)
+    graph = _graph.build_graph(text, backends.CPU)
     return graph, {"capture_s": time.perf_counter() - started, "parameters": spec.param_count(),
                    "global_batch": spec.default_global_batch,
                    "per_device_batch": spec.default_global_batch // NUM_CPU_DEVICES,
@@ -196,11 +196,11 @@ def measured_row(name: str, style: str, *, budget_s: float, pairs: int, plan_dir
     started = time.perf_counter()
     lowered = step.lower(*args)
     text, default_compiled = _capture.capture(lowered)
-    graph = _graph.build_graph(text)
+    graph = _graph.build_graph(text, backends.CPU)
     capture_s = time.perf_counter() - started
-    devices = _api._step_devices(args, {})
+    devices = _compile.step_devices(args, {})
     options = _api.Options(budget_s=budget_s, verbose=False, validation_pairs=max(8, pairs // 2))
-    default_runner = _api._Runner(default_compiled, lowered, args, {})
+    default_runner = _compile.Runner(default_compiled, lowered, args, {})
     _log(f"{name}: profiling and calibrating the simulator")
     cost_model = _api.profile_step(graph, default_runner, _capture.module_name(lowered), devices,
                                    _profile.ProfileDatabase(), options)
@@ -210,19 +210,19 @@ def measured_row(name: str, style: str, *, budget_s: float, pairs: int, plan_dir
         graph, "cpu", kernel_time_us=lambda ks: [t * scale for t in cost_model.estimator.estimate(graph, ks)])
     reference = default_runner()
     floor = _validate.sensitivity(reference, step(*_validate.nudge(args)))
-    default_counts = _baselines.compiled_hlo_stats(default_compiled.as_text())
+    default_counts = _compile.compiled_stats(default_compiled.as_text())
     strategies: dict[str, dict] = {}
     default_samples: list[float] = []
     for b in baselines:
         _log(f"{name}: {b.name} ({b.enacted_by})")
         if b.compiler_options is None:
-            compiled, status = _api.compile_strategy(lowered, graph, b.strategy, "cpu")
+            compiled, status = _compile.compile_strategy(lowered, graph, b.strategy)
         elif not b.compiler_options:
             compiled, status = default_compiled, "default"
         else:
             compiled, status = lowered.compile(compiler_options=b.compiler_options), "compile options"
-        runner = _api._Runner(compiled, lowered, args, {})
-        counts = _baselines.compiled_hlo_stats(compiled.as_text())
+        runner = _compile.Runner(compiled, lowered, args, {})
+        counts = _compile.compiled_stats(compiled.as_text())
         # Bitwise equality is recorded; the check is the tolerance of `_validate` (fusion changes,
         # and our rewrite of some modules, move float results by a few ulps).
         comparison = _validate.compare_outputs(reference, runner(), bitwise=False, floor=floor)
@@ -252,10 +252,10 @@ def measured_row(name: str, style: str, *, budget_s: float, pairs: int, plan_dir
         else:
             os.environ["ENABLE_SEARCH"] = previous
     report = optimized.last_report
-    plan = report.get("plan") or {}
-    applied = bool(report.get("applied"))
+    plan = report.plan or {}
+    applied = bool(report.applied)
     enacted = optimized.executable(*args)
-    disco_hlo = (_baselines.compiled_hlo_stats(enacted.as_text()) if applied and hasattr(enacted, "as_text")
+    disco_hlo = (_compile.compiled_stats(enacted.as_text()) if applied and hasattr(enacted, "as_text")
                  else default_counts)
     if applied:
         strategy = _strategy.Strategy.from_json(graph, plan["strategy"])
@@ -265,13 +265,13 @@ def measured_row(name: str, style: str, *, budget_s: float, pairs: int, plan_dir
     timing = _validate.time_interleaved(default_runner, lambda: optimized(*args), pairs=pairs)
     default_samples.append(timing.default_us)
     sim = cost_model.simulate(graph, strategy)
-    search = report.get("search") or {}
+    search = report.search or {}
     strategies[DISCO] = {
         "simulated": _sim_json(sim), "description": ("plan applied" if applied else "XLA default kept") +
-        f": {report.get('reason', '')}", "enacted_by": "optimize_distributed", "applied": applied,
+        f": {report.reason or ''}", "enacted_by": "optimize_distributed", "applied": applied,
         "hlo": disco_hlo,
         "buckets": len(strategy.buckets), "valid": sim is not None,
-        "simulated_by_search": (report.get("simulated") or {}).get("plan"),
+        "simulated_by_search": (report.simulated or {}).get("plan"),
         "measured": {"us": timing.plan_us, "default_us": timing.default_us, "ratio": timing.ratio,
                      "ratio_iqr": [timing.ratio_low, timing.ratio_high], "pairs": timing.pairs},
         "outputs": {"bitwise_equal": comparison.bitwise_equal, "within_tolerance": comparison.within_tolerance,

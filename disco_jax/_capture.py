@@ -21,7 +21,7 @@ from jax._src.lib import xla_client
 from jax.extend import xla as jax_xla
 
 _lock = threading.RLock()
-_registered_for: set[str] = set()
+_registered_for: set[tuple[str, str]] = set()
 _active: dict[str, Any] = {}
 _fresh = itertools.count(1)
 CACHE_KEY_OPTION = "xla_dump_max_hlo_modules"
@@ -50,12 +50,12 @@ def _dispatch(serialized: bytes) -> bytes | None:
     return xla_client.hlo.hlo_module_from_text(new_text).as_serialized_hlo_module_proto()
 
 
-def _ensure_registered(platform: str) -> None:
-    if platform not in _registered_for:
-        stage = jax_xla.PipelineStage.PRE_SCHEDULER
+def _ensure_registered(platform: str, stage: str) -> None:
+    if (platform, stage) not in _registered_for:
         jax_xla.register_hlo_module_transformation(
-            _dispatch, name=f"disco_jax_{platform}", stage=stage, platforms=platform)
-        _registered_for.add(platform)
+            _dispatch, name=f"disco_jax_{platform}_{stage.lower()}", stage=getattr(jax_xla.PipelineStage, stage),
+            platforms=platform)
+        _registered_for.add((platform, stage))
 
 
 def module_name(lowered: jax.stages.Lowered) -> str:
@@ -71,12 +71,13 @@ def cache_key_value(tag: str) -> int:
 
 def compile_with_hook(lowered: jax.stages.Lowered, handler: Callable[[str], str | None], *,
                       cache_tag: str | None = None, compiler_options: dict | None = None,
-                      platform: str | None = None):
-    """Compile `lowered` with `handler(module_text) -> new text | None` applied at the hook.
+                      platform: str | None = None, stage: str = "PRE_SCHEDULER"):
+    """Compile `lowered` with `handler(module_text) -> new text | None` applied at the hook
+    (`stage`: a `jax.extend.xla.PipelineStage` member name; a backend's `hook_stage`).
 
     Returns the `jax.stages.Compiled`. Raises RuntimeError if the hook never saw the module."""
     platform = platform or jax.default_backend()
-    _ensure_registered(platform)
+    _ensure_registered(platform, stage)
     seen: list[bool] = []
 
     def wrapped(text: str) -> str | None:
@@ -98,7 +99,8 @@ def compile_with_hook(lowered: jax.stages.Lowered, handler: Callable[[str], str 
     return compiled
 
 
-def capture(lowered: jax.stages.Lowered, compiler_options: dict | None = None) -> tuple[str, Any]:
+def capture(lowered: jax.stages.Lowered, compiler_options: dict | None = None, *, platform: str | None = None,
+            stage: str = "PRE_SCHEDULER") -> tuple[str, Any]:
     """The module text at the hook stage, and the compiled (unmodified) executable."""
     texts: list[str] = []
 
@@ -106,5 +108,5 @@ def capture(lowered: jax.stages.Lowered, compiler_options: dict | None = None) -
         texts.append(text)
         return None
 
-    compiled = compile_with_hook(lowered, record, compiler_options=compiler_options)
+    compiled = compile_with_hook(lowered, record, compiler_options=compiler_options, platform=platform, stage=stage)
     return texts[-1], compiled

@@ -38,16 +38,16 @@ def worker(model: str, config: str, style: str, out: Path, budget_s: float, plan
     result = jax.block_until_ready(optimized(state, batch))
     first_call_s = time.perf_counter() - started
     report = optimized.last_report
-    plan = report.get("plan") or {}
+    plan = report.plan or {}
     floor = _validate.sensitivity(reference, step(*_validate.nudge((state, batch))))
     bitwise = _validate.compare_outputs(reference, result, bitwise=False, floor=floor)
     timing = _validate.time_interleaved(lambda: step(state, batch), lambda: optimized(state, batch), pairs=20)
     out.write_text(json.dumps({
-        "model": model, "config": config, "style": style, "phase": report["phase"],
-        "search_ran": report["search_ran"], "applied": report["applied"], "reason": report.get("reason", ""),
-        "first_call_s": first_call_s, "plan_path": report.get("plan_path"),
-        "default_counts": report["default_counts"],
-        "plan_counts": report.get("plan_counts", report["default_counts"]) if report["applied"] else report["default_counts"],
+        "model": model, "config": config, "style": style, "phase": report.phase,
+        "search_ran": report.search_ran, "applied": report.applied, "reason": (report.reason or ""),
+        "first_call_s": first_call_s, "plan_path": report.plan_path,
+        "default_counts": report.default_counts,
+        "plan_counts": (report.plan_counts or report.default_counts) if report.applied else report.default_counts,
         "simulated": plan.get("simulated", {}), "search": {k: plan.get("search", {}).get(k) for k in
                                                            ("seconds", "evaluated", "candidates_per_second")},
         "measured_default_us": timing.default_us, "measured_plan_us": timing.plan_us, "measured_ratio": timing.ratio,

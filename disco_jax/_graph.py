@@ -1,11 +1,11 @@
 """The graph IR: a captured HLO module as primitive ops, data edges and gradients.
 
-`build_graph(text)` opens XLA's own loop fusions of the entry computation into their instructions
+`build_graph(text, backend)` opens XLA's own loop fusions of the entry computation into their instructions
 ("primitive ops"), merges the copies XLA made when it duplicated a producer into several fusions
 (so a producer is one op, possibly fused into several groups), and records:
 
 * `Op`: one primitive op, with its kind:
-  - ``fusible``: an op a loop fusion can hold (elementwise, broadcast, reduce, ...);
+  - ``fusible``: an op the backend's loop fusion can hold (`Backend.fusible`);
   - ``opaque``: a kernel we never fuse across (dots, custom fusions, control flow, custom calls,
     collectives other than the gradient all-reduces);
   - ``free``: no kernel of its own (parameter, constant, get-tuple-element, tuple, bitcast);
@@ -23,8 +23,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from typing import TYPE_CHECKING
 
 from disco_jax import _hlo
+
+if TYPE_CHECKING:
+    from disco_jax.backends import Backend
 
 ELEMENTWISE = frozenset("""
 abs add and atan2 cbrt ceil clamp compare complex convert cos count-leading-zeros divide erf exp
@@ -33,9 +37,6 @@ multiply negate not or popcnt power real reduce-precision remainder round-neares
 round-nearest-even rsqrt select shift-left shift-right-arithmetic shift-right-logical sign sin
 sqrt subtract tan tanh xor bitcast-convert stochastic-convert
 """.split())
-# Ops XLA:CPU's elemental emitter generates inside a kLoop fusion.
-FUSIBLE = ELEMENTWISE | frozenset(
-    "broadcast reshape transpose copy slice concatenate pad reduce iota reverse bitcast".split())
 FREE = frozenset("parameter constant get-tuple-element tuple bitcast after-all".split())
 # Transcendental ops cost more than one flop per element in the analytical model.
 TRANSCENDENTAL = frozenset(
@@ -103,6 +104,7 @@ class Graph:
     entry_values: dict[str, int]  # entry instruction name -> op id holding its value
     outputs: list[int]  # op ids of the module's output (several when ROOT was a multi-output fusion)
     fingerprint: str
+    backend: Backend  # the compiler whose module this is
 
     def __post_init__(self):
         users: list[list[int]] = [[] for _ in self.ops]
@@ -181,7 +183,7 @@ def _custom_fusion_flops(op: Op, graph: Graph) -> float:
     return total
 
 
-def _openable(inst: _hlo.Instruction, module: _hlo.HloModuleText) -> bool:
+def _openable(inst: _hlo.Instruction, module: _hlo.HloModuleText, fusible: frozenset[str]) -> bool:
     """An XLA loop fusion whose instructions are all ones we can re-fuse freely."""
     if inst.opcode != "fusion" or inst.attr("kind") not in ("kLoop", "kInput"):
         return False
@@ -189,7 +191,7 @@ def _openable(inst: _hlo.Instruction, module: _hlo.HloModuleText) -> bool:
     for i in comp.instructions:
         if i.opcode in ("parameter", "constant") or (i.opcode == "tuple" and i.is_root):
             continue
-        if i.opcode not in FUSIBLE or len(i.outputs) != 1:
+        if i.opcode not in fusible or len(i.outputs) != 1:
             return False
     return True
 
@@ -223,8 +225,10 @@ def _compat_key(inst: _hlo.Instruction, module: _hlo.HloModuleText, dtype: str) 
             inst.attr("channel_id") is not None)
 
 
-def build_graph(text: str) -> Graph:
-    """Parse a post-fusion HLO module (the CPU PRE_SCHEDULER stage) into the graph IR."""
+def build_graph(text: str, backend: Backend) -> Graph:
+    """Parse a module captured at `backend`'s hook stage into the graph IR. The backend says
+    which ops its loop emitter fuses; the graph keeps it (`graph.backend`) for the search's
+    questions about what can be fused and emitted."""
     module = _hlo.parse_module(text)
     entry = module.entry
     ops: list[Op] = []
@@ -267,7 +271,7 @@ def build_graph(text: str) -> Graph:
     def entry_kind(inst: _hlo.Instruction) -> str:
         if inst.opcode in FREE:
             return "free"
-        if inst.opcode in FUSIBLE and len(inst.outputs) == 1 and not inst.attr("control-predecessors"):
+        if inst.opcode in backend.fusible and len(inst.outputs) == 1 and not inst.attr("control-predecessors"):
             return "fusible"
         return "opaque"
 
@@ -311,7 +315,7 @@ def build_graph(text: str) -> Graph:
                 if g.result_name.startswith(f"{g.source}."):
                     gradients[g.id] = dataclasses.replace(g, result_name=inst.name)
             continue
-        if _openable(inst, module):
+        if _openable(inst, module, backend.fusible):
             comp = module.computation(inst.attr("calls").lstrip("%"))
             inner: dict[str, int] = {}
             members: list[int] = []
@@ -358,4 +362,4 @@ def build_graph(text: str) -> Graph:
     root = entry.root
     outputs = list(tuple_values[root.name]) if root.name in tuple_values else [value[root.name]]
     return Graph(module, ops, gradients, xla_groups, homes, xla_buckets, xla_kernel_names, xla_exports,
-                 templates, value, outputs, _hlo.fingerprint(text))
+                 templates, value, outputs, _hlo.fingerprint(text), backend)

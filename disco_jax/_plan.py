@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jaxlib
 
+from disco_jax import _distributed
 from disco_jax._files import write_json_atomic
 
 PLAN_FORMAT_VERSION = 1
@@ -148,3 +149,18 @@ def find_plan(fingerprint: str, machine: MachineKey,
                       PlanWarning, stacklevel=3)
         return None, path
     return plan, path
+
+
+def shared_plan(scope: str, plan: Plan | None) -> Plan | None:
+    """Multi-process enactment: process 0's plan (or None) on every process. A process whose own
+    plan directory holds a different plan for this program makes every process fail."""
+    decisions = None if plan is None else {k: v for k, v in (plan.strategy or {}).items() if k != "origin"}
+    mine = None if plan is None else _distributed.digest([plan.fingerprint, plan.use_default, decisions])
+    digests = _distributed.gather_json(f"{scope}/plan-digest", mine)
+    differing = [i for i, d in enumerate(digests) if d is not None and d != digests[0]]
+    if differing:
+        raise _distributed.PlanMismatchError(
+            f"disco-jax: process(es) {differing} hold a different plan for this program than process 0 "
+            f"(plan digests {digests}); give every process the same plan directory, or remove the stale plans")
+    shared = _distributed.broadcast_json(f"{scope}/plan", None if plan is None else plan.to_json())
+    return None if shared is None else Plan.from_json(shared)

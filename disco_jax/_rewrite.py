@@ -1,6 +1,7 @@
-"""Strategy -> HLO module text, for the CPU hook stage (post-fusion, pre-schedule).
+"""Building blocks for writing a strategy back into a post-fusion module (XLA:CPU's hook stage).
 
-The entry computation is emitted anew, kernel by kernel in the strategy's topological order:
+`disco_jax.backends.cpu.CpuRewriter` emits the entry computation anew, kernel by kernel in the
+strategy's topological order, with the `Emitter` here:
 
 * an opaque op keeps its instruction (operands renamed);
 * a group of one op is that op, unfused;
@@ -10,36 +11,33 @@ The entry computation is emitted anew, kernel by kernel in the strategy's topolo
 * each bucket becomes one all-reduce (variadic for several gradients), emitted right after its
   last gradient's producer, with the reduction and replica groups of the original.
 
-Other computations are kept verbatim. A backend whose hook sees pre-fusion HLO (GPU) needs a
-different `Rewriter` (fusion by barriers and combiner settings); the search does not change.
+Other computations are kept verbatim. `fused_computation` is shared with the GNN's standalone
+kernel measurements, so both see the same code.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Protocol
+from typing import Callable
 
 from disco_jax import _hlo
 from disco_jax._graph import Graph
-from disco_jax._strategy import BUCKET, GROUP, OPAQUE, Strategy, _prune, group_exports, kernel_dag
+from disco_jax._strategy import Strategy
 
 # Constants up to this size are cloned into each fusion that reads them (as XLA does).
-_CLONE_CONSTANT_BYTES = 64
+CLONE_CONSTANT_BYTES = 64
 
 
-class Rewriter(Protocol):
-    """Turns a strategy into the module text the hook returns, for one backend and stage."""
-
-    def rewrite(self, graph: Graph, strategy: Strategy) -> str: ...
-
-
-def _strip_layout(shape: str) -> str:
+def strip_layout(shape: str) -> str:
     return re.sub(r"\{[^{}]*\}", "", shape)
 
 
 @dataclasses.dataclass
-class _Emitter:
+class Emitter:
+    """The new entry computation under construction: instructions, new fused computations, and
+    the entry name that holds each op's value."""
+
     graph: Graph
     strategy: Strategy
     entry: list[_hlo.Instruction] = dataclasses.field(default_factory=list)
@@ -98,7 +96,7 @@ def kernel_inputs(graph: Graph, members: frozenset[int], suffix: str,
             if v in members or v in inner:
                 continue
             src = graph.ops[v]
-            if src.opcode == "constant" and src.kind == "free" and src.output_bytes <= _CLONE_CONSTANT_BYTES:
+            if src.opcode == "constant" and src.kind == "free" and src.output_bytes <= CLONE_CONSTANT_BYTES:
                 inner[v] = f"{src.name}.{suffix}"
                 constants.append(dataclasses.replace(src.inst, name=inner[v], is_root=False, attrs=[]))
             else:
@@ -131,137 +129,6 @@ def fused_computation(graph: Graph, members: frozenset[int], exports: list[int],
         root_shape = "(" + ", ".join(graph.ops[o].inst.shape for o in exports) + ")"
         body.append(_hlo.Instruction(f"tuple.{suffix}", root_shape, "tuple", [inner[o] for o in exports],
                                      None, [], is_root=True))
-    header_params = ", ".join(f"{inner[v]}: {_strip_layout(graph.ops[v].inst.shape)}" for v in params)
-    header = f"%{name} ({header_params}) -> {_strip_layout(root_shape)} {{"
+    header_params = ", ".join(f"{inner[v]}: {strip_layout(graph.ops[v].inst.shape)}" for v in params)
+    header = f"%{name} ({header_params}) -> {strip_layout(root_shape)} {{"
     return _hlo.Computation(name, header, param_insts + body), params, root_shape
-
-
-class CpuRewriter:
-    """Rewriter for XLA:CPU's PRE_SCHEDULER hook stage (DESIGN.md points 2-3)."""
-
-    def rewrite(self, graph: Graph, strategy: Strategy) -> str:
-        dag = kernel_dag(graph, strategy)
-        if dag is None:
-            raise ValueError("strategy has a dependency cycle; it cannot be rewritten")
-        module = graph.module
-        em = _Emitter(graph, strategy)
-        channels = [int(c) for c in re.findall(r"channel_id=(\d+)", module.to_text(drop_metadata=True))]
-        em.channel = max(channels, default=0)
-        exports = group_exports(graph, strategy)
-        xla_by_members = {}
-        for i, members in enumerate(graph.xla_groups):
-            inst = module.entry.by_name().get(graph.xla_kernel_names[i])
-            if inst is not None and inst.opcode == "fusion":
-                xla_by_members[members] = (inst, graph.xla_exports[i])
-        for op in graph.ops:
-            if op.opcode == "parameter" and op.kind == "free":
-                em.emit(op.inst)
-                em.names[op.id] = op.name
-                em.emitted_free.add(op.id)
-        em.flush_free()
-        for k in dag.order:
-            kind = dag.kinds[k]
-            if kind == OPAQUE:
-                (o,) = dag.members[k]
-                op = graph.ops[o]
-                em.emit(em.renamed(op.inst, em.operand_names(op.operands)))
-                em.names[o] = op.name
-            elif kind == GROUP:
-                gi = dag.group_index[k]
-                self._emit_group(em, gi, exports[gi], xla_by_members)
-            elif kind == BUCKET:
-                self._emit_bucket(em, sorted(dag.members[k], key=lambda g: graph.gradients[g].producer))
-            em.flush_free()
-        missing = [graph.ops[o].name for o in graph.outputs if o not in em.names]
-        if missing:
-            raise ValueError(f"rewrite could not place the module output {missing}")
-        body = [dataclasses.replace(i, is_root=False) if i.is_root else i for i in em.entry]
-        root = module.entry.root
-        if len(graph.outputs) > 1:  # ROOT was a multi-output fusion: rebuild its tuple
-            body.append(_hlo.Instruction(root.name, root.shape, "tuple",
-                                         [em.names[o] for o in graph.outputs], None, [], is_root=True))
-        else:
-            # The output goes last (free ops are emitted as soon as their inputs exist).
-            name = em.names[graph.outputs[0]]
-            at = max(i for i, inst in enumerate(body) if inst.name == name)
-            body.append(dataclasses.replace(body.pop(at), is_root=True))
-        entry = dataclasses.replace(module.entry, instructions=body)
-        comps = [c for c in module.computations if not c.is_entry] + em.computations + [entry]
-        return _hlo.HloModuleText(module.header, module.preamble, comps).to_text()
-
-    def _emit_group(self, em: _Emitter, gi: int, exports: list[int], xla_by_members) -> None:
-        graph, s = em.graph, em.strategy
-        members = s.groups[gi]
-        if not exports:
-            return
-        # XLA's own kernel where the group is unchanged, including the one-op fusions XLA wraps
-        # around lone ops (a bare op is generated differently: not bitwise equal).
-        original = xla_by_members.get(members)
-        if original is not None and set(exports) <= set(original[1]):
-            inst, outputs = original
-            em.emit(em.renamed(inst, [em.names[graph.entry_values[n]] for n in inst.operands]))
-            if len(outputs) == 1 and not inst.shape.startswith("("):
-                em.names[outputs[0]] = inst.name
-            else:
-                for i, o in enumerate(outputs):
-                    name = f"{inst.name}.out{i}"
-                    em.emit(_hlo.Instruction(name, graph.ops[o].inst.shape, "get-tuple-element",
-                                             [inst.name], None, [("index", str(i))]))
-                    em.names[o] = name
-            return
-        self._emit_new_fusion(em, members, exports)
-
-    def _emit_new_fusion(self, em: _Emitter, members: frozenset[int], exports: list[int]) -> None:
-        graph = em.graph
-        members = _prune(graph, members, exports)  # XLA rejects fused ops without users
-        if len(members) == 1:
-            (o,) = members
-            op = graph.ops[o]
-            em.emit(em.renamed(op.inst, em.operand_names(op.operands), name=op.name))
-            em.names[o] = op.name
-            return
-        em.counter += 1
-        n = em.counter
-        comp, params, root_shape = fused_computation(graph, members, exports, f"disco_fused_computation.{n}", f"d{n}")
-        em.computations.append(comp)
-        name = f"disco_fusion.{n}"
-        em.emit(_hlo.Instruction(name, root_shape, "fusion", em.operand_names(params), None,
-                                 [("kind", "kLoop"), ("calls", f"%{comp.name}")]))
-        if len(exports) == 1:
-            em.names[exports[0]] = name
-        else:
-            for i, o in enumerate(exports):
-                out = f"{name}.out{i}"
-                em.emit(_hlo.Instruction(out, graph.ops[o].inst.shape, "get-tuple-element", [name], None,
-                                         [("index", str(i))]))
-                em.names[o] = out
-
-    def _emit_bucket(self, em: _Emitter, gradient_ids: list[int]) -> None:
-        graph = em.graph
-        grads = [graph.gradients[g] for g in gradient_ids]
-        template = graph.allreduce_templates[grads[0].compat]
-        em.channel += 1
-        attrs = [(k, v) for k, v in template.attrs
-                 if k not in ("metadata", "control-predecessors", "frontend_attributes")]
-        attrs = [(k, str(em.channel) if k == "channel_id" else v) for k, v in attrs]
-        operands = [em.names[g.producer] for g in grads]
-        shapes = [graph.ops[g.producer].inst.shape for g in grads]
-        if len(grads) == 1:
-            em.emit(_hlo.Instruction(grads[0].result_name, shapes[0], "all-reduce", operands, None, attrs))
-            em.names[grads[0].reduced] = grads[0].result_name
-            return
-        name = f"disco_all-reduce.{em.channel}"
-        em.emit(_hlo.Instruction(name, "(" + ", ".join(shapes) + ")", "all-reduce", operands, None, attrs))
-        for i, g in enumerate(grads):
-            em.emit(_hlo.Instruction(g.result_name, shapes[i], "get-tuple-element", [name], None,
-                                     [("index", str(i))]))
-            em.names[g.reduced] = g.result_name
-
-
-def rewriter_for(backend: str) -> Rewriter:
-    """The rewriter for a JAX backend name; only the CPU hook stage is implemented."""
-    if backend == "cpu":
-        return CpuRewriter()
-    raise NotImplementedError(
-        f"disco-jax rewrites HLO at XLA:CPU's hook stage only; backend {backend!r} is not supported yet "
-        "(GPU's PRE_SCHEDULER stage is before fusion; see DESIGN.md point 2)")

@@ -36,9 +36,12 @@ class Strategy:
 
     def key(self) -> tuple:
         """Identity of the decisions (group order and origin do not matter)."""
-        exported = frozenset((g, frozenset(o for o in g if self.homes[o] == gi))
-                             for gi, g in enumerate(self.groups))
-        return exported, frozenset(self.buckets)
+        return self.fusion_key(), frozenset(self.buckets)
+
+    def fusion_key(self) -> frozenset:
+        """Identity of the op-fusion decisions alone: two strategies with equal fusion keys
+        compute every value with the same kernels (only their all-reduces may differ)."""
+        return frozenset((g, frozenset(o for o in g if self.homes[o] == gi)) for gi, g in enumerate(self.groups))
 
     @property
     def fused_groups(self) -> list[frozenset[int]]:
@@ -158,13 +161,8 @@ def group_exports(graph: Graph, s: Strategy) -> list[list[int]]:
 
 
 def emittable(graph: Graph, s: Strategy, exports: list[list[int]] | None = None) -> bool:
-    """XLA:CPU emits a multi-output loop fusion as one loop over the first output's shape: all
-    outputs of a fused group must have the same shape (else the compiler crashes)."""
-    exports = exports if exports is not None else group_exports(graph, s)
-    for gi, outs in enumerate(exports):
-        if len(outs) > 1 and len({graph.ops[o].inst.shape for o in outs}) > 1:
-            return False
-    return True
+    """Can the graph's backend emit every fused group of `s` (`Backend.emittable`)."""
+    return graph.backend.emittable(graph, s, exports if exports is not None else group_exports(graph, s))
 
 
 def kernel_dag(graph: Graph, s: Strategy) -> KernelDag | None:
@@ -231,16 +229,11 @@ def kernel_dag(graph: Graph, s: Strategy) -> KernelDag | None:
 
 # --------------------------------------------------------------------------- moves
 
-# A producer whose consumer is fused with it is recomputed per output element of the consumer:
-# never fuse these as producers (XLA does not either).
-_NO_PRODUCER_FUSION = frozenset({"reduce", "concatenate", "pad", "iota"})
-
-
 def _normalize(graph: Graph, groups: list[frozenset[int]], homes: list[int]) -> tuple[list, list] | None:
     """Drop groups no consumer reads from (their ops are computed where they are used), and
     duplicated members nothing in their group uses any more."""
     for gi, g in enumerate(groups):
-        groups[gi] = _prune(graph, g, [o for o in g if homes[o] == gi])
+        groups[gi] = prune(graph, g, [o for o in g if homes[o] == gi])
     while True:
         contains: dict[int, list[int]] = {}
         for gi, g in enumerate(groups):
@@ -270,7 +263,7 @@ def _normalize(graph: Graph, groups: list[frozenset[int]], homes: list[int]) -> 
         homes[:] = [h - 1 if h > gi else h for h in homes]
 
 
-def _prune(graph: Graph, group: frozenset[int], homed: list[int]) -> frozenset[int]:
+def prune(graph: Graph, group: frozenset[int], homed: list[int]) -> frozenset[int]:
     """Keep the ops a group exports (homed) and those they need inside the group."""
     keep, stack = set(), list(homed)
     while stack:
@@ -309,14 +302,15 @@ def fuse_producer(graph: Graph, s: Strategy, rng: random.Random, duplicate: bool
     candidates = [gi for gi, g in enumerate(s.groups)]
     gi = rng.choice(candidates)
     group = s.groups[gi]
+    no_producer = graph.backend.no_producer_fusion
     producers = sorted({s.homes[v] for u in group for v in graph.ops[u].operands
                         if graph.ops[v].kind == "fusible" and v not in group
-                        and graph.ops[v].opcode not in _NO_PRODUCER_FUSION})
+                        and graph.ops[v].opcode not in no_producer})
     if not producers:
         return None
     pi = rng.choice(producers)
     producer = s.groups[pi]
-    if any(graph.ops[o].opcode in _NO_PRODUCER_FUSION and any(u in group for u in graph.users[o])
+    if any(graph.ops[o].opcode in no_producer and any(u in group for u in graph.users[o])
            for o in producer):
         return None
     merged = group | producer

@@ -40,6 +40,15 @@ class Comparison:
     num_outputs: int
     worst_output: int | None
 
+    @classmethod
+    def merge(cls, comparisons: list[dict]) -> Comparison:
+        """One verdict from every process's comparison of its own output shards (as JSON)."""
+        worst = max(comparisons, key=lambda c: c["max_abs_error"])
+        return cls(bitwise_equal=all(c["bitwise_equal"] for c in comparisons),
+                   within_tolerance=all(c["within_tolerance"] for c in comparisons),
+                   max_abs_error=worst["max_abs_error"], max_rel_error=max(c["max_rel_error"] for c in comparisons),
+                   num_outputs=worst["num_outputs"], worst_output=worst["worst_output"])
+
 
 SENSITIVITY_FACTOR = 10.0
 

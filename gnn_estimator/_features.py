@@ -22,7 +22,7 @@ import numpy as np
 
 from disco_jax import _hlo
 from disco_jax._graph import TRANSCENDENTAL, Graph
-from disco_jax._rewrite import _CLONE_CONSTANT_BYTES
+from disco_jax._rewrite import CLONE_CONSTANT_BYTES
 from gnn_estimator import _kernels
 
 FEATURE_VERSION = 1
@@ -99,7 +99,7 @@ def describe_kernel(graph: Graph, kernel: frozenset[int], op_times_us: Mapping[i
                 specs = src.inst.outputs
                 s = specs[0] if specs else _hlo.TensorSpec("token", ())
                 cloned = (src.opcode == "constant" and src.kind == "free"
-                          and src.output_bytes <= _CLONE_CONSTANT_BYTES)
+                          and src.output_bytes <= CLONE_CONSTANT_BYTES)
                 operands.append([s.dtype, list(s.dims), cloned, inputs.setdefault(v, len(inputs))])
         time_us = None if op_times_us is None else op_times_us.get(o)
         nodes.append({"op": op.opcode, "dtype": spec.dtype, "shape": list(spec.dims), "operands": operands,

@@ -10,7 +10,7 @@ holds the pure functions the estimator's data pipeline needs:
 * `is_convex`: a kernel no outside op sits between two of its members (any other set would put
   a cycle in the strategy's kernel graph, so the search never forms it);
 * `kernel_module_text`: a tiny HLO module whose entry computation takes one parameter per kernel
-  input and runs the kernel as one kLoop fusion, emitted as `disco_jax._rewrite.CpuRewriter` emits
+  input and runs the kernel as one kLoop fusion, emitted as `disco_jax.backends.cpu.CpuRewriter` emits
   a new fusion (same constant cloning, same multi-output form; one op stays a bare instruction).
 """
 
@@ -24,7 +24,6 @@ from typing import Sequence
 from disco_jax import _hlo
 from disco_jax._graph import Graph
 from disco_jax._rewrite import fused_computation, kernel_inputs
-from disco_jax._strategy import _NO_PRODUCER_FUSION
 
 
 def default_exports(graph: Graph, kernel: frozenset[int]) -> list[int]:
@@ -72,7 +71,7 @@ def is_convex(graph: Graph, kernel: frozenset[int]) -> bool:
 
 def _can_feed(graph: Graph, producer: int) -> bool:
     op = graph.ops[producer]
-    return op.kind == "fusible" and op.opcode not in _NO_PRODUCER_FUSION
+    return op.kind == "fusible" and op.opcode not in graph.backend.no_producer_fusion
 
 
 def random_kernel(graph: Graph, rng: random.Random, length: int, start: int | None = None) -> frozenset[int]:

@@ -49,19 +49,19 @@ def bench_model(name: str, config: str, style: str, budget_s: float, pairs: int,
         os.environ.pop("ENABLE_SEARCH", None)
     report = optimized.last_report
     timing = _validate.time_interleaved(lambda: step(state, batch), lambda: optimized(state, batch), pairs=pairs)
-    sim = report["simulated"]
-    search = report["search"]
+    sim = report.simulated
+    search = report.search
     return {
-        "model": name, "config": config, "style": style, "applied": report["applied"], "reason": report["reason"],
+        "model": name, "config": config, "style": style, "applied": report.applied, "reason": report.reason,
         "measured_default_us": timing.default_us, "measured_plan_us": timing.plan_us,
         "ratio": timing.ratio, "ratio_iqr": [timing.ratio_low, timing.ratio_high],
         "simulated_default_us": sim["default"]["iteration_us"],
-        "simulated_plan_us": sim["plan"]["iteration_us"] if report["applied"] else sim["default"]["iteration_us"],
+        "simulated_plan_us": sim["plan"]["iteration_us"] if report.applied else sim["default"]["iteration_us"],
         "search_s": search["seconds"], "candidates_per_second": search["candidates_per_second"],
         "evaluated": search["evaluated"], "calibration": search["cost_model"].get("calibration", {}),
-        "allreduces": [report["default_counts"]["all-reduce"],
-                       report.get("plan_counts", report["default_counts"])["all-reduce"] if report["applied"]
-                       else report["default_counts"]["all-reduce"]],
+        "allreduces": [report.default_counts["all-reduce"],
+                       (report.plan_counts or report.default_counts)["all-reduce"] if report.applied
+                       else report.default_counts["all-reduce"]],
     }
 
 

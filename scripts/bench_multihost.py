@@ -51,21 +51,21 @@ def bench_in_job(models: list[str], config: str, style: str, budget_s: float, pa
         if jax.process_index() != 0:
             continue
         report = optimized.last_report
-        sim, search, measured = report["simulated"], report["search"], report.get("measured") or {}
-        counts = report["default_counts"]["all-reduce"]
+        sim, search, measured = report.simulated, report.search, report.measured or {}
+        counts = report.default_counts["all-reduce"]
         row = {
             "model": name, "config": config, "style": style, "processes": jax.process_count(),
-            "devices": jax.device_count(), "applied": report["applied"], "reason": report["reason"],
+            "devices": jax.device_count(), "applied": report.applied, "reason": report.reason,
             "measured_default_us": timing.default_us, "measured_plan_us": timing.plan_us,
             "ratio": timing.ratio, "ratio_iqr": [timing.ratio_low, timing.ratio_high],
             "validation_ratio": measured.get("ratio"),
             "simulated_default_us": sim["default"]["iteration_us"],
-            "simulated_plan_us": sim["plan"]["iteration_us"] if report["applied"] else sim["default"]["iteration_us"],
+            "simulated_plan_us": sim["plan"]["iteration_us"] if report.applied else sim["default"]["iteration_us"],
             "simulated_candidate_us": sim["plan"]["iteration_us"],
             "allreduce_fit": search["cost_model"]["allreduce"],
             "calibration": search["cost_model"].get("calibration", {}),
             "search_s": search["seconds"], "evaluated": search["evaluated"],
-            "allreduces": [counts, report["plan_counts"]["all-reduce"] if report["applied"] else counts],
+            "allreduces": [counts, report.plan_counts["all-reduce"] if report.applied else counts],
         }
         print(RESULT_PREFIX + json.dumps(row), flush=True)
 

@@ -107,10 +107,10 @@ def main() -> None:
     def spread(d):
         return [float(np.median(d)), float(np.percentile(d, 25)), float(np.percentile(d, 75))]
 
-    result = {"parameter_leaves": leaves, "rounds": args.rounds, "plan_applied": bool(report.get("applied")),
-              "plan_reason": report.get("reason")}
+    result = {"parameter_leaves": leaves, "rounds": args.rounds, "plan_applied": bool(report.applied),
+              "plan_reason": report.reason}
     print(f"step with {leaves} parameter leaves on 8 CPU devices, plan "
-          f"{'applied' if result['plan_applied'] else 'kept XLA default'} ({report.get('reason', '')}); "
+          f"{'applied' if result['plan_applied'] else 'kept XLA default'} ({report.reason or ''}); "
           f"{args.rounds} interleaved rounds; median [IQR] in us")
     for label, times in (("cpu (the calling thread's CPU time until the call returns)", cpu),
                          ("dispatch (wall time until the call returns)", dispatch),

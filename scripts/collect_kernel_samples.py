@@ -40,7 +40,7 @@ import optax  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 
-from disco_jax import _capture, _graph  # noqa: E402
+from disco_jax import backends, _capture, _graph  # noqa: E402
 from disco_jax._cost import kernel_io_bytes, kernel_signature  # noqa: E402
 from disco_jax._profile import SHIPPED_PROFILE_DIR, device_kind_key  # noqa: E402
 from gnn_estimator import _features, _kernels, _measure  # noqa: E402
@@ -252,7 +252,7 @@ def _zoo_models() -> list[ModelDef]:
 
 def capture_graph(model: ModelDef) -> _graph.Graph:
     text, _ = _capture.capture(model.build())
-    return _graph.build_graph(text)
+    return _graph.build_graph(text, backends.CPU)
 
 
 # --------------------------------------------------------------------------- sampling

@@ -38,7 +38,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from _steps import mlp_init, mlp_loss  # noqa: E402
-from disco_jax import _api, _capture, _distributed, _graph, _plan, _search, _strategy, _validate  # noqa: E402
+from disco_jax import _api, backends, _capture, _compile, _distributed, _graph, _plan, _search, _strategy, _validate  # noqa: E402
 
 
 def make_step(width: int, batch: int = 32):
@@ -68,8 +68,8 @@ def per_gradient(graph):
 
 
 def store_plan(step, args, plan_dir: str, use_default: bool) -> None:
-    graph = _graph.build_graph(_capture.capture(step.lower(*args))[0])
-    machine = _plan.MachineKey.current(_api._step_devices(args, {}))
+    graph = _graph.build_graph(_capture.capture(step.lower(*args))[0], backends.CPU)
+    machine = _plan.MachineKey.current(_compile.step_devices(args, {}))
     strategy = None if use_default else per_gradient(graph).to_json(graph)
     _plan.save_plan(_plan.Plan(graph.fingerprint, graph.module.name, machine, use_default, strategy,
                                "made by a test"), plan_dir)
@@ -118,15 +118,15 @@ def main() -> None:
     comparison = _validate.compare_outputs(local(reference), local(out), bitwise=False, floor=floor)
     again = optimized(*step_args)
     report = optimized.last_report
-    plan = report.get("plan") or {}
+    plan = report.plan or {}
     strategy = plan.get("strategy")
     print("RESULT " + json.dumps({
         "process_index": jax.process_index(), "process_count": jax.process_count(),
         "device_count": jax.device_count(), "searches": len(searches), "reports": len(optimized.reports),
-        "phase": report["phase"], "search_ran": report["search_ran"], "applied": report["applied"],
-        "reason": report.get("reason"), "plan_from_process": report.get("plan_from_process"),
-        "gradients": report["graph"]["gradients"], "default_counts": report["default_counts"],
-        "plan_counts": report.get("plan_counts"),
+        "phase": report.phase, "search_ran": report.search_ran, "applied": report.applied,
+        "reason": report.reason, "plan_from_process": report.plan_from_process,
+        "gradients": report.graph["gradients"], "default_counts": report.default_counts,
+        "plan_counts": report.plan_counts,
         "num_processes": plan.get("machine", {}).get("num_processes"), "plan_use_default": plan.get("use_default"),
         "plan_digest": _distributed.digest(strategy), "plan_buckets": len(strategy["buckets"]) if strategy else None,
         "measured": plan.get("measured") or {},

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from disco_jax import _api, _capture, _files, _graph, _plan, _search, _strategy, _validate, optimize_distributed
+from disco_jax import _api, backends, _capture, _compile, _files, _graph, optimize_distributed, _plan, _search, _strategy, _validate
 from _steps import make_step
 
 FAST = dict(budget_s=2.0, validation_pairs=4, verbose=False)
@@ -14,9 +14,9 @@ FAST = dict(budget_s=2.0, validation_pairs=4, verbose=False)
 
 def _store_per_gradient_plan(step, args, plan_dir):
     """A plan made by hand: XLA's fusions, one all-reduce per gradient."""
-    graph = _graph.build_graph(_capture.capture(step.lower(*args))[0])
+    graph = _graph.build_graph(_capture.capture(step.lower(*args))[0], backends.CPU)
     s = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "test")
-    machine = _plan.MachineKey.current(_api._step_devices(args, {}))
+    machine = _plan.MachineKey.current(_compile.step_devices(args, {}))
     plan = _plan.Plan(graph.fingerprint, graph.module.name, machine, False, s.to_json(graph), "made by a test")
     _plan.save_plan(plan, plan_dir)
     return plan, len(graph.gradients)
@@ -30,22 +30,22 @@ def test_search_phase_then_enactment_phase(style, tmp_path, monkeypatch):
     searching = optimize_distributed(**FAST, plan_dir=tmp_path)(step)
     out = searching(*args)
     report = searching.last_report
-    assert report["phase"] == "search" and report["search_ran"]
+    assert report.phase == "search" and report.search_ran
     assert list(tmp_path.glob("*.json")), "no plan stored"
-    assert report["simulated"]["default"]["iteration_us"] > 0
+    assert report.simulated["default"]["iteration_us"] > 0
     assert _validate.compare_outputs(reference, out, bitwise=False).within_tolerance
-    plan = _plan.read_plan_file(report["plan_path"])
-    assert plan.fingerprint == report["fingerprint"]
+    plan = _plan.read_plan_file(report.plan_path)
+    assert plan.fingerprint == report.fingerprint
 
     monkeypatch.setenv("ENABLE_SEARCH", "0")
     monkeypatch.setattr(_search, "backtracking_search", lambda *a, **k: pytest.fail("enactment searched"))
     enacting = optimize_distributed(**FAST, plan_dir=tmp_path)(step)
     out = enacting(*args)
     report = enacting.last_report
-    assert report["phase"] == "enact" and not report["search_ran"]
-    assert report["applied"] == (not plan.use_default)
+    assert report.phase == "enact" and not report.search_ran
+    assert report.applied == (not plan.use_default)
     if not plan.use_default:
-        assert report["plan_counts"]["all-reduce"] == len(plan.strategy["buckets"])
+        assert report.plan_counts["all-reduce"] == len(plan.strategy["buckets"])
     assert _validate.compare_outputs(reference, out, bitwise=False).within_tolerance
     # Later calls reuse the compiled executable.
     again = enacting(*args)
@@ -61,9 +61,9 @@ def test_stored_plan_is_enacted_in_the_compiled_hlo(style, tmp_path):
     enacting = optimize_distributed(**FAST, plan_dir=tmp_path)(step)
     out = enacting(*args)
     report = enacting.last_report
-    assert report["applied"]
-    assert report["default_counts"]["all-reduce"] == 1
-    assert report["plan_counts"]["all-reduce"] == num_gradients
+    assert report.applied
+    assert report.default_counts["all-reduce"] == 1
+    assert report.plan_counts["all-reduce"] == num_gradients
     assert _validate.compare_outputs(reference, out, bitwise=True).bitwise_equal
 
 
@@ -72,7 +72,7 @@ def test_no_plan_warns_once_and_runs_the_unmodified_step(tmp_path):
     wrapped = optimize_distributed(**FAST, plan_dir=tmp_path)(step)
     with pytest.warns(_plan.PlanWarning, match="ENABLE_SEARCH=1"):
         out = wrapped(*args)
-    assert not wrapped.last_report["applied"]
+    assert not wrapped.last_report.applied
     assert _validate.compare_outputs(step(*args), out, bitwise=True).bitwise_equal
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -86,7 +86,7 @@ def test_corrupt_plan_is_refused_and_the_default_runs(tmp_path):
     wrapped = optimize_distributed(**FAST, plan_dir=tmp_path)(step)
     with pytest.warns(_plan.PlanWarning, match="ignoring plan"):
         out = wrapped(*args)
-    assert not wrapped.last_report["applied"]
+    assert not wrapped.last_report.applied
     assert _validate.compare_outputs(step(*args), out, bitwise=True).bitwise_equal
 
 
@@ -99,7 +99,7 @@ def test_plan_naming_unknown_ops_is_refused(tmp_path):
     wrapped = optimize_distributed(**FAST, plan_dir=tmp_path)(step)
     with pytest.warns(_plan.PlanWarning, match="cannot be applied"):
         wrapped(*args)
-    assert not wrapped.last_report["applied"]
+    assert not wrapped.last_report.applied
 
 
 def test_unwritable_plan_dir_warns_and_still_trains(tmp_path, monkeypatch):
@@ -125,7 +125,7 @@ def test_step_without_collectives_is_left_alone(monkeypatch):
     monkeypatch.setenv("ENABLE_SEARCH", "1")
     wrapped = optimize_distributed(**FAST)(jax.jit(lambda x: jnp.tanh(x) * 2))
     out = wrapped(jnp.ones(4))
-    assert wrapped.last_report["reason"] == "no collectives"
+    assert wrapped.last_report.reason == "no collectives"
     assert jnp.allclose(out, jnp.tanh(1.0) * 2)
 
 

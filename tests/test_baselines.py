@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from disco_jax import _api, _baselines, _capture, _clusters, _cost, _graph, _hlo, _strategy, _validate, zoo
+from disco_jax import _api, backends, _baselines, _capture, _clusters, _compile, _cost, _graph, _hlo, _strategy, _validate, zoo
 
 KiB = 1 << 10
 
@@ -23,7 +23,7 @@ def mlp():
     step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(8), "jit")
     lowered = step.lower(state, batch)
     text, default = _capture.capture(lowered)
-    graph = _graph.build_graph(text)
+    graph = _graph.build_graph(text, backends.CPU)
     return lowered, graph, default, (state, batch), default(state, batch)
 
 
@@ -43,9 +43,9 @@ def _loop_fusion_sizes(text: str) -> list[int]:
     return sizes
 
 
-def _compile(lowered, graph, default, baseline):
+def _compiled(lowered, graph, default, baseline):
     if baseline.compiler_options is None:
-        compiled, status = _api.compile_strategy(lowered, graph, baseline.strategy, "cpu")
+        compiled, status = _compile.compile_strategy(lowered, graph, baseline.strategy)
         assert status in ("rewritten", "cached")
         return compiled
     if not baseline.compiler_options:
@@ -59,7 +59,7 @@ def _compile(lowered, graph, default, baseline):
 def test_jax_no_fusion_has_no_op_fusion_and_one_allreduce_per_gradient(mlp):
     lowered, graph, default, args, reference = mlp
     b = _baselines.jax_no_fusion(graph)
-    text = _compile(lowered, graph, default, b).as_text()
+    text = _compiled(lowered, graph, default, b).as_text()
     sizes = _loop_fusion_sizes(text)
     assert sizes and max(sizes) == 1, "a loop fusion holds more than one instruction"
     assert max(_loop_fusion_sizes(default.as_text())) > 1  # the default does fuse
@@ -73,7 +73,7 @@ def test_jax_no_fusion_has_no_op_fusion_and_one_allreduce_per_gradient(mlp):
 def test_jax_op_fusion_fuses_ops_but_does_not_combine_allreduces(mlp):
     lowered, graph, default, args, reference = mlp
     b = _baselines.jax_op_fusion(graph)
-    text = _compile(lowered, graph, default, b).as_text()
+    text = _compiled(lowered, graph, default, b).as_text()
     assert max(_loop_fusion_sizes(text)) > 1
     assert sorted(_loop_fusion_sizes(text)) == sorted(_loop_fusion_sizes(default.as_text()))
     allreduces = _entry_allreduces(text)
@@ -85,7 +85,7 @@ def test_jax_op_fusion_fuses_ops_but_does_not_combine_allreduces(mlp):
 def test_jax_allreduce_fusion_combines_allreduces_but_does_not_fuse_ops(mlp):
     lowered, graph, default, args, reference = mlp
     b = _baselines.jax_allreduce_fusion(graph)
-    text = _compile(lowered, graph, default, b).as_text()
+    text = _compiled(lowered, graph, default, b).as_text()
     assert max(_loop_fusion_sizes(text)) == 1
     allreduces = _entry_allreduces(text)
     assert len(allreduces) == len(graph.xla_buckets) < len(graph.gradients)
@@ -106,14 +106,14 @@ def test_compile_option_baselines_compute_the_same_step(mlp):
     lowered, graph, default, args, reference = mlp
     floor = _validate.sensitivity(reference, default(*_validate.nudge(args)))
     for b in (_baselines.jax_no_fusion(graph), _baselines.jax_op_fusion(graph), _baselines.jax_allreduce_fusion(graph)):
-        out = _compile(lowered, graph, default, b)(*args)
+        out = _compiled(lowered, graph, default, b)(*args)
         bitwise = b.name == "JAX_op_fusion"  # same fusions: only the all-reduces are regrouped
         assert _validate.compare_outputs(reference, out, bitwise=bitwise, floor=floor).within_tolerance, b.name
 
 
 def test_compiled_hlo_stats_counts_what_the_names_say(mlp):
     lowered, graph, default, args, reference = mlp
-    stats = {b.name: _baselines.compiled_hlo_stats(_compile(lowered, graph, default, b).as_text())
+    stats = {b.name: _compile.compiled_stats(_compiled(lowered, graph, default, b).as_text())
              for b in (_baselines.jax_no_fusion(graph), _baselines.jax_allreduce_fusion(graph))}
     assert stats["JAX_no_fusion"]["multi_op_loop_fusions"] == 0
     assert stats["JAX_no_fusion"]["all-reduce"] == len(graph.gradients)
@@ -149,7 +149,7 @@ def test_ddp_buckets_follow_ready_order_with_a_small_first_bucket(mlp):
     assert len(expected) >= 3
     assert sum(graph.gradients[g].nbytes for g in expected[0]) >= first
     # Enacted by rewrite: the compiled step has exactly these all-reduces, and equal outputs.
-    compiled = _compile(lowered, graph, default, b)
+    compiled = _compiled(lowered, graph, default, b)
     allreduces = _entry_allreduces(compiled.as_text())
     assert sorted(sorted(t.bytes for t in i.outputs) for i in allreduces) == \
         sorted(sorted(graph.gradients[g].nbytes for g in bk) for bk in expected)
@@ -167,7 +167,7 @@ def test_horovod_buckets_never_exceed_the_threshold(mlp):
     # Consecutive in production order: each bucket is a run of the ready order.
     order = _baselines.gradient_ready_order(graph)
     assert [g for bk in b.strategy.buckets for g in bk] == order
-    compiled = _compile(lowered, graph, default, b)
+    compiled = _compiled(lowered, graph, default, b)
     assert len(_entry_allreduces(compiled.as_text())) == len(b.strategy.buckets)
     assert _validate.compare_outputs(reference, compiled(*args), bitwise=True).bitwise_equal
 
@@ -211,7 +211,7 @@ def test_bucket_builders_never_make_allreduces_wait_for_each_other():
         return jnp.mean((h @ params[1]) ** 2)
 
     step = jax.jit(jax.grad(loss))
-    graph = _graph.build_graph(_capture.capture(step.lower((w1, w2), x))[0])
+    graph = _graph.build_graph(_capture.capture(step.lower((w1, w2), x))[0], backends.CPU)
     assert len(graph.gradients) >= 3
     for buckets in (_baselines.fit_buckets(graph, _baselines.gradient_ready_order(graph), 1 << 30),
                     _baselines.ddp_buckets(graph, _baselines.gradient_ready_order(graph), 1 << 30, 1 << 30),
@@ -287,7 +287,7 @@ def test_roofline_counts_convolution_flops_inside_library_fusions():
     w = jnp.ones((3, 3, 4, 32))
     conv = jax.jit(lambda x, w: jax.lax.conv_general_dilated(
         x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")))
-    graph = _graph.build_graph(_capture.capture(conv.lower(x, w))[0])
+    graph = _graph.build_graph(_capture.capture(conv.lower(x, w))[0], backends.CPU)
     work = [_clusters.opaque_op_work(graph, o) for o in graph.opaque_ops]
     expected = 2.0 * 8 * 16 * 16 * 32 * (3 * 3 * 4)
     assert any(f == pytest.approx(expected) for _, _, f in work), work

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from disco_jax import _api, _baselines, _bench, _capture, _clusters, _graph, _plan, _validate, optimize_distributed, zoo
+from disco_jax import _api, backends, _baselines, _bench, _capture, _clusters, _compile, _graph, optimize_distributed, _plan, _validate, zoo
 
 MODELS = sorted(zoo.MODELS)
 
@@ -30,10 +30,10 @@ def test_decorated_tiny_model_trains_and_equals_the_unmodified_step(name, style,
     step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), mesh, style)
     lowered = step.lower(state, batch)
     text, default = _capture.capture(lowered)
-    graph = _graph.build_graph(text)
+    graph = _graph.build_graph(text, backends.CPU)
     reference = default(state, batch)
     strategy = _baselines.jax_op_fusion(graph).strategy
-    machine = _plan.MachineKey.current(_api._step_devices((state, batch), {}))
+    machine = _plan.MachineKey.current(_compile.step_devices((state, batch), {}))
     _plan.save_plan(_plan.Plan(graph.fingerprint, graph.module.name, machine, False, strategy.to_json(graph),
                                "made by a test"), tmp_path)
     # The decorator captures the same module again; reuse ours to keep the test fast (the plan
@@ -43,10 +43,10 @@ def test_decorated_tiny_model_trains_and_equals_the_unmodified_step(name, style,
     decorated = optimize_distributed(plan_dir=tmp_path, verbose=False)(step)
     new_state, loss = decorated(state, batch)
     report = decorated.last_report
-    assert report["applied"], report.get("reason")
-    assert report["compile_status"] == "rewritten"
-    assert report["plan_counts"]["all-reduce"] == len(graph.gradients)
-    assert report["default_counts"]["all-reduce"] <= len(graph.gradients)
+    assert report.applied, report.reason
+    assert report.compile_status == "rewritten"
+    assert report.plan_counts["all-reduce"] == len(graph.gradients)
+    assert report.default_counts["all-reduce"] <= len(graph.gradients)
     assert _validate.compare_outputs(reference, (new_state, loss), bitwise=True).bitwise_equal
     assert np.isfinite(float(loss))
     changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(state.params))]
@@ -67,7 +67,7 @@ def test_summary_speedup_and_headroom():
 def simulated_rows(mesh):
     spec = zoo.get_model("mlp", "tiny")
     lowered = zoo.lower_abstract(spec, optax.adam(1e-3), mesh, "jit")
-    graph = _graph.build_graph(_capture.capture(lowered)[0])
+    graph = _graph.build_graph(_capture.capture(lowered)[0], backends.CPU)
     return graph, {name: _bench.simulated_row(graph, c, budget_s=1.0) for name, c in _clusters.CLUSTERS.items()}
 
 

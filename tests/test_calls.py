@@ -72,8 +72,8 @@ def test_static_argument_search_then_enact_one_plan_per_value(how, tmp_path, mon
     for train in (True, False, True):  # a static value comes back: its program is reused
         out = call(searching, _copy(state), train)
         assert _validate.compare_outputs(reference[train], out, bitwise=False).within_tolerance
-    assert len(searching.reports) == 2 and all(r["search_ran"] for r in searching.reports)
-    fingerprints = {r["fingerprint"] for r in searching.reports}
+    assert len(searching.reports) == 2 and all(r.search_ran for r in searching.reports)
+    fingerprints = {r.fingerprint for r in searching.reports}
     assert len(fingerprints) == 2 and len(list(tmp_path.glob("*.json"))) >= 2  # plan (+ timeline) per value
 
     monkeypatch.setenv("ENABLE_SEARCH", "0")
@@ -81,8 +81,8 @@ def test_static_argument_search_then_enact_one_plan_per_value(how, tmp_path, mon
     for train in (False, True, False):
         out = call(enacting, _copy(state), train)
         assert _validate.compare_outputs(reference[train], out, bitwise=False).within_tolerance
-    assert {r["fingerprint"] for r in enacting.reports} == fingerprints
-    assert all(r.get("plan") for r in enacting.reports), "a stored plan was not found"
+    assert {r.fingerprint for r in enacting.reports} == fingerprints
+    assert all(r.plan for r in enacting.reports), "a stored plan was not found"
 
 
 def test_plain_function_is_jitted_with_the_given_options(tmp_path):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from disco_jax import _cost, _graph, _strategy
+from disco_jax import backends, _cost, _graph, _strategy
 from disco_jax._profile import AllReduceCostModel
 
 # Two gradients produced one after the other (g1 then g2), each consumed by an update.
@@ -51,7 +51,7 @@ class FixedEstimator:
 
 @pytest.fixture(scope="module")
 def graph():
-    return _graph.build_graph(HLO)
+    return _graph.build_graph(HLO, backends.CPU)
 
 
 def test_handmade_graph(graph):

@@ -79,7 +79,7 @@ def test_missing_plan_dir_in_both_phases(tmp_path, monkeypatch):
     monkeypatch.setenv("ENABLE_SEARCH", "1")
     wrapped = optimize_distributed(**FAST, plan_dir=missing)(step)
     wrapped(*args)
-    assert _plans(missing) == [Path(wrapped.last_report["plan_path"])]
+    assert _plans(missing) == [Path(wrapped.last_report.plan_path)]
 
 
 def test_truncated_plan_is_refused_and_a_search_replaces_it(tmp_path, monkeypatch):
@@ -87,14 +87,14 @@ def test_truncated_plan_is_refused_and_a_search_replaces_it(tmp_path, monkeypatc
     monkeypatch.setenv("ENABLE_SEARCH", "1")
     searched = optimize_distributed(**FAST, plan_dir=tmp_path)(step)
     searched(*args)
-    path = Path(searched.last_report["plan_path"])
+    path = Path(searched.last_report.plan_path)
     whole = path.read_text()
     path.write_text(whole[: len(whole) // 2])
     monkeypatch.setenv("ENABLE_SEARCH", "0")
     wrapped = optimize_distributed(**FAST, plan_dir=tmp_path)(step)
     with pytest.warns(_plan.PlanWarning, match="ignoring plan .* not valid JSON"):
         out = wrapped(*args)
-    assert not wrapped.last_report["applied"]
+    assert not wrapped.last_report.applied
     assert _validate.compare_outputs(step(*args), out, bitwise=True).bitwise_equal
     monkeypatch.setenv("ENABLE_SEARCH", "1")
     optimize_distributed(**FAST, plan_dir=tmp_path)(step)(*args)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from disco_jax import _capture, _graph
+from disco_jax import backends, _capture, _graph
 from disco_jax._cost import kernel_signature
 from disco_jax._strategy import _components
 from gnn_estimator import (
@@ -59,7 +59,7 @@ def step_text() -> str:
 
 @pytest.fixture(scope="module")
 def graph(step_text):
-    return _graph.build_graph(step_text)
+    return _graph.build_graph(step_text, backends.CPU)
 
 
 def _fused_kernels(graph, count: int, seed: int = 0) -> list[frozenset[int]]:
@@ -102,7 +102,7 @@ def test_features_are_deterministic_for_the_same_kernel(step_text, graph):
     times = {o: 1.5 for o in kernel}
     a = kernel_features(graph, kernel, times)
     b = kernel_features(graph, kernel, dict(times))
-    rebuilt = _graph.build_graph(step_text)  # same module text, a fresh graph
+    rebuilt = _graph.build_graph(step_text, backends.CPU)  # same module text, a fresh graph
     c = kernel_features(rebuilt, frozenset(kernel), times)
     # Through the JSON description the dataset stores: the same arrays again.
     d = featurize(json.loads(json.dumps(describe_kernel(graph, kernel, times))))

@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from disco_jax import _capture, _graph
+from disco_jax import backends, _capture, _graph
 from _steps import make_step
 
 
@@ -14,7 +14,7 @@ from _steps import make_step
 def graph(request):
     step, args = make_step(request.param)
     text, _ = _capture.capture(step.lower(*args))
-    return _graph.build_graph(text)
+    return _graph.build_graph(text, backends.CPU)
 
 
 def test_gradients_are_the_allreduce_operands(graph):
@@ -69,7 +69,7 @@ def test_control_flow_is_one_opaque_kernel():
     w = jax.device_put(jnp.eye(8), NamedSharding(mesh, P()))
     x = jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("data")))
     text, _ = _capture.capture(step.lower(w, x))
-    graph = _graph.build_graph(text)
+    graph = _graph.build_graph(text, backends.CPU)
     whiles = [op for op in graph.ops if op.opcode == "while"]
     assert whiles and all(op.kind == "opaque" for op in whiles)
     # Only entry-level all-reduces become gradients; one inside a loop body stays untouched.

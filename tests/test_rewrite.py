@@ -7,12 +7,12 @@ import jax
 import numpy as np
 import pytest
 
-from disco_jax import _api, _baselines, _capture, _graph, _hlo, _strategy, _validate
+from disco_jax import _api, backends, _baselines, _capture, _compile, _graph, _hlo, _strategy, _validate
 from _steps import make_step
 
 
-def _compile(step, args, strategy, graph):
-    compiled, status = _api.compile_strategy(step.lower(*args), graph, strategy, "cpu")
+def _compiled(step, args, strategy, graph):
+    compiled, status = _compile.compile_strategy(step.lower(*args), graph, strategy)
     assert status in ("rewritten", "cached")
     return compiled
 
@@ -26,19 +26,19 @@ def _allreduce_operand_sets(text):
 def setup(request):
     step, args = make_step(request.param)
     text, default = _capture.capture(step.lower(*args))
-    return step, args, _graph.build_graph(text), default(*args)
+    return step, args, _graph.build_graph(text, backends.CPU), default(*args)
 
 
 def test_xla_default_strategy_reproduces_the_program_bitwise(setup):
     step, args, graph, reference = setup
-    compiled = _compile(step, args, _strategy.xla_default(graph), graph)
+    compiled = _compiled(step, args, _strategy.xla_default(graph), graph)
     assert _validate.compare_outputs(reference, compiled(*args), bitwise=True).bitwise_equal
 
 
 def test_per_gradient_allreduces_are_in_the_compiled_hlo(setup):
     step, args, graph, reference = setup
     s = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "split")
-    compiled = _compile(step, args, s, graph)
+    compiled = _compiled(step, args, s, graph)
     text = compiled.as_text()
     assert _allreduce_operand_sets(text) == [1] * len(graph.gradients)
     # Regrouping all-reduces does not reorder arithmetic: bitwise equal.
@@ -50,7 +50,7 @@ def test_buckets_carry_exactly_the_planned_gradients(setup):
     order = sorted(g.id for g in graph.gradients)
     buckets = [tuple(order[:3]), tuple(order[3:])]
     s = _strategy.with_buckets(_strategy.xla_default(graph), buckets, "two")
-    compiled = _compile(step, args, s, graph)
+    compiled = _compiled(step, args, s, graph)
     entry = _hlo.parse_module(compiled.as_text()).entry
     allreduces = [i for i in entry.instructions if i.opcode == "all-reduce"]
     assert sorted(len(i.operands) for i in allreduces) == sorted(len(b) for b in buckets)
@@ -62,11 +62,11 @@ def test_buckets_carry_exactly_the_planned_gradients(setup):
 
 def test_unfused_strategy_removes_loop_fusions(setup):
     step, args, graph, reference = setup
-    compiled = _compile(step, args, _strategy.unfused(graph), graph)
+    compiled = _compiled(step, args, _strategy.unfused(graph), graph)
     # XLA:CPU (jaxlib 0.12) wraps each lone op the hook returns in a one-op kLoop fusion; it fuses
     # nothing more: no kernel holds two ops, where XLA's own plan had multi-op fusions.
-    assert _baselines.compiled_hlo_stats(graph.module.to_text())["multi_op_loop_fusions"] > 0
-    stats = _baselines.compiled_hlo_stats(compiled.as_text())
+    assert _compile.compiled_stats(graph.module.to_text())["multi_op_loop_fusions"] > 0
+    stats = _compile.compiled_stats(compiled.as_text())
     assert stats["loop_fusions"] > 0 and stats["multi_op_loop_fusions"] == 0
     assert _validate.compare_outputs(reference, compiled(*args), bitwise=False).within_tolerance
 
@@ -79,8 +79,8 @@ def test_random_move_sequences_compile_and_match(setup):
         nxt = _strategy.MOVES[rng.choice(sorted(_strategy.MOVES))](graph, s, rng)
         if nxt is not None and _strategy.kernel_dag(graph, nxt) is not None:
             s = nxt
-    compiled = _compile(step, args, s, graph)
-    counts = _api.compiled_counts(compiled.as_text())
+    compiled = _compiled(step, args, s, graph)
+    counts = _compile.compiled_stats(compiled.as_text())
     assert counts["all-reduce"] == len(s.buckets)
     new_fusions = re.findall(r"calls=%disco_fused_computation", compiled.as_text())
     assert len(new_fusions) <= len(s.fused_groups)
@@ -97,15 +97,14 @@ def test_a_new_fusion_appears_in_the_compiled_hlo(setup):
             s = nxt
             if len(s.fused_groups) >= 3:
                 break
-    compiled = _compile(step, args, s, graph)
+    compiled = _compiled(step, args, s, graph)
     assert "disco_fused_computation" in compiled.as_text()
     assert _validate.compare_outputs(reference, compiled(*args), bitwise=False).within_tolerance
 
 
-def test_other_backends_are_refused_clearly():
-    from disco_jax import _rewrite
-    with pytest.raises(NotImplementedError, match="gpu"):
-        _rewrite.rewriter_for("gpu")
+def test_only_registered_backends_are_found():
+    assert backends.for_platform("cpu") is backends.CPU
+    assert backends.for_platform("cuda") is None and "cuda" not in backends.supported_platforms()
 
 
 def test_transformer_with_scatter_and_large_constants_round_trips_bitwise():
@@ -120,15 +119,15 @@ def test_transformer_with_scatter_and_large_constants_round_trips_bitwise():
     lowered = step.lower(state, batch)
     text, default = _capture.capture(lowered)
     assert "{...}" not in text
-    graph = _graph.build_graph(text)
+    graph = _graph.build_graph(text, backends.CPU)
     scatters = [op for op in graph.ops if "scatter" in op.name]
     assert len(scatters) >= 2
     operands = [s.operands[0] for s in scatters]
     assert len(set(operands)) == len(operands), "in-place operands were merged"
     reference = default(state, batch)
-    compiled, _ = _api.compile_strategy(lowered, graph, _strategy.xla_default(graph), "cpu")
+    compiled, _ = _compile.compile_strategy(lowered, graph, _strategy.xla_default(graph))
     assert _validate.compare_outputs(reference, compiled(state, batch), bitwise=True).bitwise_equal
     # Unfusing everything only reorders rounding: within the step's own one-ulp sensitivity.
     floor = _validate.sensitivity(reference, default(*_validate.nudge((state, batch))))
-    compiled, _ = _api.compile_strategy(lowered, graph, _strategy.unfused(graph), "cpu")
+    compiled, _ = _compile.compile_strategy(lowered, graph, _strategy.unfused(graph))
     assert _validate.compare_outputs(reference, compiled(state, batch), bitwise=False, floor=floor).within_tolerance

@@ -2,7 +2,7 @@
 
 import pytest
 
-from disco_jax import _capture, _cost, _graph, _search, _strategy
+from disco_jax import backends, _capture, _cost, _graph, _search, _strategy
 from disco_jax._profile import AllReduceCostModel
 from _steps import make_step
 
@@ -10,7 +10,7 @@ from _steps import make_step
 @pytest.fixture(scope="module")
 def problem():
     step, args = make_step("jit", sizes=(16, 64, 64, 64, 4))
-    graph = _graph.build_graph(_capture.capture(step.lower(*args))[0])
+    graph = _graph.build_graph(_capture.capture(step.lower(*args))[0], backends.CPU)
     estimator = _cost.ChainEstimator([_cost.AnalyticalEstimator()])
     allreduce = AllReduceCostModel(per_byte_us=1e-3, latency_us=20.0)
 

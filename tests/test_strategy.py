@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from disco_jax import _capture, _graph, _strategy
+from disco_jax import backends, _capture, _graph, _strategy
 from _steps import make_step
 
 
@@ -12,7 +12,7 @@ from _steps import make_step
 def graph():
     step, args = make_step("jit", sizes=(16, 32, 32, 32, 4))
     text, _ = _capture.capture(step.lower(*args))
-    return _graph.build_graph(text)
+    return _graph.build_graph(text, backends.CPU)
 
 
 def test_start_candidates_are_valid_and_distinct(graph):

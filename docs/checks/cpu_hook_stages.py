@@ -12,7 +12,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 from _common import Recorder, count, entry, fact, finish, operand_counts  # noqa: E402
-from disco_jax import _api, _graph, _strategy, zoo  # noqa: E402
+from disco_jax import _api, backends, _compile, _graph, _strategy, zoo  # noqa: E402
 
 rec = Recorder("cpu")
 spec = zoo.get_model("mlp", "tiny")
@@ -55,8 +55,8 @@ def kernels(text: str) -> list[tuple[str, tuple[str, ...]]]:
 
 # Every fusible op returned bare (disco-jax's unfused strategy): XLA:CPU wraps each lone op,
 # broadcasts included, in a one-op kLoop fusion after the hook; it forms no multi-op fusion.
-graph = _graph.build_graph(pre)
-unfused, _ = _api.compile_strategy(lowered, graph, _strategy.unfused(graph), "cpu")
+graph = _graph.build_graph(pre, backends.CPU)
+unfused, _ = _compile.compile_strategy(lowered, graph, _strategy.unfused(graph))
 after = kernels(unfused.as_text())
 loop = [ops for kind, ops in after if kind == "kLoop"]
 fact(max((len(o) for o in loop), default=0) == 1,

@@ -1,0 +1,150 @@
+"""Compiling a strategy, running what was compiled, and reading back what XLA kept.
+
+These are the pipeline's hands (and the evaluation harness's, through the same public names):
+
+* `compile_strategy` compiles the step with a strategy written into its module at the backend's
+  hook stage (`graph.backend.rewriter`);
+* `Runner` calls a compiled step repeatedly with fresh copies of the inputs it donates;
+* `compiled_stats` counts what a compiled module holds (the truth of a plan: all-reduces and
+  fusions as XLA emitted them);
+* `step_devices` lists the devices a call's arrays live on;
+* `capture` turns a lowered step into a `Captured` program: the graph and XLA's own executable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+import jax
+
+from disco_jax import _capture, _hlo
+from disco_jax._graph import Graph, build_graph
+from disco_jax._plan import MachineKey
+from disco_jax._strategy import Strategy
+from disco_jax.backends import Backend
+
+
+def donated(lowered: jax.stages.Lowered) -> list[bool]:
+    """Per input leaf of a lowered step, whether the step donates its buffer."""
+    return [bool(getattr(a, "donated", False)) for a in jax.tree.leaves(lowered.args_info)]
+
+
+class Runner:
+    """Calls a compiled step with fresh copies of the inputs it donates, so it can run again."""
+
+    def __init__(self, compiled: Any, lowered: jax.stages.Lowered, args: tuple, kwargs: dict):
+        self.compiled, self.args, self.kwargs = compiled, args, kwargs
+        self.donates = any(donated(lowered))
+
+    def __call__(self, *_ignored):
+        args, kwargs = self.args, self.kwargs
+        if self.donates:
+            args, kwargs = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, (args, kwargs))
+        return self.compiled(*args, **kwargs)
+
+    def as_text(self) -> str:
+        return self.compiled.as_text()
+
+
+def step_devices(args: tuple, kwargs: dict) -> list:
+    """The devices the call's arrays live on, by id (JAX's default devices when none)."""
+    devices = {}
+    for leaf in jax.tree.leaves((args, kwargs)):
+        if isinstance(leaf, jax.Array):
+            for d in leaf.sharding.device_set:
+                devices[d.id] = d
+    return [devices[k] for k in sorted(devices)] or jax.devices()
+
+
+_TRIVIAL = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast"})
+
+
+def compiled_stats(text: str) -> dict[str, int]:
+    """What a compiled module's entry computation holds: all-reduces (and how many tensors they
+    carry), fusions of any kind, loop fusions, loop fusions of more than one compute instruction
+    (op fusion proper: with the `fusion` pass off, XLA:CPU still wraps single ops in
+    one-instruction kLoop fusions), and library-call custom fusions."""
+    module = _hlo.parse_module(text)
+    stats = {"all-reduce": 0, "all-reduce-operands": 0, "fusion": 0, "loop_fusions": 0,
+             "multi_op_loop_fusions": 0, "custom_fusions": 0}
+    for inst in module.entry.instructions:
+        if inst.opcode in ("all-reduce", "all-reduce-start"):
+            stats["all-reduce"] += 1
+            stats["all-reduce-operands"] += len(inst.operands)
+        elif inst.opcode == "fusion":
+            stats["fusion"] += 1
+            if inst.attr("kind") == "kCustom":
+                stats["custom_fusions"] += 1
+                continue
+            stats["loop_fusions"] += 1
+            comp = module.computation((inst.attr("calls") or "").lstrip("%"))
+            if sum(1 for i in comp.instructions if i.opcode not in _TRIVIAL) > 1:
+                stats["multi_op_loop_fusions"] += 1
+    return stats
+
+
+def plan_tag(fingerprint: str, strategy_json: dict) -> str:
+    """Cache tag of a plan: JAX's executable cache must not serve one plan's executable for another."""
+    digest = hashlib.sha256(json.dumps(strategy_json, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{fingerprint}:{digest}"
+
+
+def compile_strategy(lowered: jax.stages.Lowered, graph: Graph, strategy: Strategy) -> tuple[Any, str]:
+    """Compile the step with `strategy` rewritten into its module at the hook.
+
+    Returns (compiled, status): 'rewritten'; 'cached' when JAX served the executable compiled
+    earlier in this process for the same plan (the cache key carries the plan's digest); or
+    'fingerprint-mismatch' when the module at the hook is not the one the plan was made for
+    (it is then compiled unmodified)."""
+    text = graph.backend.rewriter.rewrite(graph, strategy)
+    status = ["cached"]
+
+    def handler(module_text: str) -> str | None:
+        if _hlo.fingerprint(module_text) != graph.fingerprint:
+            status[0] = "fingerprint-mismatch"
+            return None
+        status[0] = "rewritten"
+        return text
+
+    compiled = _capture.compile_with_hook(lowered, handler, cache_tag=plan_tag(graph.fingerprint, strategy.to_json(graph)),
+                                          platform=graph.backend.platform, stage=graph.backend.hook_stage)
+    return compiled, status[0]
+
+
+@dataclasses.dataclass
+class Captured:
+    """One program of a decorated step, captured: the lowered step, its module as a graph at the
+    backend's hook stage, XLA's own executable, the call's dynamic arguments (what executables
+    take), the devices they live on, and the machine key plans are stored under. `scope` names
+    the program's multi-process exchanges (None in a single process)."""
+
+    lowered: jax.stages.Lowered
+    graph: Graph
+    default_compiled: Any
+    args: tuple
+    kwargs: dict
+    devices: list
+    machine: MachineKey
+    scope: str | None = None
+
+    @property
+    def module_name(self) -> str:
+        """The module's name as XLA compiles it (profiler traces name kernels under it)."""
+        return _capture.module_name(self.lowered)
+
+    def runner(self, compiled: Any, args: tuple | None = None, kwargs: dict | None = None) -> Runner:
+        """A `Runner` of `compiled` on this call's arguments (or on others of the same signature)."""
+        return Runner(compiled, self.lowered, self.args if args is None else args,
+                      self.kwargs if kwargs is None else kwargs)
+
+
+def capture(lowered: jax.stages.Lowered, backend: Backend, args: tuple, kwargs: dict) -> Captured:
+    """Capture `lowered` at `backend`'s hook stage and compile it unmodified (one compile).
+    `args`/`kwargs`: the call's dynamic arguments."""
+    text, default_compiled = _capture.capture(lowered, platform=backend.platform, stage=backend.hook_stage)
+    devices = step_devices(args, kwargs)
+    return Captured(lowered, build_graph(text, backend), default_compiled, args, kwargs, devices,
+                    MachineKey.current(devices))

@@ -1,0 +1,293 @@
+"""The phases behind `@optimize_distributed`, as functions over typed records.
+
+    prepare ─ capture ─┬─ search phase: profile → calibrate → search → validate → store
+                       └─ enact phase:  load → apply
+
+`prepare` is what the decorator calls for a new program (argument signature and static values).
+It returns the executable the program runs and fills a `StepReport`. With several processes every
+process runs the same executables in the same order (profiling, calibration and validation run
+the step: collectives); process 0 alone searches, its strategy is broadcast before validation and
+its plan after, and in the enact phase process 0's plan is the one every process applies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Any, Callable
+
+import jax
+
+from disco_jax import _distributed, _files, _plan, _profile, _search, _strategy, _validate, backends
+from disco_jax._compile import Captured, Runner, capture, compile_strategy, compiled_stats
+from disco_jax._console import Ui
+from disco_jax._profiling import CostModel, calibrate, profile
+from disco_jax._strategy import Strategy
+
+ENABLE_SEARCH_ENV = "ENABLE_SEARCH"
+
+
+def search_enabled() -> bool:
+    """The default phase, from ENABLE_SEARCH: '1' search, '0' or unset enact; anything else is an error."""
+    value = os.environ.get(ENABLE_SEARCH_ENV, "").strip()
+    if value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    raise ValueError(f"{ENABLE_SEARCH_ENV} must be 0 or 1, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How a decorated step searches and validates. `search`: the search's parameters;
+    `plan_dir`: where plans are stored (None: `$DISCO_JAX_PLAN_DIR` or the user cache);
+    `validation_pairs`: interleaved timing pairs when validating a plan; `verbose`: print to stderr."""
+
+    search: _search.SearchConfig = _search.SearchConfig()
+    plan_dir: str | None = None
+    validation_pairs: int = 20
+    verbose: bool = True
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class StepReport:
+    """What happened when one program of a decorated step was prepared (`OptimizedStep.reports`).
+
+    phase: 'search' or 'enact'. applied: whether the program runs a disco-jax plan; reason: why
+    (or why not). default_counts / plan_counts: `compiled_stats` of XLA's executable and the
+    plan's. simulated / measured / search: the plan's records (see `Plan`)."""
+
+    phase: str
+    backend: str
+    search_ran: bool = False
+    applied: bool = False
+    reason: str | None = None
+    fingerprint: str | None = None
+    module: str | None = None
+    graph: dict | None = None
+    default_counts: dict | None = None
+    plan_counts: dict | None = None
+    compile_status: str | None = None
+    plan: dict | None = None
+    plan_path: str | None = None
+    simulated: dict | None = None
+    measured: dict | None = None
+    search: dict | None = None
+    process_index: int | None = None
+    plan_from_process: int | None = None
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The validation of a candidate plan against XLA's executable: whether to keep XLA's,
+    why, and what was measured (times, output errors, what the compiled plan holds)."""
+
+    use_default: bool
+    reason: str
+    measured: dict
+    plan_counts: dict | None = None
+
+
+def prepare(fn: Callable, args: tuple, kwargs: dict, dynamic_args: tuple, dynamic_kwargs: dict,
+            options: Options, search: bool, report: StepReport) -> Callable:
+    """The executable for one program: the plan's, or XLA's own when there is no usable plan
+    (compiled either way), or `fn` itself on a backend disco-jax does not support.
+    `args`/`kwargs` are the call as made (for lowering); `dynamic_*` without static arguments."""
+    ui = Ui(options.verbose)
+    backend = backends.for_platform(report.backend)
+    if backend is None:
+        warnings.warn(f"disco-jax: backend {report.backend!r} is not supported yet (supported: "
+                      f"{', '.join(backends.supported_platforms())}); running the unmodified step", stacklevel=5)
+        report.reason = "unsupported backend"
+        return fn
+    step = capture(fn.lower(*args, **kwargs), backend, dynamic_args, dynamic_kwargs)
+    graph = step.graph
+    report.fingerprint, report.module, report.graph = graph.fingerprint, graph.module.name, graph.summary()
+    report.default_counts = compiled_stats(step.default_compiled.as_text())
+    if _distributed.is_multiprocess():
+        # Before anything collective runs: every process must hold the same program, machine,
+        # versions and phase, or all of them fail here with one message.
+        step.scope = _distributed.new_scope("step")
+        report.process_index = jax.process_index()
+        _distributed.agree(f"{step.scope}/program", {"fingerprint": graph.fingerprint, "phase": report.phase,
+                                                      **dataclasses.asdict(step.machine)})
+    if not graph.gradients:
+        ui.say(f"{graph.module.name}: no all-reduce in the step, nothing to optimize; running it unmodified")
+        report.reason = "no collectives"
+        return step.default_compiled
+    if search:
+        return search_phase(step, options, report, ui)
+    return enact_phase(step, options, report, ui)
+
+
+# ---------------------------------------------------------------------------------- search phase
+
+
+def search_phase(step: Captured, options: Options, report: StepReport, ui: Ui) -> Any:
+    graph, machine = step.graph, step.machine
+    leader = jax.process_index() == 0
+    report.search_ran = leader
+    default_runner = step.runner(step.default_compiled)
+    ui.say(f"{graph.module.name}: profiling {len(graph.ops)} ops, {len(graph.gradients)} gradients "
+           f"on {len(step.devices)} {machine.device_kind} devices")
+    cost_model = profile(step, default_runner, _profile.ProfileDatabase(), ui)
+    cost_model.sources["calibration"] = calibrate(cost_model, step, default_runner, options.validation_pairs,
+                                                  ui).to_json()
+    default = _strategy.xla_default(graph)
+    sim_default = cost_model.simulate(graph, default, record=True)
+    best, search_info = default, {}
+    if leader:
+        result = run_search(step, cost_model, options.search, sim_default.iteration_us, ui)
+        best = result.best
+        search_info = {**result.stats(), "options": options.to_json(), "cost_model": cost_model.sources}
+    if step.scope is not None:
+        found = None if best.key() == default.key() else best.to_json(graph)
+        found = _distributed.broadcast_json(f"{step.scope}/strategy", found,
+                                            timeout_s=_distributed.sync_timeout_s() + options.search.budget_s)
+        best = default if found is None else Strategy.from_json(graph, found)
+    sim_best = cost_model.simulate(graph, best, record=True)
+    simulated = {"default": sim_default.to_json(), "plan": sim_best.to_json()}
+    compiled = None
+    if best.key() == default.key():
+        verdict = Verdict(True, "the search found nothing better than XLA's plan in simulation", {})
+    else:
+        compiled, _ = compile_strategy(step.lowered, graph, best)
+        verdict = validate(step, default_runner, best, compiled, options.validation_pairs,
+                           sim_best.iteration_us / sim_default.iteration_us)
+    report.plan_counts = verdict.plan_counts
+    plan = _plan.Plan(graph.fingerprint, graph.module.name, machine, verdict.use_default,
+                      None if verdict.use_default else best.to_json(graph), verdict.reason,
+                      simulated=simulated, measured=verdict.measured, search=search_info)
+    if step.scope is not None:  # process 0 measured and decided for everyone
+        plan = _plan.Plan.from_json(_distributed.broadcast_json(f"{step.scope}/plan", plan.to_json()))
+    report.simulated, report.measured, report.search = plan.simulated, plan.measured, plan.search
+    report.plan, report.reason, report.applied = plan.to_json(), plan.reason, not plan.use_default
+    if leader:
+        report.plan_path = store(plan, {"default": sim_default.events, "plan": sim_best.events}, options.plan_dir)
+        ui.summary(graph.module.name, plan, report.default_counts, report.plan_counts, report.plan_path)
+    return step.default_compiled if plan.use_default else compiled
+
+
+def run_search(step: Captured, cost_model: CostModel, config: _search.SearchConfig, default_cost: float,
+               ui: Ui) -> _search.SearchResult:
+    """DisCo's backtracking search over the step's graph, costed by the simulator."""
+    graph = step.graph
+
+    def cost(s: Strategy) -> float | None:
+        r = cost_model.simulate(graph, s)
+        return None if r is None else r.iteration_us
+
+    return ui.search(lambda progress: _search.backtracking_search(graph, cost, config, progress=progress),
+                     config, default_cost)
+
+
+def validate(step: Captured, default_runner: Runner, best: Strategy, compiled: Any, pairs: int,
+             simulated_ratio: float) -> Verdict:
+    """Compare the candidate's outputs with XLA's (bitwise when only all-reduces were regrouped:
+    every element is then reduced in the same order), time both interleaved, and check that XLA
+    kept the planned all-reduces. With several processes each compares its own output shards."""
+    graph = step.graph
+    counts = compiled_stats(compiled.as_text())
+    plan_runner = step.runner(compiled)
+    bitwise = best.fusion_key() == _strategy.xla_default(graph).fusion_key()
+    local = _distributed.addressable
+    reference = local(default_runner())
+    floor = None
+    if not bitwise:
+        nudged_args, nudged_kwargs = _validate.nudge((step.args, step.kwargs))
+        floor = _validate.sensitivity(reference, local(step.runner(step.default_compiled, nudged_args, nudged_kwargs)()))
+    comparison = _validate.compare_outputs(reference, local(plan_runner()), bitwise=bitwise, floor=floor)
+    timing = _validate.time_interleaved(default_runner, plan_runner, pairs=pairs)
+    if step.scope is not None:
+        comparison = _validate.Comparison.merge(
+            _distributed.gather_json(f"{step.scope}/validation", dataclasses.asdict(comparison)))
+    measured = {"default_us": timing.default_us, "plan_us": timing.plan_us, "ratio": timing.ratio,
+                "ratio_iqr": [timing.ratio_low, timing.ratio_high], "pairs": timing.pairs,
+                "bitwise_required": bitwise, **dataclasses.asdict(comparison), "plan_counts": counts}
+    if not comparison.within_tolerance:
+        return Verdict(True, f"rejected: outputs differ (max abs error {comparison.max_abs_error:.3g}"
+                             f"{', bitwise equality required' if bitwise else ''})", measured, counts)
+    if not timing.not_slower:
+        return Verdict(True, f"rejected: measured {timing.ratio:.3f}x the default step time "
+                             f"(noise {timing.noise:.3f})", measured, counts)
+    if counts["all-reduce"] != len(best.buckets):
+        return Verdict(True, "rejected: XLA did not keep the planned all-reduces", measured, counts)
+    return Verdict(False, f"simulated {simulated_ratio:.3f}x, measured {timing.ratio:.3f}x the default step time",
+                   measured, counts)
+
+
+def store(plan: _plan.Plan, timeline: dict, plan_dir: str | None) -> str | None:
+    """Write the plan and its simulated timelines; None (with a warning) when it cannot be written."""
+    try:
+        path = _plan.save_plan(plan, plan_dir)
+        _files.write_json_atomic(path.with_suffix(".timeline.json"), timeline)
+        return str(path)
+    except OSError as e:
+        warnings.warn(f"disco-jax: {e}; the plan is used for this run only", _plan.PlanWarning, stacklevel=7)
+        return None
+
+
+# ---------------------------------------------------------------------------------- enact phase
+
+
+def enact_phase(step: Captured, options: Options, report: StepReport, ui: Ui) -> Any:
+    plan = load(step, options.plan_dir, report)
+    if plan is None:
+        return step.default_compiled
+    if plan.use_default:
+        ui.say(f"{step.graph.module.name}: plan keeps XLA's default ({plan.reason})")
+        report.reason = plan.reason
+        return step.default_compiled
+    return apply(step, plan, report, ui)
+
+
+def load(step: Captured, plan_dir: str | None, report: StepReport) -> _plan.Plan | None:
+    """The stored plan for this program and machine (process 0's, with several processes), or
+    None with one warning when there is none."""
+    graph = step.graph
+    plan, path = _plan.find_plan(graph.fingerprint, step.machine, plan_dir)
+    if step.scope is not None:
+        plan = _plan.shared_plan(step.scope, plan)
+        report.plan_from_process = 0
+    report.plan_path = str(path)
+    if plan is None:
+        if not path.exists():
+            warnings.warn(f"disco-jax: no plan for {graph.module.name} (fingerprint {graph.fingerprint}) "
+                          f"in {path.parent}; running the unmodified step. Run once with ENABLE_SEARCH=1 "
+                          "to make one.", _plan.PlanWarning, stacklevel=7)
+        report.reason = "no usable plan"
+        return None
+    report.plan = plan.to_json()
+    return plan
+
+
+def apply(step: Captured, plan: _plan.Plan, report: StepReport, ui: Ui) -> Any:
+    """Compile the step with the plan; XLA's executable (with a warning) when the plan does not
+    fit this module or XLA did not keep its all-reduces."""
+    graph = step.graph
+    try:
+        strategy = Strategy.from_json(graph, plan.strategy)
+        compiled, status = compile_strategy(step.lowered, graph, strategy)
+    except ValueError as e:
+        warnings.warn(f"disco-jax: plan {report.plan_path} cannot be applied ({e}); running the unmodified step",
+                      _plan.PlanWarning, stacklevel=7)
+        report.reason = f"plan not applicable: {e}"
+        return step.default_compiled
+    counts = compiled_stats(compiled.as_text())
+    report.compile_status, report.plan_counts = status, counts
+    if status == "fingerprint-mismatch" or counts["all-reduce"] != len(strategy.buckets):
+        warnings.warn(f"disco-jax: the compiled step has {counts['all-reduce']} all-reduces, the plan "
+                      f"{len(strategy.buckets)}; running the unmodified step", _plan.PlanWarning, stacklevel=7)
+        report.reason = "plan not enacted by XLA"
+        return step.default_compiled
+    report.applied, report.reason = True, plan.reason
+    ui.say(f"{graph.module.name}: applied plan {os.path.basename(report.plan_path)} "
+           f"({counts['all-reduce']} all-reduces, {counts['fusion']} fusions)")
+    return compiled

@@ -1,0 +1,38 @@
+"""Backends: everything disco-jax knows about one XLA compiler, in one object.
+
+A `Backend` says at which pass-hook stage the module is captured and rewritten, which ops the
+compiler's loop emitter fuses (the graph IR's "fusible" ops), which fused groups it can emit, how
+a strategy is written back into the module (`Rewriter`), how XLA itself combines all-reduces, and
+which compile options enact DisCo's baselines. The rest of the library asks the backend and never
+compares platform names.
+
+Adding a backend is one file in this package defining a `Backend`, plus one `register` call at
+the bottom of this file. `for_platform(jax.default_backend())` is how the pipeline finds one.
+"""
+
+from __future__ import annotations
+
+from disco_jax.backends.base import Backend, Rewriter
+from disco_jax.backends.cpu import CPU
+
+__all__ = ["Backend", "Rewriter", "CPU", "register", "for_platform", "supported_platforms"]
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    """Make `backend` the one `for_platform(backend.platform)` returns."""
+    _REGISTRY[backend.platform] = backend
+    return backend
+
+
+def for_platform(platform: str) -> Backend | None:
+    """The backend for a JAX platform name, or None when disco-jax does not support it."""
+    return _REGISTRY.get(platform)
+
+
+def supported_platforms() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+register(CPU)

@@ -1,0 +1,44 @@
+"""The `Backend` record and the `Rewriter` protocol (see the package docstring)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol
+
+if TYPE_CHECKING:
+    from disco_jax._graph import Graph
+    from disco_jax._strategy import Strategy
+
+
+class Rewriter(Protocol):
+    """Turns a strategy into the module text the hook returns, for one backend and stage."""
+
+    def rewrite(self, graph: Graph, strategy: Strategy) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One XLA compiler, as disco-jax sees it.
+
+    platform: JAX's platform name (`jax.default_backend()`, the hook's `platforms=`).
+    hook_stage: the `jax.extend.xla.PipelineStage` member name where the module is captured and
+      rewritten.
+    fusible: opcodes the loop emitter generates inside a kLoop fusion.
+    no_producer_fusion: fusible opcodes never fused into a consumer as a producer (they would be
+      recomputed per output element of the consumer).
+    emittable: `(graph, strategy, exports) -> bool`: can the compiler emit every fused group
+      (`exports`: per group, the ops it outputs).
+    rewriter: writes a strategy into the captured module.
+    xla_buckets: how XLA combines the graph's all-reduces by default (gradient ids per all-reduce).
+    baseline_options: XLA compile options that enact DisCo's baselines, by baseline name
+      (`{}`: XLA's defaults).
+    """
+
+    platform: str
+    hook_stage: str
+    fusible: frozenset[str]
+    no_producer_fusion: frozenset[str]
+    emittable: Callable[[Graph, Strategy, list[list[int]]], bool]
+    rewriter: Rewriter
+    xla_buckets: Callable[[Graph], list[tuple[int, ...]]]
+    baseline_options: Mapping[str, Mapping[str, str]]
