@@ -85,7 +85,7 @@ def main(argv=None) -> None:
     la.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command ...")
     b = sub.add_parser("bench", help="DisCo's evaluation: baselines vs disco-jax per model and platform, "
                                      "measured (8 CPU devices) and simulated (GPU clusters); writes a report")
-    from disco_jax import _bench
+    from disco_jax.eval import bench as _bench
     _bench.add_arguments(b)
     args = parser.parse_args(argv)
     if args.command == "demo":

@@ -89,8 +89,8 @@ def print_rows(rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--report" in argv:  # the full evaluation: disco_jax._bench (disco-jax bench)
-        from disco_jax import _bench
+    if "--report" in argv:  # the full evaluation: disco_jax.eval.bench (disco-jax bench)
+        from disco_jax.eval import bench as _bench
 
         report_parser = argparse.ArgumentParser(prog="scripts/bench.py --report")
         _bench.add_arguments(report_parser)

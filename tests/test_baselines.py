@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from disco_jax import _api, backends, _baselines, _capture, _clusters, _compile, _cost, _graph, _hlo, _strategy, _validate, zoo
+from disco_jax import _api, backends, _capture, _compile, _cost, _graph, _hlo, _strategy, _validate, zoo
+from disco_jax.eval import baselines as _baselines, clusters as _clusters
 
 KiB = 1 << 10
 

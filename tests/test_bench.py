@@ -8,7 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from disco_jax import _api, backends, _baselines, _bench, _capture, _clusters, _compile, _graph, optimize_distributed, _plan, _validate, zoo
+from disco_jax import _api, backends, _capture, _compile, _graph, optimize_distributed, _plan, _validate, zoo
+from disco_jax.eval import baselines as _baselines, bench as _bench, clusters as _clusters
 
 MODELS = sorted(zoo.MODELS)
 

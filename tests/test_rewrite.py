@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from disco_jax import _api, backends, _baselines, _capture, _compile, _graph, _hlo, _strategy, _validate
+from disco_jax import _api, backends, _capture, _compile, _graph, _hlo, _strategy, _validate
+from disco_jax.eval import baselines as _baselines
 from _steps import make_step
 
 

@@ -1,7 +1,7 @@
 """`disco-jax bench`: DisCo's evaluation (section 6) rebuilt as one reproducible run.
 
 For every zoo model and platform the benchmark produces one *row*: the iteration time of each
-baseline (`disco_jax._baselines`) and of disco-jax, the speed-up of disco-jax over the best
+baseline (`disco_jax.eval.baselines`) and of disco-jax, the speed-up of disco-jax over the best
 baseline, the full-overlap bound FO, the fraction of FO's headroom disco-jax captured, and the
 search time. Platforms:
 
@@ -12,7 +12,7 @@ search time. Platforms:
   validation), timed the same way. Every configuration is also simulated with the calibrated
   simulator of the search phase (kernels: profiled), which gives the simulated-vs-measured
   table (DisCo's Table 2).
-* each cluster of `disco_jax._clusters.CLUSTERS` (simulated): the model's ``paper`` config,
+* each cluster of `disco_jax.eval.clusters.CLUSTERS` (simulated): the model's ``paper`` config,
   captured from shapes alone (`zoo.lower_abstract`, compiled for 8 CPU devices, never run), its
   kernels costed by the GPU-scaled analytical model (kernels: analytical-scaled), all-reduces by
   the cluster's ring / hierarchical model; disco-jax is the backtracking search on that simulator,
@@ -55,7 +55,8 @@ KERNELS_ANALYTICAL = "analytical-scaled"
 
 
 def default_platforms() -> tuple[str, ...]:
-    from disco_jax import backends, _clusters, _compile
+    from disco_jax import backends, _compile
+    from disco_jax.eval import clusters as _clusters
     return (CPU_PLATFORM, *_clusters.CLUSTERS)
 
 
@@ -126,7 +127,8 @@ def _sim_json(step) -> dict | None:
 
 def simulated_row(graph, cluster, *, budget_s: float, seed: int = 0, progress=None) -> dict:
     """One cluster row for a captured graph: baselines simulated, disco-jax searched."""
-    from disco_jax import _baselines, _cost, _search, _strategy
+    from disco_jax import _cost, _search, _strategy
+    from disco_jax.eval import baselines as _baselines
 
     estimator = _cost.ChainEstimator([cluster.kernel_estimator()])
     allreduce = cluster.allreduce_model()
@@ -188,7 +190,8 @@ def measured_row(name: str, style: str, *, budget_s: float, pairs: int, plan_dir
     import jax
     import optax
 
-    from disco_jax import _api, _baselines, _capture, _graph, _profile, _strategy, _validate, optimize_distributed, zoo
+    from disco_jax import _api, _capture, _graph, _profile, _strategy, _validate, optimize_distributed, zoo
+    from disco_jax.eval import baselines as _baselines
 
     spec = zoo.get_model(name, "tiny")
     step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(NUM_CPU_DEVICES), style)
@@ -309,7 +312,7 @@ def _common_fields(model: str, platform: str, style: str, graph_summary: dict, k
 def run_model(model: str, platforms: tuple[str, ...], *, style: str, budget_s: float, cpu_budget_s: float,
               pairs: int, out: str, force: bool, plan_dir: str, seed: int = 0) -> None:
     """Every missing row of one model (in this process)."""
-    from disco_jax import _clusters
+    from disco_jax.eval import clusters as _clusters
 
     todo = [p for p in platforms if force or not row_path(out, model, p, style).exists()]
     if CPU_PLATFORM in todo:
@@ -345,7 +348,7 @@ def run_model(model: str, platforms: tuple[str, ...], *, style: str, budget_s: f
 
 
 def _worker_main(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="python -m disco_jax._bench worker")
+    p = argparse.ArgumentParser(prog="python -m disco_jax.eval.bench worker")
     p.add_argument("--model", required=True)
     p.add_argument("--platforms", nargs="+", required=True)
     p.add_argument("--style", default="jit")
@@ -406,7 +409,7 @@ def run(config: BenchConfig) -> Path:
             if not missing:
                 continue
             log_path = out / "logs" / f"{model}.{config.style}.log"
-            cmd = [sys.executable, "-m", "disco_jax._bench", "worker", "--model", model, "--platforms", *missing,
+            cmd = [sys.executable, "-m", "disco_jax.eval.bench", "worker", "--model", model, "--platforms", *missing,
                    "--style", config.style, "--budget", str(config.budget_s), "--cpu-budget", str(config.cpu_budget_s),
                    "--pairs", str(config.pairs), "--out", str(out), "--plan-dir", os.path.join(scratch, "plans"),
                    "--seed", str(config.seed)]
@@ -632,7 +635,7 @@ def write_figures(out: Path, rows: list[dict], dpi: int = 80) -> dict[str, str]:
 
 def report_markdown(rows: list[dict], figures: dict[str, str], run_info: dict) -> str:
     """The report's README.md."""
-    from disco_jax import _baselines, _clusters
+    from disco_jax.eval import baselines as _baselines, clusters as _clusters
 
     platforms, models = _platform_order(rows), _model_order(rows)
     by_key = {(r["platform"], r["model"]): r for r in rows}
@@ -857,7 +860,7 @@ def report_markdown(rows: list[dict], figures: dict[str, str], run_info: dict) -
     add("## Baselines")
     add("")
     add("Each baseline is a `Strategy` on the captured graph (simulated everywhere) and, on the measured platform, "
-        "a compile configuration (`disco_jax/_baselines.py`). DDP and Horovod bucketings are enacted by our "
+        "a compile configuration (`disco_jax/eval/baselines.py`). DDP and Horovod bucketings are enacted by our "
         "rewriter (XLA has no option for them) and use XLA's op fusion (the strongest version of their policy); "
         "on simulated GPU clusters XLA's all-reduce combining is the XLA:GPU combiner (30 MiB), on CPU what "
         "XLA:CPU did (everything it can). Ready times for DDP's order and Horovod's 1 ms cycles come from the "
@@ -957,6 +960,6 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         _worker_main(sys.argv[2:])
     else:
-        parser = argparse.ArgumentParser(prog="python -m disco_jax._bench")
+        parser = argparse.ArgumentParser(prog="python -m disco_jax.eval.bench")
         add_arguments(parser)
         main(parser.parse_args())

@@ -15,7 +15,7 @@ the simulator needs for a platform we cannot run on:
 
 Every number is a `Quantity` with its source; those marked `assumption=True` are our choices
 (efficiencies, launch overhead), not published figures. `CLUSTERS` holds the named clusters of
-the benchmark (`disco_jax._bench`).
+the benchmark (`disco_jax.eval.bench`).
 
 A simulated cluster step is one device's step of the captured program (the zoo's paper config at
 its per-device batch: global batch / 8), with the all-reduces costed for the cluster's device
