@@ -13,7 +13,8 @@ import dataclasses
 import functools
 import inspect
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 

@@ -3,8 +3,9 @@
 One Python pass is registered with XLA (`jax.extend.xla.register_hlo_module_transformation`) the
 first time it is needed. It does nothing unless one of our own compiles is in progress, and then
 only touches the module it was armed for (by name). JAX's in-memory and persistent caches do not
-key on registered passes (DESIGN.md point 8), so every compile of ours passes an XLA debug option
-that changes nothing in code generation but changes the cache key: `xla_dump_max_hlo_modules`
+key on registered passes (a cached executable would come back without our pass having run), so
+every compile of ours passes an XLA debug option that changes nothing in code generation but
+changes the cache key: `xla_dump_max_hlo_modules`
 (only read when dumping is on). Capture uses a fresh value each time; enactment a value derived
 from the plan, so a plan compiles once per process and a persistent-cache hit is the same plan.
 """
@@ -14,7 +15,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax._src.lib import xla_client

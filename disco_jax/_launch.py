@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from disco_jax._distributed import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 

@@ -43,7 +43,7 @@ class MachineKey:
     jaxlib_version: str = jaxlib.__version__
 
     @classmethod
-    def current(cls, devices=None) -> "MachineKey":
+    def current(cls, devices=None) -> MachineKey:
         devices = list(devices) if devices is not None else jax.devices()
         from disco_jax._profile import device_kind_key
         return cls(jax.default_backend(), device_kind_key(devices[0]), len(devices), jax.process_count())
@@ -67,7 +67,7 @@ class Plan:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, data: Any) -> "Plan":
+    def from_json(cls, data: Any) -> Plan:
         if not isinstance(data, dict):
             raise ValueError("plan file does not hold a JSON object")
         version = data.get("format_version")

@@ -14,7 +14,7 @@ import heapq
 import itertools
 import random
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from disco_jax._graph import Graph
 from disco_jax._strategy import MOVES, Move, Strategy, start_candidates
@@ -102,7 +102,7 @@ def backtracking_search(graph: Graph, cost: Callable[[Strategy], float | None],
             stop = f"time budget of {config.budget_s:g} s spent"
             break
         _, _, current = heapq.heappop(queue)
-        for move_name, move in moves.items():
+        for move in moves.values():
             candidate = current
             for _ in range(rng.randint(0, config.beta)):
                 nxt = move(graph, candidate, rng)

@@ -3,9 +3,10 @@
 Both executables run on the same inputs. Outputs are compared bitwise when the plan only
 regroups all-reduces (each element is still reduced in the same order), else within a tolerance:
 fused and unfused elementwise code are generated differently by XLA, so values may move by a few
-ulps (DESIGN.md point 3), and optimizers such as Adam divide by running moments, which enlarges
-those ulps on elements near zero (an update's sign can flip where a gradient is ~0). The
-tolerance is therefore per output array, the larger of
+ulps (a fused kernel may evaluate an expression in another order or with fused multiply-adds),
+and optimizers such as Adam divide by running moments, which enlarges those ulps on elements
+near zero (an update's sign can flip where a gradient is ~0). The tolerance is therefore per
+output array, the larger of
 
 * atol + rtol * max |default| (rtol = 1e-4, atol = 1e-6 for 32-bit floats; 1e-2 / 1e-3 for
   16-bit; 1e-7 / 1e-9 for 64-bit), and
@@ -16,14 +17,15 @@ tolerance is therefore per output array, the larger of
 Integer and boolean outputs must be equal.
 
 Timing runs the two executables in interleaved pairs and reports the median of per-pair ratios
-with its spread (DESIGN.md point 7): shared machines are noisy.
+with its spread: shared machines are noisy, and on XLA:CPU the devices share the host's cores.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np

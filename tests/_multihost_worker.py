@@ -37,8 +37,9 @@ import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from disco_jax import _capture, _compile, _distributed, _graph, _plan, _search, _strategy, _validate, backends  # noqa: E402
+
 from _steps import mlp_init, mlp_loss  # noqa: E402
-from disco_jax import _api, backends, _capture, _compile, _distributed, _graph, _plan, _search, _strategy, _validate  # noqa: E402
 
 
 def make_step(width: int, batch: int = 32):

@@ -20,8 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import optax  # noqa: E402
 
-from _steps import make_step  # noqa: E402
 from disco_jax import optimize_distributed  # noqa: E402
+
+from _steps import make_step  # noqa: E402
 
 plan_dir, budget_s = sys.argv[1], float(sys.argv[2])
 step, args = make_step("jit", optimizer=optax.adam(1e-2))

@@ -6,7 +6,19 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from disco_jax import _api, backends, _capture, _compile, _files, _graph, optimize_distributed, _plan, _search, _strategy, _validate
+from disco_jax import (
+    _capture,
+    _compile,
+    _files,
+    _graph,
+    _plan,
+    _search,
+    _strategy,
+    _validate,
+    backends,
+    optimize_distributed,
+)
+
 from _steps import make_step
 
 FAST = dict(budget_s=2.0, validation_pairs=4, verbose=False)
@@ -132,3 +144,44 @@ def test_step_without_collectives_is_left_alone(monkeypatch):
 def test_bad_options_are_refused_early():
     with pytest.raises(ValueError, match="alpha"):
         optimize_distributed(alpha=0.9)
+
+
+def test_search_parameter_overrides_enable_search(tmp_path, monkeypatch):
+    """`search=` decides the phase; ENABLE_SEARCH is only the default (and is not even read)."""
+    step, args = make_step("jit")
+    monkeypatch.setenv("ENABLE_SEARCH", "not a number")
+    searching = optimize_distributed(search=True, **FAST, plan_dir=tmp_path)(step)
+    searching(*args)
+    assert searching.last_report.phase == "search" and searching.last_report.search_ran
+    monkeypatch.setattr(_search, "backtracking_search", lambda *a, **k: pytest.fail("enactment searched"))
+    enacting = optimize_distributed(search=False, **FAST, plan_dir=tmp_path)(step)
+    enacting(*args)
+    assert enacting.last_report.phase == "enact" and enacting.last_report.plan is not None
+    with pytest.raises(TypeError, match="search must be"):
+        optimize_distributed(search="yes")
+
+
+def test_search_config_is_passed_through_and_keywords_replace_its_fields(tmp_path):
+    config = _search.SearchConfig(alpha=1.2, beta=3, max_unchanged=50, budget_s=5.0, seed=7)
+    wrapped = optimize_distributed(search=True, config=config, budget_s=1.5, validation_pairs=4, verbose=False,
+                                   plan_dir=tmp_path)
+    assert wrapped(jax.jit(lambda x: x)).options.search == _search.SearchConfig(
+        alpha=1.2, beta=3, max_unchanged=50, budget_s=1.5, seed=7)
+    step, args = make_step("jit")
+    searched = wrapped(step)
+    searched(*args)
+    recorded = searched.last_report.search["options"]["search"]
+    assert recorded["alpha"] == 1.2 and recorded["beta"] == 3 and recorded["budget_s"] == 1.5
+    assert searched.last_report.search["seconds"] < 5.0  # the keyword's budget, not the config's
+
+
+def test_unsupported_backend_warns_and_runs_the_jitted_step(monkeypatch):
+    """No `Backend` for the platform: the user's own jitted function runs, with one warning."""
+    monkeypatch.setattr(backends, "for_platform", lambda platform: None)
+    step, args = make_step("jit")
+    wrapped = optimize_distributed(search=False, **FAST)(step)
+    with pytest.warns(UserWarning, match="not supported yet"):
+        out = wrapped(*args)
+    assert wrapped.executable(*args) is step
+    assert wrapped.last_report.reason == "unsupported backend" and not wrapped.last_report.applied
+    assert _validate.compare_outputs(step(*args), out, bitwise=True).bitwise_equal

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from disco_jax import _plan, _validate, optimize_distributed
+
 from _steps import make_step
 
 WORKER = Path(__file__).resolve().parent / "_search_worker.py"

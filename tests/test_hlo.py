@@ -1,11 +1,11 @@
 """The HLO text layer: parsing real compiled modules, printing XLA accepts, fingerprints."""
 
 import jax
-import jax.numpy as jnp
 import pytest
 from jax._src.lib import xla_client
 
 from disco_jax import _capture, _hlo
+
 from _steps import make_step
 
 

@@ -12,8 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from disco_jax import _launch
 
 WORKER = Path(__file__).resolve().parent / "_multihost_worker.py"

@@ -3,12 +3,10 @@
 import random
 import re
 
-import jax
-import numpy as np
 import pytest
 
-from disco_jax import _api, backends, _capture, _compile, _graph, _hlo, _strategy, _validate
-from disco_jax.eval import baselines as _baselines
+from disco_jax import _capture, _compile, _graph, _hlo, _strategy, _validate, backends
+
 from _steps import make_step
 
 

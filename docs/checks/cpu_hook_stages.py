@@ -10,9 +10,9 @@ import re  # noqa: E402
 
 import jax  # noqa: E402
 import optax  # noqa: E402
-
 from _common import Recorder, count, entry, fact, finish, operand_counts  # noqa: E402
-from disco_jax import _api, backends, _compile, _graph, _strategy, zoo  # noqa: E402
+
+from disco_jax import _compile, _graph, _strategy, backends, zoo  # noqa: E402
 
 rec = Recorder("cpu")
 spec = zoo.get_model("mlp", "tiny")

@@ -15,8 +15,8 @@ import re  # noqa: E402
 
 import jax  # noqa: E402
 import optax  # noqa: E402
-
 from _common import count, entry, fact, finish  # noqa: E402
+
 from disco_jax import zoo  # noqa: E402
 
 spec = zoo.get_model("mlp", "tiny")

@@ -11,10 +11,10 @@ import re  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from _common import Recorder, count, fact, finish, operand_counts  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from _common import Recorder, count, fact, finish, operand_counts  # noqa: E402
 from disco_jax import targets  # noqa: E402
 
 LAYERS, WIDTH = 4, 256

@@ -7,9 +7,8 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax._src.lib import xla_client  # noqa: E402
-
 from _common import fact, finish  # noqa: E402
+from jax._src.lib import xla_client  # noqa: E402
 
 hlo = xla_client.hlo
 try:
