@@ -5,23 +5,68 @@ Decorate a jitted data-parallel training step with `@optimize_distributed`. Run 
 See README.md for the data flow (capture -> graph -> profile -> cost -> search -> rewrite -> plan).
 """
 
-from disco_jax import backends
+from disco_jax import backends, cost
 from disco_jax._api import OptimizedStep, optimize_distributed
-from disco_jax._pipeline import StepReport, search_enabled
-from disco_jax._cost import AnalyticalEstimator, ChainEstimator, Estimator, SimulatedStep, TableEstimator, simulate
 from disco_jax._distributed import PlanMismatchError, initialize_from_env
 from disco_jax._graph import Graph, build_graph
+from disco_jax._pipeline import StepReport, search_enabled
 from disco_jax._plan import Plan, PlanWarning, find_plan, read_plan_file
-from disco_jax._profile import AllReduceCostModel, Profile, ProfileDatabase
+from disco_jax._profile_store import Profile, ProfileDatabase
 from disco_jax._search import SearchConfig, SearchResult, backtracking_search
 from disco_jax._strategy import Strategy, start_candidates, unfused, xla_default
+from disco_jax.cost import (
+    AllReduceCost,
+    AllReduceCostModel,
+    AnalyticalEstimator,
+    CalibratedEstimator,
+    ChainEstimator,
+    CostModel,
+    Estimator,
+    SimulatedStep,
+    SimulatorParams,
+    TableEstimator,
+    chain,
+    register_estimator,
+    simulate,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AllReduceCostModel", "AnalyticalEstimator", "ChainEstimator", "Estimator", "Graph", "OptimizedStep", "Plan",
-    "PlanMismatchError", "PlanWarning", "Profile", "ProfileDatabase", "SearchConfig", "SearchResult",
-    "SimulatedStep", "StepReport", "Strategy", "TableEstimator", "backends", "backtracking_search", "build_graph", "find_plan",
-    "initialize_from_env", "optimize_distributed", "read_plan_file", "search_enabled", "simulate",
-    "start_candidates", "unfused", "xla_default",
+    "AllReduceCost",
+    "AllReduceCostModel",
+    "AnalyticalEstimator",
+    "CalibratedEstimator",
+    "ChainEstimator",
+    "CostModel",
+    "Estimator",
+    "Graph",
+    "OptimizedStep",
+    "Plan",
+    "PlanMismatchError",
+    "PlanWarning",
+    "Profile",
+    "ProfileDatabase",
+    "SearchConfig",
+    "SearchResult",
+    "SimulatedStep",
+    "SimulatorParams",
+    "StepReport",
+    "Strategy",
+    "TableEstimator",
+    "backends",
+    "backtracking_search",
+    "build_graph",
+    "chain",
+    "cost",
+    "find_plan",
+    "initialize_from_env",
+    "optimize_distributed",
+    "read_plan_file",
+    "register_estimator",
+    "search_enabled",
+    "simulate",
+    "start_candidates",
+    "unfused",
+    "xla_default",
 ]

@@ -15,33 +15,30 @@
 * `xla_groups` / `xla_buckets`: how XLA grouped the ops into fusions and gradients into
   all-reduces, which is the JAX-default strategy the search starts from.
 
-Everything downstream (strategy, simulator, rewrite) works on op ids of one `Graph`.
+Everything downstream (strategy, simulator, rewrite) works on op ids of one `Graph`, and asks the
+graph its questions: `op_work` / `op_flops` (counted by `disco_jax.cost.work`), `free_sources`,
+`consumers(op)`, `reduced_dependencies`, `kernel_signature(kernel)`; each is computed once per
+graph and cached on it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import re
 from typing import TYPE_CHECKING
 
 from disco_jax import _hlo
+from disco_jax.cost.work import ELEMENTWISE, Work, op_work
 
 if TYPE_CHECKING:
     from disco_jax.backends import Backend
 
-ELEMENTWISE = frozenset("""
-abs add and atan2 cbrt ceil clamp compare complex convert cos count-leading-zeros divide erf exp
-exponential exponential-minus-one floor imag is-finite log log-plus-one logistic maximum minimum
-multiply negate not or popcnt power real reduce-precision remainder round-nearest-afz
-round-nearest-even rsqrt select shift-left shift-right-arithmetic shift-right-logical sign sin
-sqrt subtract tan tanh xor bitcast-convert stochastic-convert
-""".split())
+# ELEMENTWISE (the opcode class, defined with the work counter) is read here by the backends.
+__all__ = ["ELEMENTWISE", "FREE", "IN_PLACE", "Gradient", "Graph", "Op", "build_graph"]
+
 FREE = frozenset("parameter constant get-tuple-element tuple bitcast after-all".split())
-# Transcendental ops cost more than one flop per element in the analytical model.
-TRANSCENDENTAL = frozenset(
-    "exp exponential exponential-minus-one log log-plus-one logistic tanh sin cos tan erf power "
-    "rsqrt sqrt cbrt atan2".split())
 
 
 @dataclasses.dataclass
@@ -63,18 +60,6 @@ class Op:
     @property
     def output_bytes(self) -> int:
         return self.inst.output_bytes
-
-    @functools.cached_property
-    def flops(self) -> float:
-        """Rough floating-point work, for the analytical estimator and estimator features."""
-        out = sum(s.elements for s in self.inst.outputs)
-        if self.opcode in TRANSCENDENTAL:
-            return 8.0 * out
-        if self.opcode in ELEMENTWISE:
-            return float(out)
-        if self.opcode == "reduce":
-            return 0.0  # filled by Graph.op_flops (needs operand sizes)
-        return 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +90,13 @@ class Graph:
     outputs: list[int]  # op ids of the module's output (several when ROOT was a multi-output fusion)
     fingerprint: str
     backend: Backend  # the compiler whose module this is
+    # Caches of the queries below that take an argument (the others are cached properties).
+    _signatures: dict[frozenset[int], str] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _consumers: dict[int, tuple[int, ...]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self):
         users: list[list[int]] = [[] for _ in self.ops]
@@ -123,26 +115,104 @@ class Graph:
         return [op.id for op in self.ops if op.kind == "opaque"]
 
     @functools.cached_property
+    def op_work(self) -> list[Work]:
+        """Per op: its flops, elements, transcendentals and bytes (`disco_jax.cost.work.op_work`)."""
+        return [op_work(self, op.id) for op in self.ops]
+
+    @functools.cached_property
     def op_flops(self) -> list[float]:
-        flops = []
+        """Per op: its floating-point work (`Work.flops`)."""
+        return [w.flops for w in self.op_work]
+
+    @functools.cached_property
+    def free_sources(self) -> list[tuple[int, ...]]:
+        """For every op, the non-free ops its value comes from through chains of free ops."""
+        sources: list[tuple[int, ...]] = []
         for op in self.ops:
-            if op.opcode == "reduce":
-                flops.append(float(sum(self.ops[o].inst.outputs[0].elements
-                                       for o in op.operands[: len(op.operands) // 2])))
-            elif op.opcode in ("dot", "convolution"):
-                flops.append(_dot_flops(op, self))
-            elif op.opcode == "fusion":  # opaque custom fusion: sum of its dots
-                flops.append(_custom_fusion_flops(op, self))
+            if op.kind != "free":
+                sources.append((op.id,))
             else:
-                flops.append(op.flops)
-        return flops
+                found: list[int] = []
+                for o in op.operands:
+                    found.extend(sources[o])
+                sources.append(tuple(dict.fromkeys(found)))
+        return sources
+
+    def consumers(self, o: int) -> tuple[int, ...]:
+        """Non-free consumers of an op's value, looking through free ops; -1 for the module output."""
+        found = self._consumers.get(o)
+        if found is None:
+            out, stack, seen = [], list(self.users[o]), set()
+            while stack:
+                u = stack.pop()
+                if u in seen:
+                    continue
+                seen.add(u)
+                if self.ops[u].kind == "free":
+                    if u in self.output_set:
+                        out.append(-1)
+                    stack.extend(self.users[u])
+                else:
+                    out.append(u)
+            if o in self.output_set:
+                out.append(-1)
+            found = self._consumers[o] = tuple(out)
+        return found
+
+    @functools.cached_property
+    def reduced_dependencies(self) -> list[int]:
+        """Per gradient, a bitmask of the gradients whose all-reduced value its producer depends on
+        (forward-pass all-reduces such as batch-norm statistics feed later gradients)."""
+        masks: list[int] = []
+        for op in self.ops:
+            m = 0
+            for v in op.operands:
+                m |= masks[v]
+            if op.kind == "reduced" and op.gradient is not None:
+                m |= 1 << op.gradient
+            masks.append(m)
+        return [masks[g.producer] for g in self.gradients]
+
+    def kernel_signature(self, members: frozenset[int]) -> str:
+        """A name for a kernel that is equal for equal computations in any module: its ops in
+        order with shapes and attributes, internal edges by position, inputs by shape."""
+        sig = self._signatures.get(members)
+        if sig is None:
+            ordered = sorted(members)
+            pos = {o: i for i, o in enumerate(ordered)}
+            parts = []
+            for o in ordered:
+                refs = []
+                for v in self.ops[o].operands:
+                    refs.append(f"#{pos[v]}" if v in pos else "in:" + _strip_layout(self.ops[v].inst.shape))
+                parts.append(self._op_signature(o) + "(" + ",".join(refs) + ")")
+            sig = self._signatures[members] = hashlib.sha1("|".join(parts).encode()).hexdigest()[:20]
+        return sig
+
+    def _op_signature(self, o: int) -> str:
+        inst = self.ops[o].inst
+        attrs = inst.attrs_text(drop_metadata=True)
+        attrs = re.sub(
+            r"(calls|to_apply)=%?[\w.\-]+", lambda m: f"{m.group(1)}=" + self._called_body(m.group(0)), attrs
+        )
+        attrs = re.sub(r"channel_id=\d+, ?", "", attrs)
+        return f"{inst.opcode}:{_strip_layout(inst.shape)}:{inst.literal or ''}:{attrs}"
+
+    def _called_body(self, attr: str) -> str:
+        name = attr.split("=", 1)[1].lstrip("%")
+        try:
+            comp = self.module.computation(name)
+        except KeyError:
+            return name
+        return "[" + ";".join(f"{i.opcode}:{_strip_layout(i.shape)}" for i in comp.instructions) + "]"
 
     def summary(self) -> dict:
         kinds: dict[str, int] = {}
         for op in self.ops:
             kinds[op.kind] = kinds.get(op.kind, 0) + 1
         return {
-            "ops": len(self.ops), **kinds,
+            "ops": len(self.ops),
+            **kinds,
             "gradients": len(self.gradients),
             "xla_fusions": sum(1 for g in self.xla_groups if len(g) > 1),
             "xla_allreduces": len(self.xla_buckets),
@@ -150,37 +220,9 @@ class Graph:
         }
 
 
-def _dot_flops(op: Op, graph: Graph) -> float:
-    out = op.inst.outputs[0].elements
-    lhs = graph.ops[op.operands[0]].inst.outputs[0]
-    contracting = op.inst.attr("lhs_contracting_dims", "{}").strip("{}")
-    k = 1
-    for d in contracting.split(","):
-        if d.strip():
-            k *= lhs.dims[int(d)]
-    if op.opcode == "convolution":
-        rhs = graph.ops[op.operands[1]].inst.outputs[0]
-        k = max(1, rhs.elements // max(1, op.inst.outputs[0].dims[-1] if op.inst.outputs[0].dims else 1))
-    return 2.0 * out * k
-
-
-def _custom_fusion_flops(op: Op, graph: Graph) -> float:
-    comp_name = op.inst.attr("calls", "").lstrip("%")
-    try:
-        comp = graph.module.computation(comp_name)
-    except KeyError:
-        return 0.0
-    total = 0.0
-    shapes = {i.name: i.outputs for i in comp.instructions}
-    for inst in comp.instructions:
-        if inst.opcode == "dot" and inst.operands:
-            lhs = shapes[inst.operands[0]][0]
-            k = 1
-            for d in inst.attr("lhs_contracting_dims", "{}").strip("{}").split(","):
-                if d.strip():
-                    k *= lhs.dims[int(d)]
-            total += 2.0 * inst.outputs[0].elements * k
-    return total
+def _strip_layout(shape: str) -> str:
+    """A shape without its layouts (`f32[4,8]{1,0}` -> `f32[4,8]`)."""
+    return re.sub(r"{[^{}]*}", "", shape)
 
 
 def _openable(inst: _hlo.Instruction, module: _hlo.HloModuleText, fusible: frozenset[str]) -> bool:
@@ -221,8 +263,13 @@ def _in_place_operands(inst: _hlo.Instruction, module: _hlo.HloModuleText) -> li
 def _compat_key(inst: _hlo.Instruction, module: _hlo.HloModuleText, dtype: str) -> tuple:
     reducer = module.computation(inst.attr("to_apply").lstrip("%"))
     reducer_ops = tuple(i.opcode for i in reducer.instructions if i.opcode != "parameter")
-    return (dtype, reducer_ops, inst.attr("replica_groups"), inst.attr("use_global_device_ids"),
-            inst.attr("channel_id") is not None)
+    return (
+        dtype,
+        reducer_ops,
+        inst.attr("replica_groups"),
+        inst.attr("use_global_device_ids"),
+        inst.attr("channel_id") is not None,
+    )
 
 
 def build_graph(text: str, backend: Backend) -> Graph:
@@ -248,11 +295,18 @@ def build_graph(text: str, backend: Backend) -> Graph:
         for i in _in_place_operands(inst, module):
             exclusive.add(inst.operands[i])
     by_name = entry.by_name()
-    exclusive |= {by_name[n].operands[0] for n in list(exclusive)
-                  if n in by_name and by_name[n].opcode == "get-tuple-element"}
+    exclusive |= {
+        by_name[n].operands[0] for n in list(exclusive) if n in by_name and by_name[n].opcode == "get-tuple-element"
+    }
 
-    def add(inst: _hlo.Instruction, kind: str, operands: tuple[int, ...], kernel: str,
-            gradient: int | None = None, mergeable: bool = False) -> int:
+    def add(
+        inst: _hlo.Instruction,
+        kind: str,
+        operands: tuple[int, ...],
+        kernel: str,
+        gradient: int | None = None,
+        mergeable: bool = False,
+    ) -> int:
         """Ops are merged only where XLA duplicated them into several fusions (`mergeable`):
         XLA's own CSE already merged the entry instructions it could, and kept copies apart
         on purpose (buffers that get overwritten in place)."""
@@ -285,20 +339,29 @@ def build_graph(text: str, backend: Backend) -> Graph:
             ar_kind = None
         if ar_kind == "gradient":
             bucket = []
-            element_shapes = (_hlo.split_top_level(re.sub(r"/\*.*?\*/", "", inst.shape[1:-1]))
-                              if inst.shape.startswith("(") else [inst.shape])
+            element_shapes = (
+                _hlo.split_top_level(re.sub(r"/\*.*?\*/", "", inst.shape[1:-1]))
+                if inst.shape.startswith("(")
+                else [inst.shape]
+            )
             for k, operand in enumerate(inst.operands):
                 gid = len(gradients)
                 producer = value[operand]
                 shape = element_shapes[k] if len(element_shapes) == len(inst.operands) else inst.shape
-                reduced = add(dataclasses.replace(inst, shape=shape, operands=[operand]), "reduced",
-                              (producer,), inst.name, gradient=gid)
+                reduced = add(
+                    dataclasses.replace(inst, shape=shape, operands=[operand]),
+                    "reduced",
+                    (producer,),
+                    inst.name,
+                    gradient=gid,
+                )
                 compat = _compat_key(inst, module, specs[k].dtype)
                 templates.setdefault(compat, inst)
                 # Users refer to a variadic all-reduce's results through get-tuple-elements.
                 result = inst.name if len(inst.operands) == 1 and not inst.shape.startswith("(") else None
-                gradients.append(Gradient(gid, producer, reduced, specs[k].bytes, compat, inst.name,
-                                          result or f"{inst.name}.{k}"))
+                gradients.append(
+                    Gradient(gid, producer, reduced, specs[k].bytes, compat, inst.name, result or f"{inst.name}.{k}")
+                )
                 bucket.append(gid)
             xla_buckets.append(tuple(bucket))
             if len(inst.operands) == 1 and not inst.shape.startswith("("):
@@ -328,8 +391,13 @@ def build_graph(text: str, backend: Backend) -> Graph:
                 else:
                     kind = "free" if i.opcode == "constant" else "fusible"
                     mergeable = not (inst.name in exclusive and i.name in outputs)
-                    oid = add(dataclasses.replace(i, is_root=False), kind,
-                              tuple(inner[o] for o in i.operands), inst.name, mergeable=mergeable)
+                    oid = add(
+                        dataclasses.replace(i, is_root=False),
+                        kind,
+                        tuple(inner[o] for o in i.operands),
+                        inst.name,
+                        mergeable=mergeable,
+                    )
                     inner[i.name] = oid
                     if kind == "fusible":
                         members.append(oid)
@@ -361,5 +429,18 @@ def build_graph(text: str, backend: Backend) -> Graph:
             homes.setdefault(oid, gi)
     root = entry.root
     outputs = list(tuple_values[root.name]) if root.name in tuple_values else [value[root.name]]
-    return Graph(module, ops, gradients, xla_groups, homes, xla_buckets, xla_kernel_names, xla_exports,
-                 templates, value, outputs, _hlo.fingerprint(text), backend)
+    return Graph(
+        module,
+        ops,
+        gradients,
+        xla_groups,
+        homes,
+        xla_buckets,
+        xla_kernel_names,
+        xla_exports,
+        templates,
+        value,
+        outputs,
+        _hlo.fingerprint(text),
+        backend,
+    )

@@ -1,10 +1,11 @@
 """The profile and calibrate phases: what the simulator knows about this step on these devices.
 
 `profile` measures the kernel times of XLA's own executable and (once per device kind and count)
-the all-reduce cost, stores them in the profile database, and builds the `CostModel`: a chain of
-kernel estimators (measured table, then the calibrated GNN or analytical estimator) and the
-all-reduce fit. `calibrate` then fits the simulator's two device parameters to two measured
-strategies, so that simulated step times are in the units of measured ones.
+the all-reduce cost, stores them in the profile database, and builds the `disco_jax.cost.CostModel`:
+a chain of kernel estimators (measured table, then each estimator plugin that has one for the
+device kind, calibrated, then the calibrated analytical estimator) and the all-reduce fit.
+`calibrate` then fits the simulator's two device parameters to two measured strategies, so that
+simulated step times are in the units of measured ones.
 """
 
 from __future__ import annotations
@@ -15,42 +16,30 @@ import warnings
 import jax
 import numpy as np
 
-from disco_jax import _cost, _distributed, _profile, _strategy, _validate
+from disco_jax import _distributed, _profile, _profile_store, _strategy, _validate, cost
 from disco_jax._compile import Captured, Runner, compile_strategy
 from disco_jax._console import Ui
-from disco_jax._graph import Graph
-from disco_jax._strategy import Strategy
-
-
-@dataclasses.dataclass
-class CostModel:
-    """What the simulator needs, built once per search: estimator chain and all-reduce fit.
-    `sources` says where each part came from (for the plan file)."""
-
-    estimator: _cost.ChainEstimator
-    allreduce: _profile.AllReduceCostModel
-    sources: dict
-    params: _cost.SimulatorParams = _cost.SimulatorParams()
-
-    def simulate(self, graph: Graph, strategy: Strategy, record: bool = False,
-                 params: _cost.SimulatorParams | None = None) -> _cost.SimulatedStep | None:
-        return _cost.simulate(graph, strategy, self.estimator, self.allreduce, params or self.params, record=record)
 
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
     """The fitted simulator parameters and the two measured step times they were fitted to."""
 
-    params: _cost.SimulatorParams
+    params: cost.SimulatorParams
     measured_default_us: float
     measured_per_gradient_us: float
 
     def to_json(self) -> dict:
-        return {**self.params.to_json(), "measured_default_us": self.measured_default_us,
-                "measured_per_gradient_us": self.measured_per_gradient_us}
+        return {
+            **self.params.to_json(),
+            "measured_default_us": self.measured_default_us,
+            "measured_per_gradient_us": self.measured_per_gradient_us,
+        }
 
 
-def profile(captured: Captured, default_runner: Runner, database: _profile.ProfileDatabase, ui: Ui) -> CostModel:
+def profile(
+    captured: Captured, default_runner: Runner, database: _profile_store.ProfileDatabase, ui: Ui
+) -> cost.CostModel:
     """Measure kernel times of the default executable and the all-reduce fit on these devices,
     merge them into the profile database, and build the cost model."""
     graph, devices, machine = captured.graph, captured.devices, captured.machine
@@ -62,7 +51,7 @@ def profile(captured: Captured, default_runner: Runner, database: _profile.Profi
     for name, t in times.items():
         members = by_name.get(name)
         if members is not None:
-            table[_cost.kernel_signature(graph, members)] = t
+            table[graph.kernel_signature(members)] = t
             measured[members] = t
     stored = database.load(machine.device_kind, machine.backend, machine.num_devices)
     # Stored fits are keyed by device count only, not by transport: with several processes the
@@ -74,12 +63,16 @@ def profile(captured: Captured, default_runner: Runner, database: _profile.Profi
         ui.say(f"measuring all-reduce cost on {len(devices)} devices{where}")
         mesh = jax.sharding.Mesh(np.array(devices), ("all",))
         allreduce, points = _profile.measure_allreduce_cost(mesh)  # a collective: every process runs it
-        profile = _profile.Profile.for_devices(devices, allreduce=None if multiprocess else allreduce,
-                                               allreduce_points=[] if multiprocess else points,
-                                               kernel_times_us=table)
+        profile = _profile_store.Profile.for_devices(
+            devices,
+            allreduce=None if multiprocess else allreduce,
+            allreduce_points=[] if multiprocess else points,
+            kernel_times_us=table,
+        )
     else:
-        profile = _profile.Profile.for_devices(devices, allreduce=allreduce,
-                                               allreduce_points=stored.allreduce_points, kernel_times_us=table)
+        profile = _profile_store.Profile.for_devices(
+            devices, allreduce=allreduce, allreduce_points=stored.allreduce_points, kernel_times_us=table
+        )
     if jax.process_index() == 0:
         try:
             database.save(profile)
@@ -87,27 +80,29 @@ def profile(captured: Captured, default_runner: Runner, database: _profile.Profi
             warnings.warn(f"disco-jax: could not store the profile: {e}", stacklevel=2)
     known = dict(stored.kernel_times_us) if stored is not None else {}
     known.update(table)
-    analytical = _cost.AnalyticalEstimator.fit(
-        [(_cost.kernel_features(graph, k), t) for k, t in measured.items()])
-    gnn = _load_gnn(machine.device_kind)
-    if gnn is not None:
-        gnn = gnn.with_op_times(known)  # the network reads each op's own measured time where known
-    base = gnn if gnn is not None else analytical
-    estimators: list = [_cost.TableEstimator(known), _cost.CalibratedEstimator(base, graph, measured)]
-    if gnn is not None:
-        estimators.append(_cost.CalibratedEstimator(analytical, graph, measured))
-    return CostModel(_cost.ChainEstimator(estimators), allreduce,
-                     {"kernel_times": len(table), "estimators": [e.name for e in estimators],
-                      "analytical": analytical.to_json(), "allreduce": allreduce.to_json()})
+    analytical = cost.AnalyticalEstimator.fit([(cost.kernel_features(graph, k), t) for k, t in measured.items()])
+    # Plugins (the GNN, when trained weights exist for this device kind) read each op's own
+    # measured time where known; the analytical estimator answers what they cannot.
+    plugins = [cost.with_op_times(p, known) for p in cost.plugin_estimators(machine.device_kind)]
+    estimators: list[cost.Estimator] = [cost.TableEstimator(known)]
+    estimators += [cost.CalibratedEstimator(base, graph, measured) for base in plugins or [analytical]]
+    if plugins:
+        estimators.append(cost.CalibratedEstimator(analytical, graph, measured))
+    return cost.CostModel(
+        cost.chain(*estimators),
+        allreduce,
+        {
+            "kernel_times": len(table),
+            "estimators": [e.name for e in estimators],
+            "analytical": analytical.to_json(),
+            "allreduce": allreduce.to_json(),
+        },
+    )
 
 
-def _load_gnn(device_kind: str):
-    """The trained GNN estimator for this device kind, if weights are shipped or cached."""
-    import gnn_estimator
-    return gnn_estimator.load_estimator(device_kind)
-
-
-def calibrate(cost_model: CostModel, captured: Captured, default_runner: Runner, pairs: int, ui: Ui) -> Calibration:
+def calibrate(
+    cost_model: cost.CostModel, captured: Captured, default_runner: Runner, pairs: int, ui: Ui
+) -> Calibration:
     """Fit the simulator's compute scale and all-reduce blocking to two measured strategies:
     XLA's plan and the same fusions with one all-reduce per gradient. Sets `cost_model.params`."""
     graph = captured.graph
@@ -116,19 +111,23 @@ def calibrate(cost_model: CostModel, captured: Captured, default_runner: Runner,
     if len(split.buckets) == len(default.buckets):
         timing_default = _validate.time_interleaved(default_runner, default_runner, pairs=5)
         measured = (timing_default.default_us, timing_default.default_us)
-        params = _cost.SimulatorParams(measured[0] / cost_model.simulate(graph, default).iteration_us, 0.0)
+        params = cost.SimulatorParams(measured[0] / cost_model.simulate(graph, default).iteration_us, 0.0)
     else:
         compiled, _ = compile_strategy(captured.lowered, graph, split)
         timing = _validate.time_interleaved(default_runner, captured.runner(compiled), pairs=max(6, pairs))
         measured = (timing.default_us, timing.plan_us)
 
         def simulate_at(p):
-            return (cost_model.simulate(graph, default, params=p).iteration_us,
-                    cost_model.simulate(graph, split, params=p).iteration_us)
+            return (
+                cost_model.simulate(graph, default, params=p).iteration_us,
+                cost_model.simulate(graph, split, params=p).iteration_us,
+            )
 
-        params = _cost.calibrate(simulate_at, measured)
+        params = cost.calibrate(simulate_at, measured)
     cost_model.params = params
-    ui.say(f"simulator calibrated: compute x{params.compute_scale:.2f}, all-reduces hold compute "
-           f"{params.comm_blocking:.0%} of their time (measured {measured[0]:.0f} us default, "
-           f"{measured[1]:.0f} us with one all-reduce per gradient)")
+    ui.say(
+        f"simulator calibrated: compute x{params.compute_scale:.2f}, all-reduces hold compute "
+        f"{params.comm_blocking:.0%} of their time (measured {measured[0]:.0f} us default, "
+        f"{measured[1]:.0f} us with one all-reduce per gradient)"
+    )
     return Calibration(params, measured[0], measured[1])

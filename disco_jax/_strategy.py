@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from disco_jax._graph import Graph
+if TYPE_CHECKING:
+    from disco_jax._graph import Graph
 
 GROUP, OPAQUE, BUCKET = "group", "opaque", "bucket"
 
@@ -52,21 +54,24 @@ class Strategy:
         names = [op.name for op in graph.ops]
         return {
             "groups": [
-                {"ops": sorted(names[o] for o in g),
-                 "exports": sorted(names[o] for o in g if self.homes[o] == i)}
-                for i, g in enumerate(self.groups) if len(g) > 1],
+                {"ops": sorted(names[o] for o in g), "exports": sorted(names[o] for o in g if self.homes[o] == i)}
+                for i, g in enumerate(self.groups)
+                if len(g) > 1
+            ],
             "buckets": [[graph.gradients[gid].result_name for gid in b] for b in self.buckets],
             "origin": self.origin,
         }
 
     @classmethod
-    def from_json(cls, graph: Graph, data: dict) -> "Strategy":
+    def from_json(cls, graph: Graph, data: dict) -> Strategy:
         """Rebuild from `to_json` on the same graph; raises ValueError if a name is unknown."""
         by_name = {op.name: op.id for op in graph.ops}
         by_result = {g.result_name: g.id for g in graph.gradients}
         try:
-            fused = [(frozenset(by_name[n] for n in grp["ops"]), [by_name[n] for n in grp["exports"]])
-                     for grp in data["groups"]]
+            fused = [
+                (frozenset(by_name[n] for n in grp["ops"]), [by_name[n] for n in grp["exports"]])
+                for grp in data["groups"]
+            ]
             buckets = tuple(tuple(by_result[n] for n in b) for b in data["buckets"])
         except KeyError as e:
             raise ValueError(f"plan names {e} which is not in this module") from None
@@ -97,8 +102,9 @@ def unfused(graph: Graph) -> Strategy:
     homes = [-1] * len(graph.ops)
     for i, o in enumerate(fusible):
         homes[o] = i
-    return Strategy(tuple(frozenset([o]) for o in fusible), tuple(homes),
-                    tuple((g.id,) for g in graph.gradients), "unfused")
+    return Strategy(
+        tuple(frozenset([o]) for o in fusible), tuple(homes), tuple((g.id,) for g in graph.gradients), "unfused"
+    )
 
 
 def with_buckets(strategy: Strategy, buckets: Sequence[Sequence[int]], origin: str) -> Strategy:
@@ -109,8 +115,12 @@ def start_candidates(graph: Graph) -> list[Strategy]:
     """The search's first queue: XLA's plan, the unfused graph and their bucket variants."""
     xla, bare = xla_default(graph), unfused(graph)
     per_gradient = [(g.id,) for g in graph.gradients]
-    return [xla, bare, with_buckets(xla, per_gradient, "xla-fusion+per-gradient-allreduce"),
-            with_buckets(bare, graph.xla_buckets, "unfused+xla-allreduce")]
+    return [
+        xla,
+        bare,
+        with_buckets(xla, per_gradient, "xla-fusion+per-gradient-allreduce"),
+        with_buckets(bare, graph.xla_buckets, "unfused+xla-allreduce"),
+    ]
 
 
 # --------------------------------------------------------------------------- kernels
@@ -127,23 +137,6 @@ class KernelDag:
     group_index: list[int]  # for GROUP kernels: index into strategy.groups, else -1
 
 
-def _free_sources(graph: Graph) -> list[tuple[int, ...]]:
-    """For every op, the non-free ops its value comes from through chains of free ops."""
-    cache = graph.__dict__.get("_free_sources")
-    if cache is None:
-        cache = []
-        for op in graph.ops:
-            if op.kind != "free":
-                cache.append((op.id,))
-            else:
-                srcs: list[int] = []
-                for o in op.operands:
-                    srcs.extend(cache[o])
-                cache.append(tuple(dict.fromkeys(srcs)))
-        graph.__dict__["_free_sources"] = cache
-    return cache
-
-
 def group_exports(graph: Graph, s: Strategy) -> list[list[int]]:
     """Per group, the ops it hands to kernels that do not compute them themselves."""
     groups_of: dict[int, list[int]] = {}
@@ -153,7 +146,7 @@ def group_exports(graph: Graph, s: Strategy) -> list[list[int]]:
     exports: list[list[int]] = [[] for _ in s.groups]
     for o in graph.fusible_ops:
         home = s.homes[o]
-        for u in _consumers(graph, o):
+        for u in graph.consumers(o):
             if u < 0 or graph.ops[u].kind != "fusible" or any(o not in s.groups[x] for x in groups_of.get(u, [])):
                 exports[home].append(o)
                 break
@@ -170,7 +163,7 @@ def kernel_dag(graph: Graph, s: Strategy) -> KernelDag | None:
     or a fused group XLA cannot emit (`emittable`)."""
     if not emittable(graph, s):
         return None
-    sources = _free_sources(graph)
+    sources = graph.free_sources
     kinds, members, group_index, anchor = [], [], [], []
     provider: dict[int, int] = {}
     for gi, g in enumerate(s.groups):
@@ -207,6 +200,7 @@ def kernel_dag(graph: Graph, s: Strategy) -> KernelDag | None:
         deps.append(tuple(d))
     # Kahn's algorithm, earliest original position first.
     import heapq
+
     indegree = [len(d) for d in deps]
     users: list[list[int]] = [[] for _ in kinds]
     for k, d in enumerate(deps):
@@ -229,6 +223,7 @@ def kernel_dag(graph: Graph, s: Strategy) -> KernelDag | None:
 
 # --------------------------------------------------------------------------- moves
 
+
 def _normalize(graph: Graph, groups: list[frozenset[int]], homes: list[int]) -> tuple[list, list] | None:
     """Drop groups no consumer reads from (their ops are computed where they are used), and
     duplicated members nothing in their group uses any more."""
@@ -242,7 +237,7 @@ def _normalize(graph: Graph, groups: list[frozenset[int]], homes: list[int]) -> 
         needed = [False] * len(groups)
         for o in graph.fusible_ops:
             h = homes[o]
-            for u in _consumers(graph, o):
+            for u in graph.consumers(o):
                 if u < 0 or graph.ops[u].kind != "fusible" or any(o not in groups[gi] for gi in contains.get(u, [])):
                     needed[h] = True
                     break
@@ -275,43 +270,25 @@ def prune(graph: Graph, group: frozenset[int], homed: list[int]) -> frozenset[in
     return frozenset(keep) if len(keep) != len(group) else group
 
 
-def _consumers(graph: Graph, o: int) -> list[int]:
-    """Non-free consumers of an op's value, looking through free ops; -1 for the module output."""
-    cache = graph.__dict__.setdefault("_consumers", {})
-    if o not in cache:
-        out, stack, seen = [], list(graph.users[o]), set()
-        while stack:
-            u = stack.pop()
-            if u in seen:
-                continue
-            seen.add(u)
-            if graph.ops[u].kind == "free":
-                if u in graph.output_set:
-                    out.append(-1)
-                stack.extend(graph.users[u])
-            else:
-                out.append(u)
-        if o in graph.output_set:
-            out.append(-1)
-        cache[o] = out
-    return cache[o]
-
-
 def fuse_producer(graph: Graph, s: Strategy, rng: random.Random, duplicate: bool) -> Strategy | None:
     """DisCo moves (i)/(ii): fuse a random group with the home group of one of its producers."""
     candidates = [gi for gi, g in enumerate(s.groups)]
     gi = rng.choice(candidates)
     group = s.groups[gi]
     no_producer = graph.backend.no_producer_fusion
-    producers = sorted({s.homes[v] for u in group for v in graph.ops[u].operands
-                        if graph.ops[v].kind == "fusible" and v not in group
-                        and graph.ops[v].opcode not in no_producer})
+    producers = sorted(
+        {
+            s.homes[v]
+            for u in group
+            for v in graph.ops[u].operands
+            if graph.ops[v].kind == "fusible" and v not in group and graph.ops[v].opcode not in no_producer
+        }
+    )
     if not producers:
         return None
     pi = rng.choice(producers)
     producer = s.groups[pi]
-    if any(graph.ops[o].opcode in no_producer and any(u in group for u in graph.users[o])
-           for o in producer):
+    if any(graph.ops[o].opcode in no_producer and any(u in group for u in graph.users[o]) for o in producer):
         return None
     merged = group | producer
     groups, homes = list(s.groups), list(s.homes)
@@ -385,8 +362,7 @@ def _components(graph: Graph, members: list[int]) -> list[frozenset[int]]:
 
 
 def _bucket_order(graph: Graph, s: Strategy) -> list[int]:
-    return sorted(range(len(s.buckets)),
-                  key=lambda b: max(graph.gradients[g].producer for g in s.buckets[b]))
+    return sorted(range(len(s.buckets)), key=lambda b: max(graph.gradients[g].producer for g in s.buckets[b]))
 
 
 def merge_buckets(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | None:
@@ -424,7 +400,7 @@ def split(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | None:
     return first(graph, s, rng) or second(graph, s, rng)
 
 
-Move = Callable[[Graph, Strategy, random.Random], "Strategy | None"]
+Move = Callable[["Graph", Strategy, random.Random], "Strategy | None"]
 
 MOVES: dict[str, Move] = {
     "fuse": lambda g, s, r: fuse_producer(g, s, r, duplicate=False),

@@ -36,9 +36,12 @@ Features (`FEATURE_VERSION` 1; weights of another version are refused):
   the known own times and the fraction of ops with a known time; log1p of the number of inputs;
   log1p of the total evaluated elements and of the evaluated work (transcendentals weigh 8).
 
-Public surface: `GnnEstimator`, `load_estimator`, `estimator_for_device`, `kernel_features`,
-plus the pieces the scripts use (`describe_kernel`, `featurize`, `train`, `read_weights`,
-`write_weights`, `ModelConfig`).
+Public surface: `GnnEstimator`, `load_estimator` (the ``gnn`` plugin of the core's estimator
+registry: entry-point group ``disco_jax.estimators``), `estimator_for_device`, `kernel_features`,
+plus the pieces the scripts use: kernels (`default_exports`, `random_kernel`, `is_convex`,
+`measurable`), measurement (`compile_kernel`, `time_kernels`), features (`describe_kernel`,
+`featurize`), training and evaluation (`train`, `split_samples`, `evaluate`, `fit_analytical`, ...)
+and weight files (`read_weights`, `write_weights`, `ModelConfig`).
 """
 
 from gnn_estimator._estimator import (
@@ -59,21 +62,65 @@ from gnn_estimator._features import (
     kernel_features,
     without_times,
 )
+from gnn_estimator._kernels import default_exports, is_convex, measurable, random_kernel
+from gnn_estimator._measure import CompiledKernel, KernelTiming, compile_kernel, time_kernels
 from gnn_estimator._model import FusedOpEstimator, ModelConfig
 from gnn_estimator._train import (
     Normalization,
     TrainedEstimator,
+    analytical_features,
+    analytical_predict_us,
     error_summary,
+    evaluate,
+    fit_analytical,
     load_samples,
     relative_errors,
+    sample_features,
+    split_samples,
     train,
 )
 from gnn_estimator._weights import METADATA_FILE, WEIGHTS_FILE, WeightsError, read_weights, write_weights
 
 __all__ = [
-    "FEATURE_VERSION", "KERNEL_FEATURES", "METADATA_FILE", "NODE_FEATURES", "OPCODE_VOCABULARY", "WEIGHTS_FILE",
-    "FusedOpEstimator", "GnnEstimator", "GnnWeightsWarning", "KernelFeatures", "ModelConfig", "Normalization",
-    "TrainedEstimator", "WeightsError", "describe_kernel", "error_summary", "estimator_for_device", "featurize",
-    "kernel_features", "load_estimator", "load_samples", "read_weights", "relative_errors", "train", "weights_dir",
-    "without_times", "write_weights",
+    "FEATURE_VERSION",
+    "KERNEL_FEATURES",
+    "METADATA_FILE",
+    "NODE_FEATURES",
+    "OPCODE_VOCABULARY",
+    "WEIGHTS_FILE",
+    "CompiledKernel",
+    "FusedOpEstimator",
+    "GnnEstimator",
+    "GnnWeightsWarning",
+    "KernelFeatures",
+    "KernelTiming",
+    "ModelConfig",
+    "Normalization",
+    "TrainedEstimator",
+    "WeightsError",
+    "analytical_features",
+    "analytical_predict_us",
+    "compile_kernel",
+    "default_exports",
+    "describe_kernel",
+    "error_summary",
+    "estimator_for_device",
+    "evaluate",
+    "featurize",
+    "fit_analytical",
+    "is_convex",
+    "kernel_features",
+    "load_estimator",
+    "load_samples",
+    "measurable",
+    "random_kernel",
+    "read_weights",
+    "relative_errors",
+    "sample_features",
+    "split_samples",
+    "time_kernels",
+    "train",
+    "weights_dir",
+    "without_times",
+    "write_weights",
 ]

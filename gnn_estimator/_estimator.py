@@ -1,7 +1,11 @@
-"""The GNN as a `disco_jax._cost.Estimator`, and how the core finds it for a device kind.
+"""The GNN as a `disco_jax.cost.Estimator`, and how the core finds it for a device kind.
+
+The core finds it as an estimator plugin: `load_estimator` is registered under the entry-point
+group ``disco_jax.estimators`` (pyproject.toml), so `disco_jax.cost.plugin_estimators(device_kind)`
+calls it when a profile is built, and the core never imports this package itself.
 
 Data flow in `GnnEstimator.estimate(graph, kernels)`: each kernel -> its cache key (the kernel's
-`kernel_signature` and which of its ops it exports) -> cached prediction, or `kernel_features`
+`Graph.kernel_signature` and which of its ops it exports) -> cached prediction, or `kernel_features`
 (own op times looked up in an optional table of single-op kernel times, else unknown) -> all
 misses of the call packed into padded batches of up to `chunk` kernels -> one jitted forward pass
 each -> exp(log time) -> cache. Kernels holding a non-fusible op (dots, custom calls) get None, so
@@ -12,12 +16,11 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
-from disco_jax._cost import kernel_signature
 from disco_jax._graph import Graph
-from disco_jax._profile import SHIPPED_PROFILE_DIR, sanitize_device_kind
+from disco_jax._profile_store import SHIPPED_PROFILE_DIR, sanitize_device_kind
 from gnn_estimator import _kernels
 from gnn_estimator._features import kernel_features
 from gnn_estimator._train import TrainedEstimator
@@ -31,15 +34,14 @@ class GnnWeightsWarning(UserWarning):
 class GnnEstimator:
     """DisCo's Fused Op Estimator: kernel (fusible op ids of a graph) -> predicted microseconds.
 
-    `op_times_us` optionally maps `kernel_signature` of single-op kernels to measured times (the
+    `op_times_us` optionally maps `Graph.kernel_signature` of single-op kernels to measured times (the
     profile database's kernel table); ops found there get their own time as a feature. Predictions
     are cached by kernel signature and exports, so a search that revisits kernels pays once.
     """
 
     name = "gnn"
 
-    def __init__(self, trained: TrainedEstimator, op_times_us: Mapping[str, float] | None = None,
-                 chunk: int = 256):
+    def __init__(self, trained: TrainedEstimator, op_times_us: Mapping[str, float] | None = None, chunk: int = 256):
         self.trained = trained
         self.op_times_us = dict(op_times_us or {})
         self.chunk = chunk
@@ -49,21 +51,21 @@ class GnnEstimator:
     def metadata(self) -> dict:
         return self.trained.metadata
 
-    def with_op_times(self, op_times_us: Mapping[str, float]) -> "GnnEstimator":
+    def with_op_times(self, op_times_us: Mapping[str, float]) -> GnnEstimator:
         """The same network with a table of single-op kernel times (a new, empty cache)."""
         return GnnEstimator(self.trained, op_times_us, self.chunk)
 
     def _key(self, graph: Graph, kernel: frozenset[int]) -> tuple[str, tuple[int, ...]]:
         order = sorted(kernel)
         position = {o: i for i, o in enumerate(order)}
-        return kernel_signature(graph, kernel), tuple(position[o] for o in _kernels.default_exports(graph, kernel))
+        return graph.kernel_signature(kernel), tuple(position[o] for o in _kernels.default_exports(graph, kernel))
 
     def _own_times(self, graph: Graph, kernel: frozenset[int]) -> dict[int, float]:
         if not self.op_times_us:
             return {}
         times = {}
         for o in kernel:
-            t = self.op_times_us.get(kernel_signature(graph, frozenset([o])))
+            t = self.op_times_us.get(graph.kernel_signature(frozenset([o])))
             if t is not None:
                 times[o] = float(t)
         return times
@@ -95,7 +97,8 @@ def weights_dir(device_kind: str, profiles_dir: str | os.PathLike | None = None)
 
 def load_estimator(device_kind: str, profiles_dir: str | os.PathLike | None = None) -> GnnEstimator | None:
     """The GNN trained for `device_kind`, or None: silently when no weights exist for it, with a
-    `GnnWeightsWarning` when they exist but are for another feature version or corrupt."""
+    `GnnWeightsWarning` when they exist but are for another feature version or corrupt. This is
+    the ``gnn`` factory of the ``disco_jax.estimators`` entry-point group."""
     directory = weights_dir(device_kind, profiles_dir)
     if not (directory / METADATA_FILE).exists() and not (directory / WEIGHTS_FILE).exists():
         return None

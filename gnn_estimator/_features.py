@@ -8,46 +8,67 @@ model (`_model.GraphBatch`). `kernel_features(graph, kernel, op_times_us)` does 
 A description is ``{"nodes": [...], "exports": [...]}`` with one node per op of the kernel in op-id
 (program) order: ``op`` (opcode), ``dtype``, ``shape``, ``operands`` (an int for another node of the
 kernel, else ``[dtype, shape, cloned, input]`` for a value read from outside: ``cloned`` for small
-constants copied into the fusion, ``input`` numbers the kernel's distinct outside values), ``dims`` (the `dimensions` attribute of reduce, broadcast,
-transpose, concatenate, reverse), ``flops`` and ``time_us`` (the op's own profiled time, or null).
+constants copied into the fusion, ``input`` numbers the kernel's distinct outside values), ``dims``
+(the `dimensions` attribute of reduce, broadcast, transpose, concatenate, reverse), ``flops`` (its
+`Graph.op_flops`) and ``time_us`` (the op's own profiled time, or null).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from disco_jax import _hlo
-from disco_jax._graph import TRANSCENDENTAL, Graph
+from disco_jax._graph import Graph
 from disco_jax._rewrite import CLONE_CONSTANT_BYTES
+from disco_jax.cost.work import TRANSCENDENTAL, TRANSCENDENTAL_FLOPS
 from gnn_estimator import _kernels
 
 FEATURE_VERSION = 1
 """Bumped whenever `featurize` changes: weights trained on another version are refused."""
 
-OPCODE_VOCABULARY: tuple[str, ...] = tuple("""
+OPCODE_VOCABULARY: tuple[str, ...] = tuple(
+    """
 abs add and atan2 bitcast bitcast-convert broadcast cbrt ceil clamp compare concatenate convert copy
 cos divide erf exp exponential-minus-one floor iota is-finite log log-plus-one logistic maximum
 minimum multiply negate not or pad power reduce reduce-precision remainder reshape reverse
 round-nearest-afz round-nearest-even rsqrt select shift-left shift-right-arithmetic
 shift-right-logical sign sin slice sqrt subtract tan tanh transpose xor
-""".split())
+""".split()
+)
 """Opcodes with a one-hot slot; any other opcode shares the final "other" slot."""
 
 _OPCODE_INDEX = {op: i for i, op in enumerate(OPCODE_VOCABULARY)}
 _DTYPE_GROUPS = ("f32", "half", "int", "pred", "wide")  # wide: 64-bit and complex
 
 NODE_FEATURES: tuple[str, ...] = (
-    *(f"opcode={op}" for op in OPCODE_VOCABULARY), "opcode=other",
-    "log_out_elements", "log_out_bytes", "log_in_elements", "log_in_bytes",
-    "log_external_read_bytes", "exported", "log_export_bytes", "log_flops",
-    "rank", *(f"dtype={g}" for g in _DTYPE_GROUPS), "transcendental", "minor_dim_moves",
-    "log_reduction_ratio", "num_operands", "log_internal_users",
-    "log_own_time_us", "own_time_known", "log_evaluations", "log_recompute_ratio",
-    "log_minor_dim", "log_operand_minor_dim",
+    *(f"opcode={op}" for op in OPCODE_VOCABULARY),
+    "opcode=other",
+    "log_out_elements",
+    "log_out_bytes",
+    "log_in_elements",
+    "log_in_bytes",
+    "log_external_read_bytes",
+    "exported",
+    "log_export_bytes",
+    "log_flops",
+    "rank",
+    *(f"dtype={g}" for g in _DTYPE_GROUPS),
+    "transcendental",
+    "minor_dim_moves",
+    "log_reduction_ratio",
+    "num_operands",
+    "log_internal_users",
+    "log_own_time_us",
+    "own_time_known",
+    "log_evaluations",
+    "log_recompute_ratio",
+    "log_minor_dim",
+    "log_operand_minor_dim",
 )
 """One row per op. log_* are log1p of the quantity; bytes/elements of the op's output and of all
 its operands; external_read: operands from outside the kernel (cloned constants excluded);
@@ -61,15 +82,23 @@ recompute_ratio: evaluations over output elements; minor_dim: size of the output
 (contiguous, vectorized) dimension, operand_minor_dim: the same for its first operand."""
 
 KERNEL_FEATURES: tuple[str, ...] = (
-    "log_read_bytes", "log_written_bytes", "log_num_ops", "log_total_flops", "log_max_elements",
-    "num_exports", "log_sum_own_time_us", "fraction_own_time_known", "log_num_inputs",
-    "log_evaluated_elements", "log_evaluated_work",
+    "log_read_bytes",
+    "log_written_bytes",
+    "log_num_ops",
+    "log_total_flops",
+    "log_max_elements",
+    "num_exports",
+    "log_sum_own_time_us",
+    "fraction_own_time_known",
+    "log_num_inputs",
+    "log_evaluated_elements",
+    "log_evaluated_work",
 )
 """One row per kernel: bytes read from outside (each input once) and written, number of ops,
 total flops, largest op output, exported values, log of the sum of the known own times (0 when
 none is known) and the fraction
 of ops with a known time, number of distinct inputs, total evaluated elements, and evaluated
-work (evaluations weighted 8 for transcendental ops, as `Op.flops` does)."""
+work (evaluations weighted `TRANSCENDENTAL_FLOPS` = 8 for transcendental ops, as `Graph.op_flops` is)."""
 
 
 def _dims_attr(inst: _hlo.Instruction) -> list[int] | None:
@@ -98,13 +127,20 @@ def describe_kernel(graph: Graph, kernel: frozenset[int], op_times_us: Mapping[i
                 src = graph.ops[v]
                 specs = src.inst.outputs
                 s = specs[0] if specs else _hlo.TensorSpec("token", ())
-                cloned = (src.opcode == "constant" and src.kind == "free"
-                          and src.output_bytes <= CLONE_CONSTANT_BYTES)
+                cloned = src.opcode == "constant" and src.kind == "free" and src.output_bytes <= CLONE_CONSTANT_BYTES
                 operands.append([s.dtype, list(s.dims), cloned, inputs.setdefault(v, len(inputs))])
         time_us = None if op_times_us is None else op_times_us.get(o)
-        nodes.append({"op": op.opcode, "dtype": spec.dtype, "shape": list(spec.dims), "operands": operands,
-                      "dims": _dims_attr(op.inst), "flops": float(flops[o]),
-                      "time_us": None if time_us is None else float(time_us)})
+        nodes.append(
+            {
+                "op": op.opcode,
+                "dtype": spec.dtype,
+                "shape": list(spec.dims),
+                "operands": operands,
+                "dims": _dims_attr(op.inst),
+                "flops": float(flops[o]),
+                "time_us": None if time_us is None else float(time_us),
+            }
+        )
     exports = [position[o] for o in _kernels.default_exports(graph, kernel)]
     return {"nodes": nodes, "exports": exports}
 
@@ -261,19 +297,32 @@ def featurize(description: Mapping[str, Any]) -> KernelFeatures:
             r[col["log_operand_minor_dim"]] = math.log1p(operand_shapes[0][-1] if operand_shapes[0] else 1)
         r[col["log_evaluations"]] = math.log1p(evaluations[i])
         r[col["log_recompute_ratio"]] = math.log1p(evaluations[i] / max(out_elements, 1))
-        evaluated_work += evaluations[i] * (8.0 if node["op"] in TRANSCENDENTAL else 1.0)
+        evaluated_work += evaluations[i] * (TRANSCENDENTAL_FLOPS if node["op"] in TRANSCENDENTAL else 1.0)
         total_flops += node["flops"]
         max_elements = max(max_elements, out_elements)
     read = sum(read_inputs.values())
-    kernel = np.array([
-        math.log1p(read), math.log1p(written), math.log1p(n), math.log1p(total_flops),
-        math.log1p(max_elements), len(exports), _log_time(sum(known_times)) if known_times else 0.0, len(known_times) / max(n, 1),
-        math.log1p(len(read_inputs)), math.log1p(sum(evaluations)), math.log1p(evaluated_work),
-    ], np.float32)
+    kernel = np.array(
+        [
+            math.log1p(read),
+            math.log1p(written),
+            math.log1p(n),
+            math.log1p(total_flops),
+            math.log1p(max_elements),
+            len(exports),
+            _log_time(sum(known_times)) if known_times else 0.0,
+            len(known_times) / max(n, 1),
+            math.log1p(len(read_inputs)),
+            math.log1p(sum(evaluations)),
+            math.log1p(evaluated_work),
+        ],
+        np.float32,
+    )
     return KernelFeatures(rows, np.array(senders, np.int32), np.array(receivers, np.int32), kernel)
 
 
-def kernel_features(graph: Graph, kernel: frozenset[int], op_times_us: Mapping[int, float] | None = None) -> KernelFeatures:
+def kernel_features(
+    graph: Graph, kernel: frozenset[int], op_times_us: Mapping[int, float] | None = None
+) -> KernelFeatures:
     """`featurize(describe_kernel(graph, kernel, op_times_us))`: the GNN input for one kernel."""
     return featurize(describe_kernel(graph, kernel, op_times_us))
 

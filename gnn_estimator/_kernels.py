@@ -4,7 +4,7 @@ A kernel is a frozenset of fusible op ids of one `Graph` (as in `disco_jax._stra
 holds the pure functions the estimator's data pipeline needs:
 
 * `default_exports`: the ops a kernel hands to the rest of the program (the same rule as
-  `disco_jax._cost.kernel_io_bytes`: ops read outside the kernel, else its last op);
+  `disco_jax.cost.kernel_io_bytes`: ops read outside the kernel, else its last op);
 * `random_kernel`: DisCo's sampling (section 5.2): pick an op, fuse it with one of its
   predecessors, repeat a random number of times;
 * `is_convex`: a kernel no outside op sits between two of its members (any other set would put
@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from disco_jax import _hlo
 from disco_jax._graph import Graph
@@ -84,8 +84,9 @@ def random_kernel(graph: Graph, rng: random.Random, length: int, start: int | No
         raise ValueError("graph has no fusible ops")
     members = {rng.choice(fusible) if start is None else start}
     for _ in range(length - 1):
-        producers = sorted({v for o in members for v in graph.ops[o].operands
-                            if v not in members and _can_feed(graph, v)})
+        producers = sorted(
+            {v for o in members for v in graph.ops[o].operands if v not in members and _can_feed(graph, v)}
+        )
         if not producers:
             break
         members.add(rng.choice(producers))
@@ -137,8 +138,9 @@ def kernel_module_text(graph: Graph, kernel: frozenset[int], header: str) -> tup
     """
     exports = default_exports(graph, kernel)
     inner, params, constants = kernel_inputs(graph, kernel, "k", lambda i: f"arg.{i}")
-    entry_params = [_hlo.Instruction(f"arg.{i}", graph.ops[v].inst.shape, "parameter", [], str(i), [])
-                    for i, v in enumerate(params)]
+    entry_params = [
+        _hlo.Instruction(f"arg.{i}", graph.ops[v].inst.shape, "parameter", [], str(i), []) for i, v in enumerate(params)
+    ]
     computations: list[_hlo.Computation] = []
     if len(exports) == 1:
         result_shape = graph.ops[exports[0]].inst.shape
@@ -147,20 +149,34 @@ def kernel_module_text(graph: Graph, kernel: frozenset[int], header: str) -> tup
     if len(kernel) == 1:
         (o,) = kernel
         op = graph.ops[o]
-        entry_body = constants + [dataclasses.replace(
-            op.inst, name=KERNEL_INSTRUCTION, operands=[inner[v] for v in op.operands],
-            attrs=[(k, v) for k, v in op.inst.attrs if k not in ("metadata", "control-predecessors")],
-            is_root=True)]
+        entry_body = constants + [
+            dataclasses.replace(
+                op.inst,
+                name=KERNEL_INSTRUCTION,
+                operands=[inner[v] for v in op.operands],
+                attrs=[(k, v) for k, v in op.inst.attrs if k not in ("metadata", "control-predecessors")],
+                is_root=True,
+            )
+        ]
     else:
         computation, fused_inputs, _ = fused_computation(graph, kernel, exports, "kernel_computation", "k")
         assert fused_inputs == params, "kernel inputs and fused computation parameters disagree"
         computations.append(computation)
-        entry_body = [_hlo.Instruction(KERNEL_INSTRUCTION, result_shape, "fusion",
-                                       [f"arg.{i}" for i in range(len(params))], None,
-                                       [("kind", "kLoop"), ("calls", "%kernel_computation")], is_root=True)]
+        entry_body = [
+            _hlo.Instruction(
+                KERNEL_INSTRUCTION,
+                result_shape,
+                "fusion",
+                [f"arg.{i}" for i in range(len(params))],
+                None,
+                [("kind", "kLoop"), ("calls", "%kernel_computation")],
+                is_root=True,
+            )
+        ]
     signature = ", ".join(f"arg.{i}: {graph.ops[v].inst.shape}" for i, v in enumerate(params))
-    entry = _hlo.Computation("main", f"ENTRY %main ({signature}) -> {result_shape} {{",
-                             entry_params + entry_body, is_entry=True)
+    entry = _hlo.Computation(
+        "main", f"ENTRY %main ({signature}) -> {result_shape} {{", entry_params + entry_body, is_entry=True
+    )
     module = _hlo.HloModuleText(header, "", _called_computations(graph, kernel) + computations + [entry])
     return module.to_text(), params, exports
 
@@ -179,8 +195,16 @@ def _called_computations(graph: Graph, kernel: frozenset[int]) -> list[_hlo.Comp
             for callee in inst.called_computations:
                 visit(callee)
         # Metadata would name stack frames of the step's module, which this module lacks.
-        ordered.append(dataclasses.replace(comp, is_entry=False, instructions=[
-            dataclasses.replace(i, attrs=[(k, v) for k, v in i.attrs if k != "metadata"]) for i in comp.instructions]))
+        ordered.append(
+            dataclasses.replace(
+                comp,
+                is_entry=False,
+                instructions=[
+                    dataclasses.replace(i, attrs=[(k, v) for k, v in i.attrs if k != "metadata"])
+                    for i in comp.instructions
+                ],
+            )
+        )
 
     for o in sorted(kernel):
         for name in graph.ops[o].inst.called_computations:

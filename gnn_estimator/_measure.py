@@ -15,8 +15,8 @@ import dataclasses
 import itertools
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +27,16 @@ from disco_jax._graph import Graph
 from gnn_estimator import _kernels
 
 _NUMPY_DTYPES = {
-    "pred": np.bool_, "s8": np.int8, "s16": np.int16, "s32": np.int32, "u8": np.uint8, "u16": np.uint16,
-    "u32": np.uint32, "f16": np.float16, "bf16": jnp.bfloat16, "f32": np.float32,
+    "pred": np.bool_,
+    "s8": np.int8,
+    "s16": np.int16,
+    "s32": np.int32,
+    "u8": np.uint8,
+    "u16": np.uint16,
+    "u32": np.uint32,
+    "f16": np.float16,
+    "bf16": jnp.bfloat16,
+    "f32": np.float32,
 }
 if jax.config.jax_enable_x64:
     _NUMPY_DTYPES.update({"s64": np.int64, "u64": np.uint64, "f64": np.float64})
@@ -90,8 +98,11 @@ def _compiled_kernel_name(compiled_text: str) -> str:
     """The name the kernel has in the compiled module, which the trace reports: XLA:CPU (jaxlib
     0.12) wraps a lone op in a one-op fusion named after the op (`wrapped_tanh`), so it is not
     always `KERNEL_INSTRUCTION`. The entry computation holds that one kernel and free ops."""
-    kernels = [i.name for i in _hlo.parse_module(compiled_text).entry.instructions
-               if i.opcode not in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")]
+    kernels = [
+        i.name
+        for i in _hlo.parse_module(compiled_text).entry.instructions
+        if i.opcode not in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
+    ]
     if len(kernels) != 1:
         raise ValueError(f"expected one kernel in the compiled kernel module, found {kernels}")
     return kernels[0]
@@ -125,9 +136,16 @@ def _wall_us(kernel: CompiledKernel, calls: int) -> float:
     return (time.perf_counter() - start) * 1e6 / calls
 
 
-def time_kernels(kernels: Sequence[CompiledKernel], *, rounds: int = 4, extra_rounds: int = 4,
-                 noisy: float = 0.1, target_us: float = 5_000.0, min_runs: int = 10,
-                 max_runs: int = 40) -> list[KernelTiming | None]:
+def time_kernels(
+    kernels: Sequence[CompiledKernel],
+    *,
+    rounds: int = 4,
+    extra_rounds: int = 4,
+    noisy: float = 0.1,
+    target_us: float = 5_000.0,
+    min_runs: int = 10,
+    max_runs: int = 40,
+) -> list[KernelTiming | None]:
     """Time compiled kernels: `rounds` rounds, each a profiler trace in which every kernel runs
     back to back (inputs stay warm, as inside a step) about `target_us` of wall time, between
     `min_runs` and `max_runs` executions. Kernels whose `repeat_error` then exceeds `noisy` get

@@ -16,7 +16,8 @@ Model, per kernel:
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -37,13 +38,23 @@ class ModelConfig:
     members: int = 1  # networks trained from different seeds; the prediction is their mean log time
 
     def to_json(self) -> dict:
-        return {"hidden": self.hidden, "heads": self.heads, "layers": self.layers, "mlp": list(self.mlp),
-                "members": self.members}
+        return {
+            "hidden": self.hidden,
+            "heads": self.heads,
+            "layers": self.layers,
+            "mlp": list(self.mlp),
+            "members": self.members,
+        }
 
     @classmethod
-    def from_json(cls, d: dict) -> "ModelConfig":
-        return cls(int(d["hidden"]), int(d["heads"]), int(d["layers"]), tuple(int(x) for x in d["mlp"]),
-                   int(d.get("members", 1)))
+    def from_json(cls, d: dict) -> ModelConfig:
+        return cls(
+            int(d["hidden"]),
+            int(d["heads"]),
+            int(d["layers"]),
+            tuple(int(x) for x in d["mlp"]),
+            int(d.get("members", 1)),
+        )
 
 
 class GraphBatch(NamedTuple):
@@ -71,8 +82,13 @@ def _bucket(n: int, minimum: int) -> int:
     return size
 
 
-def batch_graphs(features: Sequence[KernelFeatures], node_mean: np.ndarray, node_std: np.ndarray,
-                 kernel_mean: np.ndarray, kernel_std: np.ndarray) -> GraphBatch:
+def batch_graphs(
+    features: Sequence[KernelFeatures],
+    node_mean: np.ndarray,
+    node_std: np.ndarray,
+    kernel_mean: np.ndarray,
+    kernel_std: np.ndarray,
+) -> GraphBatch:
     """Normalize and pack kernels into one padded batch; sizes are bucketed (at least one padding
     node and one padding graph), so repeated calls reuse a handful of compiled shapes."""
     n_nodes = sum(f.num_nodes for f in features)
@@ -90,18 +106,19 @@ def batch_graphs(features: Sequence[KernelFeatures], node_mean: np.ndarray, node
     graph_mask = np.zeros((B,), np.float32)
     n = e = 0
     for g, f in enumerate(features):
-        nodes[n:n + f.num_nodes] = (f.nodes - node_mean) / node_std
-        senders[e:e + f.num_edges] = f.senders + n
-        receivers[e:e + f.num_edges] = f.receivers + n
-        node_graph[n:n + f.num_nodes] = g
-        node_mask[n:n + f.num_nodes] = 1.0
-        edge_mask[e:e + f.num_edges] = 1.0
+        nodes[n : n + f.num_nodes] = (f.nodes - node_mean) / node_std
+        senders[e : e + f.num_edges] = f.senders + n
+        receivers[e : e + f.num_edges] = f.receivers + n
+        node_graph[n : n + f.num_nodes] = g
+        node_mask[n : n + f.num_nodes] = 1.0
+        edge_mask[e : e + f.num_edges] = 1.0
         kernel[g] = (f.kernel - kernel_mean) / kernel_std
         graph_mask[g] = 1.0
         n += f.num_nodes
         e += f.num_edges
-    return GraphBatch(*(jnp.asarray(a) for a in (nodes, kernel, senders, receivers, node_graph, node_mask,
-                                                 edge_mask, graph_mask)))
+    return GraphBatch(
+        *(jnp.asarray(a) for a in (nodes, kernel, senders, receivers, node_graph, node_mask, edge_mask, graph_mask))
+    )
 
 
 class GraphAttention(nn.Module):
@@ -163,8 +180,15 @@ def init_ensemble(config: ModelConfig, seed: int = 0) -> list:
 def init_params(config: ModelConfig, seed: int = 0):
     """Fresh parameters of one network of `config` (shapes do not depend on the batch)."""
     from gnn_estimator._features import featurize
-    example = featurize({"nodes": [{"op": "add", "dtype": "f32", "shape": [4], "operands": [], "dims": None,
-                                    "flops": 4.0, "time_us": None}], "exports": [0]})
+
+    example = featurize(
+        {
+            "nodes": [
+                {"op": "add", "dtype": "f32", "shape": [4], "operands": [], "dims": None, "flops": 4.0, "time_us": None}
+            ],
+            "exports": [0],
+        }
+    )
     ones_n, ones_k = np.ones(len(NODE_FEATURES), np.float32), np.ones(len(KERNEL_FEATURES), np.float32)
     batch = batch_graphs([example], 0 * ones_n, ones_n, 0 * ones_k, ones_k)
     return FusedOpEstimator(config).init(jax.random.key(seed), batch)["params"]

@@ -15,14 +15,16 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from disco_jax.cost import AnalyticalEstimator, KernelWork, loop_work
 from gnn_estimator._features import KERNEL_FEATURES, NODE_FEATURES, KernelFeatures, featurize, without_times
 from gnn_estimator._model import FusedOpEstimator, GraphBatch, ModelConfig, batch_graphs, init_ensemble
 
@@ -37,13 +39,13 @@ class Normalization:
     kernel_std: np.ndarray
 
     @classmethod
-    def fit(cls, features: Sequence[KernelFeatures]) -> "Normalization":
+    def fit(cls, features: Sequence[KernelFeatures]) -> Normalization:
         nodes = np.concatenate([f.nodes for f in features])
         kernels = np.stack([f.kernel for f in features])
         return cls(nodes.mean(0), np.maximum(nodes.std(0), 1e-3), kernels.mean(0), np.maximum(kernels.std(0), 1e-3))
 
     @classmethod
-    def identity(cls) -> "Normalization":
+    def identity(cls) -> Normalization:
         n, k = len(NODE_FEATURES), len(KERNEL_FEATURES)
         return cls(np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(k, np.float32), np.ones(k, np.float32))
 
@@ -51,7 +53,7 @@ class Normalization:
         return {k: [float(x) for x in getattr(self, k)] for k in ("node_mean", "node_std", "kernel_mean", "kernel_std")}
 
     @classmethod
-    def from_json(cls, d: dict) -> "Normalization":
+    def from_json(cls, d: dict) -> Normalization:
         arrays = {k: np.asarray(d[k], np.float32) for k in ("node_mean", "node_std", "kernel_mean", "kernel_std")}
         if arrays["node_mean"].shape != (len(NODE_FEATURES),) or arrays["kernel_mean"].shape != (len(KERNEL_FEATURES),):
             raise ValueError("normalization does not match this feature list")
@@ -85,9 +87,9 @@ class TrainedEstimator:
         call per `chunk` kernels."""
         out = []
         for i in range(0, len(features), chunk):
-            part = features[i:i + chunk]
+            part = features[i : i + chunk]
             log_us = self._apply(self.normalization.batch(part))
-            out.append(np.exp(np.asarray(log_us)[:len(part)]))
+            out.append(np.exp(np.asarray(log_us)[: len(part)]))
         return np.concatenate(out) if out else np.zeros((0,))
 
 
@@ -124,8 +126,13 @@ def error_summary(errors: np.ndarray) -> dict:
     """Median, 90th percentile, and fractions within 10% and 20% of a set of relative errors."""
     if len(errors) == 0:
         return {"count": 0}
-    return {"count": int(len(errors)), "median": float(np.median(errors)), "p90": float(np.percentile(errors, 90)),
-            "within_10pct": float(np.mean(errors <= 0.10)), "within_20pct": float(np.mean(errors <= 0.20))}
+    return {
+        "count": int(len(errors)),
+        "median": float(np.median(errors)),
+        "p90": float(np.percentile(errors, 90)),
+        "within_10pct": float(np.mean(errors <= 0.10)),
+        "within_20pct": float(np.mean(errors <= 0.20)),
+    }
 
 
 def _loss(model: FusedOpEstimator, params, batch: GraphBatch, targets: jax.Array) -> jax.Array:
@@ -133,15 +140,28 @@ def _loss(model: FusedOpEstimator, params, batch: GraphBatch, targets: jax.Array
     return jnp.sum(batch.graph_mask * (predicted - targets) ** 2) / jnp.maximum(jnp.sum(batch.graph_mask), 1.0)
 
 
-def train(samples: Sequence[dict], *, config: ModelConfig = ModelConfig(), epochs: int = 150,
-          batch_size: int = 64, learning_rate: float = 2e-3, weight_decay: float = 0.0, seed: int = 0,
-          drop_times: float = 0.5,
-          validation: Sequence[dict] = (), init: TrainedEstimator | None = None,
-          log: Callable[[str], None] | None = None) -> tuple[TrainedEstimator, list[dict]]:
+DEFAULT_CONFIG = ModelConfig()
+
+
+def train(
+    samples: Sequence[dict],
+    *,
+    config: ModelConfig = DEFAULT_CONFIG,
+    epochs: int = 150,
+    batch_size: int = 64,
+    learning_rate: float = 2e-3,
+    weight_decay: float = 0.0,
+    seed: int = 0,
+    drop_times: float = 0.5,
+    validation: Sequence[dict] = (),
+    init: TrainedEstimator | None = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[TrainedEstimator, list[dict]]:
     """Fit the estimator to `samples` (fresh, or fine-tuning `init`, whose normalization is kept).
 
-    Each member of `config.members` is trained alone (seed + member). Each epoch sees every sample once; with probability `drop_times` a sample's own op times are
-    hidden. Adam (AdamW with `weight_decay`) with warm-up and cosine decay, gradients clipped at norm 1. With `validation`
+    Each member of `config.members` is trained alone (seed + member). Each epoch sees every sample
+    once; with probability `drop_times` a sample's own op times are hidden. Adam (AdamW with
+    `weight_decay`) with warm-up and cosine decay, gradients clipped at norm 1. With `validation`
     samples, the parameters of the epoch with the lowest validation loss are returned. Returns the
     estimator and the per-epoch history (train loss, validation loss).
     """
@@ -157,19 +177,43 @@ def train(samples: Sequence[dict], *, config: ModelConfig = ModelConfig(), epoch
     members, history = [], []
     for m, params in enumerate(start_params):
         params, member_history = _train_member(
-            FusedOpEstimator(config), params, normalization, samples, with_times, no_times, epochs=epochs,
-            batch_size=batch_size, learning_rate=learning_rate, weight_decay=weight_decay, seed=seed + m,
-            drop_times=drop_times, validation=validation,
-            log=None if log is None else (lambda text, m=m: log(f"member {m + 1}/{len(start_params)} {text}")))
+            FusedOpEstimator(config),
+            params,
+            normalization,
+            samples,
+            with_times,
+            no_times,
+            epochs=epochs,
+            batch_size=batch_size,
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            seed=seed + m,
+            drop_times=drop_times,
+            validation=validation,
+            log=None if log is None else (lambda text, m=m: log(f"member {m + 1}/{len(start_params)} {text}")),
+        )
         members.append(params)
         history += [{**h, "member": m} for h in member_history]
     return TrainedEstimator(config, members, normalization), history
 
 
-def _train_member(model: FusedOpEstimator, params, normalization: Normalization, samples: Sequence[dict],
-                  with_times: list[KernelFeatures], no_times: list[KernelFeatures], *, epochs: int,
-                  batch_size: int, learning_rate: float, weight_decay: float, seed: int, drop_times: float,
-                  validation: Sequence[dict], log) -> tuple[Any, list[dict]]:
+def _train_member(
+    model: FusedOpEstimator,
+    params,
+    normalization: Normalization,
+    samples: Sequence[dict],
+    with_times: list[KernelFeatures],
+    no_times: list[KernelFeatures],
+    *,
+    epochs: int,
+    batch_size: int,
+    learning_rate: float,
+    weight_decay: float,
+    seed: int,
+    drop_times: float,
+    validation: Sequence[dict],
+    log,
+) -> tuple[Any, list[dict]]:
     """One network of the ensemble: the optimization loop of `train`."""
     rng = np.random.default_rng(seed)
     targets = log_targets(samples)
@@ -177,10 +221,13 @@ def _train_member(model: FusedOpEstimator, params, normalization: Normalization,
     total = max(1, epochs * steps_per_epoch)
     total = max(2, total)
     warmup = min(200, total // 10 + 1, total - 1)
-    schedule = optax.warmup_cosine_decay_schedule(learning_rate * 0.1, learning_rate, warmup, total,
-                                                  learning_rate * 0.01)
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0),
-                            optax.adamw(schedule, weight_decay=weight_decay) if weight_decay else optax.adam(schedule))
+    schedule = optax.warmup_cosine_decay_schedule(
+        learning_rate * 0.1, learning_rate, warmup, total, learning_rate * 0.01
+    )
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(schedule, weight_decay=weight_decay) if weight_decay else optax.adam(schedule),
+    )
     opt_state = optimizer.init(params)
 
     @jax.jit
@@ -196,9 +243,9 @@ def _train_member(model: FusedOpEstimator, params, normalization: Normalization,
     def validation_loss(params) -> float:
         total_loss, count = 0.0, 0
         for i in range(0, len(val_features), 256):
-            part = val_features[i:i + 256]
+            part = val_features[i : i + 256]
             y = np.zeros(normalization.batch(part).graph_mask.shape[0], np.float32)
-            y[:len(part)] = val_targets[i:i + len(part)]
+            y[: len(part)] = val_targets[i : i + len(part)]
             total_loss += float(eval_loss(params, normalization.batch(part), y)) * len(part)
             count += len(part)
         return total_loss / max(count, 1)
@@ -210,12 +257,12 @@ def _train_member(model: FusedOpEstimator, params, normalization: Normalization,
         order = rng.permutation(len(samples))
         losses = []
         for i in range(0, len(order), batch_size):
-            idx = order[i:i + batch_size]
+            idx = order[i : i + batch_size]
             hide = rng.random(len(idx)) < drop_times
             feats = [no_times[j] if h else with_times[j] for j, h in zip(idx, hide)]
             batch = normalization.batch(feats)
             y = np.zeros(batch.graph_mask.shape[0], np.float32)
-            y[:len(idx)] = targets[idx]
+            y[: len(idx)] = targets[idx]
             params, opt_state, loss = step(params, opt_state, batch, y)
             losses.append(float(loss))
         entry = {"epoch": epoch + 1, "train_loss": float(np.mean(losses)), "seconds": time.time() - start}
@@ -225,9 +272,11 @@ def _train_member(model: FusedOpEstimator, params, normalization: Normalization,
                 best = (entry["validation_loss"], params)
         history.append(entry)
         if log is not None and (epoch + 1) % max(1, epochs // 20) == 0:
-            log(f"epoch {epoch + 1}/{epochs}: train {entry['train_loss']:.4f}"
+            log(
+                f"epoch {epoch + 1}/{epochs}: train {entry['train_loss']:.4f}"
                 + (f", validation {entry['validation_loss']:.4f}" if validation else "")
-                + f" ({entry['seconds']:.0f} s)")
+                + f" ({entry['seconds']:.0f} s)"
+            )
     if validation:
         params = best[1]
     return params, history
@@ -238,11 +287,18 @@ def _train_member(model: FusedOpEstimator, params, normalization: Normalization,
 
 def _unit_hash(text: str, seed: int) -> float:
     import hashlib
+
     return int(hashlib.sha256(f"{seed}:{text}".encode()).hexdigest()[:12], 16) / float(1 << 48)
 
 
-def split_samples(samples: Sequence[dict], *, holdout_families: Sequence[str] = (), test_fraction: float = 0.15,
-                  validation_fraction: float = 0.1, seed: int = 0) -> dict[str, list[dict]]:
+def split_samples(
+    samples: Sequence[dict],
+    *,
+    holdout_families: Sequence[str] = (),
+    test_fraction: float = 0.15,
+    validation_fraction: float = 0.1,
+    seed: int = 0,
+) -> dict[str, list[dict]]:
     """{'train', 'validation', 'test', 'unseen'}: samples of the `holdout_families` models are
     'unseen' (never trained on); the others go to test / validation / train by a hash of their
     kernel key, so equal kernels measured in several models land on the same side."""
@@ -252,31 +308,24 @@ def split_samples(samples: Sequence[dict], *, holdout_families: Sequence[str] = 
             out["unseen"].append(s)
             continue
         u = _unit_hash(s["key"], seed)
-        out["test" if u < test_fraction else "validation" if u < test_fraction + validation_fraction else "train"].append(s)
+        part = "test" if u < test_fraction else "validation" if u < test_fraction + validation_fraction else "train"
+        out[part].append(s)
     return out
 
 
 def analytical_features(sample: dict) -> np.ndarray:
-    """The core's analytical feature vector (`disco_jax._cost.kernel_features`: [1, bytes moved,
-    elementwise work, transcendental work, dot flops]) rebuilt from a sample's description."""
-    from disco_jax._graph import TRANSCENDENTAL
-
-    elementwise = transcendental = 0.0
-    for node in sample["kernel"]["nodes"]:
-        elements = float(math.prod(node["shape"])) if node["shape"] else 1.0
-        if node["op"] in TRANSCENDENTAL:
-            transcendental += elements
-        elif node["op"] == "reduce":
-            elementwise += float(node["flops"])
-        else:
-            elementwise += elements
-    return np.array([1.0, float(sample["read_bytes"] + sample["written_bytes"]), elementwise, transcendental, 0.0])
+    """The core's analytical feature vector (`disco_jax.cost.kernel_features`: [1, bytes moved,
+    elementwise work, transcendental work, dot flops]) rebuilt from a sample's description: each
+    node counted by `disco_jax.cost.loop_work` (a reduce's reduced elements are its stored flops)."""
+    ops = [
+        loop_work(node["op"], math.prod(node["shape"]) if node["shape"] else 1, node["flops"])
+        for node in sample["kernel"]["nodes"]
+    ]
+    return KernelWork.of(sample["read_bytes"], sample["written_bytes"], ops).features()
 
 
-def fit_analytical(samples: Sequence[dict]):
+def fit_analytical(samples: Sequence[dict]) -> AnalyticalEstimator:
     """The core's `AnalyticalEstimator` fitted to samples, as the core fits it to profiled kernels."""
-    from disco_jax._cost import AnalyticalEstimator
-
     return AnalyticalEstimator.fit([(analytical_features(s), float(s["time_us"])) for s in samples])
 
 
@@ -297,7 +346,8 @@ def evaluate(trained: TrainedEstimator, samples: Sequence[dict], analytical=None
         "count": len(samples),
         "gnn": error_summary(relative_errors(trained.predict_us(sample_features(samples, True)), measured)),
         "gnn_without_own_times": error_summary(
-            relative_errors(trained.predict_us(sample_features(samples, False)), measured)),
+            relative_errors(trained.predict_us(sample_features(samples, False)), measured)
+        ),
         "measurement_noise": error_summary(np.array([s.get("repeat_error", 0.0) for s in samples])),
     }
     if analytical is not None:

@@ -68,13 +68,21 @@ def read_weights(directory: str | os.PathLike) -> TrainedEstimator:
         raise WeightsError(f"{directory / METADATA_FILE} is not a {FORMAT} metadata file")
     version = metadata.get("feature_version")
     if version != FEATURE_VERSION:
-        raise WeightsError(f"weights in {directory} were trained on feature version {version!r}; this "
-                           f"gnn_estimator computes version {FEATURE_VERSION} (retrain with scripts/train_estimator.py)")
-    for key, expected in (("node_features", NODE_FEATURES), ("kernel_features", KERNEL_FEATURES),
-                          ("opcode_vocabulary", OPCODE_VOCABULARY)):
+        raise WeightsError(
+            f"weights in {directory} were trained on feature version {version!r}; this "
+            f"gnn_estimator computes version {FEATURE_VERSION} "
+            "(retrain with scripts/train_estimator.py)"
+        )
+    for key, expected in (
+        ("node_features", NODE_FEATURES),
+        ("kernel_features", KERNEL_FEATURES),
+        ("opcode_vocabulary", OPCODE_VOCABULARY),
+    ):
         if metadata.get(key) != list(expected):
-            raise WeightsError(f"weights in {directory} use another {key.replace('_', ' ')} list "
-                               f"(same feature version {version}); retrain them")
+            raise WeightsError(
+                f"weights in {directory} use another {key.replace('_', ' ')} list "
+                f"(same feature version {version}); retrain them"
+            )
     if metadata.get("weights_sha256") != hashlib.sha256(blob).hexdigest():
         raise WeightsError(f"{directory / WEIGHTS_FILE} does not match the checksum in its metadata")
     try:

@@ -12,8 +12,9 @@ zoo can be imported): capture the step's HLO at XLA's hook stage, build the grap
    and new for this model.
 
 Kernels are compiled alone through the XLA pass hook and timed under the profiler
-(`gnn_estimator._measure`). Every sample is one JSON line appended to --out (resumable: a rerun
-skips what the file already holds), with the device kind recorded. Usage:
+(`gnn_estimator.compile_kernel`, `gnn_estimator.time_kernels`). Every sample is one JSON line
+appended to --out (resumable: a rerun skips what the file already holds), with the device kind
+recorded. Usage:
 
     python scripts/collect_kernel_samples.py --out disco_jax/profiles/cpu/kernel_samples.jsonl --per-model 350
     python scripts/collect_kernel_samples.py --list
@@ -28,22 +29,29 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
-
-from disco_jax import backends, _capture, _graph  # noqa: E402
-from disco_jax._cost import kernel_io_bytes, kernel_signature  # noqa: E402
-from disco_jax._profile import SHIPPED_PROFILE_DIR, device_kind_key  # noqa: E402
-from gnn_estimator import _features, _kernels, _measure  # noqa: E402
+from disco_jax import Graph, backends, build_graph
+from disco_jax._capture import capture
+from disco_jax._profile_store import SHIPPED_PROFILE_DIR, device_kind_key
+from disco_jax.cost import kernel_io_bytes
+from gnn_estimator import (
+    compile_kernel,
+    default_exports,
+    describe_kernel,
+    is_convex,
+    measurable,
+    random_kernel,
+    time_kernels,
+)
 
 console = Console()
 
@@ -62,8 +70,10 @@ class ModelDef:
 
 def _dense_init(key, sizes, dtype=jnp.float32):
     keys = jax.random.split(key, len(sizes))
-    return [{"w": jax.random.normal(k, (a, b), dtype) / math.sqrt(a), "b": jnp.zeros((b,), dtype)}
-            for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+    return [
+        {"w": jax.random.normal(k, (a, b), dtype) / math.sqrt(a), "b": jnp.zeros((b,), dtype)}
+        for k, a, b in zip(keys, sizes[:-1], sizes[1:])
+    ]
 
 
 def _step_with(loss, optimizer):
@@ -71,6 +81,7 @@ def _step_with(loss, optimizer):
         grads = jax.grad(loss)(params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
+
     return step
 
 
@@ -90,6 +101,7 @@ def _mlp(batch, sizes, activation, optimizer, compute_dtype=jnp.float32):
             return optax.softmax_cross_entropy_with_integer_labels(h.astype(jnp.float32), labels).mean()
 
         return jax.jit(_step_with(loss, optimizer)).lower(params, optimizer.init(params), (x, y))
+
     return build
 
 
@@ -100,7 +112,8 @@ def _convnet(batch, hw, channels, optimizer):
         params = {
             "c1": jax.random.normal(k[0], (3, 3, c_in, c_mid)) * 0.1,
             "c2": jax.random.normal(k[1], (3, 3, c_mid, c_mid)) * 0.1,
-            "scale": jnp.ones((c_mid,)), "shift": jnp.zeros((c_mid,)),
+            "scale": jnp.ones((c_mid,)),
+            "shift": jnp.zeros((c_mid,)),
             "head": jax.random.normal(k[2], (c_mid, 10)) * 0.1,
         }
         x = jax.random.normal(k[3], (batch, hw, hw, c_in))
@@ -122,15 +135,19 @@ def _convnet(batch, hw, channels, optimizer):
             return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
         return jax.jit(_step_with(loss, optimizer)).lower(params, optimizer.init(params), (x, y))
+
     return build
 
 
 def _lstm(batch, hidden, steps, optimizer):
     def build():
         k = jax.random.split(jax.random.key(0), 4)
-        params = {"wx": jax.random.normal(k[0], (hidden, 4 * hidden)) * 0.1,
-                  "wh": jax.random.normal(k[1], (hidden, 4 * hidden)) * 0.1,
-                  "b": jnp.zeros((4 * hidden,)), "out": jax.random.normal(k[2], (hidden, hidden)) * 0.1}
+        params = {
+            "wx": jax.random.normal(k[0], (hidden, 4 * hidden)) * 0.1,
+            "wh": jax.random.normal(k[1], (hidden, 4 * hidden)) * 0.1,
+            "b": jnp.zeros((4 * hidden,)),
+            "out": jax.random.normal(k[2], (hidden, hidden)) * 0.1,
+        }
         xs = jax.random.normal(k[3], (steps, batch, hidden))
 
         def loss(params, xs):
@@ -145,15 +162,20 @@ def _lstm(batch, hidden, steps, optimizer):
             return total / steps
 
         return jax.jit(_step_with(loss, optimizer)).lower(params, optimizer.init(params), xs)
+
     return build
 
 
 def _norms(batch, width, optimizer):
     def build():
         k = jax.random.split(jax.random.key(0), 3)
-        params = {"w1": jax.random.normal(k[0], (width, width)) / math.sqrt(width),
-                  "w2": jax.random.normal(k[1], (width, width)) / math.sqrt(width),
-                  "g1": jnp.ones((width,)), "b1": jnp.zeros((width,)), "g2": jnp.ones((width,))}
+        params = {
+            "w1": jax.random.normal(k[0], (width, width)) / math.sqrt(width),
+            "w2": jax.random.normal(k[1], (width, width)) / math.sqrt(width),
+            "g1": jnp.ones((width,)),
+            "b1": jnp.zeros((width,)),
+            "g2": jnp.ones((width,)),
+        }
         x = jax.random.normal(k[2], (batch, width))
         y = jnp.arange(batch) % width
 
@@ -174,17 +196,21 @@ def _norms(batch, width, optimizer):
             return (logz - jnp.take_along_axis(h, labels[:, None], axis=-1)[:, 0]).mean() + 1e-3 * jnp.abs(h).max()
 
         return jax.jit(_step_with(loss, optimizer)).lower(params, optimizer.init(params), (x, y))
+
     return build
 
 
 def _attention(batch, seq, width, heads, optimizer):
     def build():
         k = jax.random.split(jax.random.key(0), 6)
-        params = {"qkv": jax.random.normal(k[0], (width, 3 * width)) / math.sqrt(width),
-                  "o": jax.random.normal(k[1], (width, width)) / math.sqrt(width),
-                  "ff1": jax.random.normal(k[2], (width, 4 * width)) / math.sqrt(width),
-                  "ff2": jax.random.normal(k[3], (4 * width, width)) / math.sqrt(4 * width),
-                  "ln1": jnp.ones((width,)), "ln2": jnp.ones((width,))}
+        params = {
+            "qkv": jax.random.normal(k[0], (width, 3 * width)) / math.sqrt(width),
+            "o": jax.random.normal(k[1], (width, width)) / math.sqrt(width),
+            "ff1": jax.random.normal(k[2], (width, 4 * width)) / math.sqrt(width),
+            "ff2": jax.random.normal(k[3], (4 * width, width)) / math.sqrt(4 * width),
+            "ln1": jnp.ones((width,)),
+            "ln2": jnp.ones((width,)),
+        }
         x = jax.random.normal(k[4], (batch, seq, width))
 
         def layernorm(h, g):
@@ -194,7 +220,10 @@ def _attention(batch, seq, width, heads, optimizer):
         def loss(params, x):
             h = layernorm(x, params["ln1"])
             q, kk, v = jnp.split(h @ params["qkv"], 3, axis=-1)
-            split = lambda t: t.reshape(batch, seq, heads, width // heads).transpose(0, 2, 1, 3)  # noqa: E731
+
+            def split(t):
+                return t.reshape(batch, seq, heads, width // heads).transpose(0, 2, 1, 3)
+
             q, kk, v = split(q), split(kk), split(v)
             scores = q @ kk.transpose(0, 1, 3, 2) / math.sqrt(width // heads)
             mask = jnp.tril(jnp.ones((seq, seq), bool))
@@ -205,6 +234,7 @@ def _attention(batch, seq, width, heads, optimizer):
             return jnp.mean((h - x) ** 2)
 
         return jax.jit(_step_with(loss, optimizer)).lower(params, optimizer.init(params), x)
+
     return build
 
 
@@ -232,7 +262,7 @@ def _zoo_models() -> list[ModelDef]:
     """The zoo's tiny configs, when `disco_jax.zoo` can be imported (it is optional here)."""
     try:
         from disco_jax import zoo
-        from disco_jax.zoo import _common
+
         names = list(zoo.MODELS) if hasattr(zoo, "MODELS") else list(zoo.list_models())
     except Exception as err:  # the zoo is written elsewhere; never block collection on it
         console.print(f"[yellow]zoo not used: {type(err).__name__}: {err}")
@@ -240,30 +270,33 @@ def _zoo_models() -> list[ModelDef]:
     out = []
     for config in ("tiny", "paper"):
         for name in names:
+
             def build(name=name, config=config):
                 spec = zoo.get_model(name, config)
                 # The paper configs at a global batch of 4 on one device: realistic layer sizes, and
                 # kernels from microseconds to milliseconds; the step is only compiled, never run.
-                return _common.lower_abstract(spec, optax.adam(1e-3), _common.data_mesh(1),
-                                              global_batch_size=4 if config == "paper" else None)
+                return zoo.lower_abstract(
+                    spec, optax.adam(1e-3), zoo.data_mesh(1), global_batch_size=4 if config == "paper" else None
+                )
+
             out.append(ModelDef(f"zoo-{name}-{config}", f"zoo-{name}", build))
     return out
 
 
-def capture_graph(model: ModelDef) -> _graph.Graph:
-    text, _ = _capture.capture(model.build())
-    return _graph.build_graph(text, backends.CPU)
+def capture_graph(model: ModelDef) -> Graph:
+    text, _ = capture(model.build())
+    return build_graph(text, backends.CPU)
 
 
 # --------------------------------------------------------------------------- sampling
 
 
-def kernel_key(graph: _graph.Graph, kernel: frozenset[int]) -> str:
-    """Identity of a measured kernel: its computation (`kernel_signature`) and which of its ops it
-    exports (positions in op order)."""
+def kernel_key(graph: Graph, kernel: frozenset[int]) -> str:
+    """Identity of a measured kernel: its computation (`Graph.kernel_signature`) and which of its
+    ops it exports (positions in op order)."""
     order = sorted(kernel)
-    exports = [order.index(o) for o in _kernels.default_exports(graph, kernel)]
-    return kernel_signature(graph, kernel) + ":" + ",".join(map(str, exports))
+    exports = [order.index(o) for o in default_exports(graph, kernel)]
+    return graph.kernel_signature(kernel) + ":" + ",".join(map(str, exports))
 
 
 def _log_uniform_length(rng: random.Random, max_len: int) -> int:
@@ -278,7 +311,7 @@ def _candidates(graph, kind: str, rng: random.Random, max_len: int):
         big = [o for o in graph.fusible_ops if graph.ops[o].inst.outputs[0].elements >= 4096]
         while True:
             start = rng.choice(big) if big and rng.random() < 0.75 else None
-            yield _kernels.random_kernel(graph, rng, _log_uniform_length(rng, max_len), start=start)
+            yield random_kernel(graph, rng, _log_uniform_length(rng, max_len), start=start)
 
 
 # --------------------------------------------------------------------------- collection
@@ -292,37 +325,49 @@ class Collector:
         self.np_rng = np.random.default_rng(seed)
         self.failures = 0
 
-    def measure(self, model: ModelDef, graph, kernels: list[frozenset[int]], kind: str,
-                op_times: dict[int, float]) -> list[dict]:
+    def measure(
+        self, model: ModelDef, graph, kernels: list[frozenset[int]], kind: str, op_times: dict[int, float]
+    ) -> list[dict]:
         compiled, kept = [], []
         for k in kernels:
             try:
-                compiled.append(_measure.compile_kernel(graph, k, self.np_rng))
+                compiled.append(compile_kernel(graph, k, self.np_rng))
                 kept.append(k)
             except Exception as err:  # a kernel XLA rejects is skipped, and counted
                 self.failures += 1
                 if self.failures <= 5:
                     console.print(f"[yellow]skipped a kernel of {model.name}: {str(err).splitlines()[-1][:200]}")
-        timings = _measure.time_kernels(compiled, rounds=self.rounds)
+        timings = time_kernels(compiled, rounds=self.rounds)
         records = []
         for k, timing in zip(kept, timings):
             if timing is None:
                 self.failures += 1
                 continue
-            read, written = kernel_io_bytes(graph, k, _kernels.default_exports(graph, k))
+            read, written = kernel_io_bytes(graph, k, default_exports(graph, k))
             times = dict(op_times)
             if kind == "single":
                 (o,) = k
                 times[o] = timing.time_us
-            records.append({
-                "model": model.name, "family": model.family, "kind": kind, "key": kernel_key(graph, k),
-                "ops": [graph.ops[o].name for o in sorted(k)],
-                "kernel": _features.describe_kernel(graph, k, times),
-                "time_us": timing.time_us, "round_us": list(timing.round_us), "runs": timing.runs,
-                "repeat_error": timing.repeat_error, "read_bytes": read, "written_bytes": written,
-                "flops": float(sum(graph.op_flops[o] for o in k)),
-                "device_kind": self.device_kind, "backend": jax.default_backend(), "jax_version": jax.__version__,
-            })
+            records.append(
+                {
+                    "model": model.name,
+                    "family": model.family,
+                    "kind": kind,
+                    "key": kernel_key(graph, k),
+                    "ops": [graph.ops[o].name for o in sorted(k)],
+                    "kernel": describe_kernel(graph, k, times),
+                    "time_us": timing.time_us,
+                    "round_us": list(timing.round_us),
+                    "runs": timing.runs,
+                    "repeat_error": timing.repeat_error,
+                    "read_bytes": read,
+                    "written_bytes": written,
+                    "flops": float(sum(graph.op_flops[o] for o in k)),
+                    "device_kind": self.device_kind,
+                    "backend": jax.default_backend(),
+                    "jax_version": jax.__version__,
+                }
+            )
         with self.out.open("a") as f:
             for r in records:
                 f.write(json.dumps(r) + "\n")
@@ -343,12 +388,21 @@ def _existing(out: Path) -> dict[str, dict[str, dict]]:
 
 
 def _boundary_bytes(graph, kernel: frozenset[int]) -> int:
-    read, written = kernel_io_bytes(graph, kernel, _kernels.default_exports(graph, kernel))
+    read, written = kernel_io_bytes(graph, kernel, default_exports(graph, kernel))
     return read + written
 
 
-def collect_model(model: ModelDef, collector: Collector, done: dict[str, dict], per_model: int,
-                  max_singles: int, max_len: int, seed: int, progress: Progress, task) -> int:
+def collect_model(
+    model: ModelDef,
+    collector: Collector,
+    done: dict[str, dict],
+    per_model: int,
+    max_singles: int,
+    max_len: int,
+    seed: int,
+    progress: Progress,
+    task,
+) -> int:
     """Sample, time and append one model's kernels; returns how many were added."""
     graph = capture_graph(model)
     rng = random.Random(f"{seed}-{model.name}")
@@ -370,7 +424,7 @@ def collect_model(model: ModelDef, collector: Collector, done: dict[str, dict], 
         for attempt, k in enumerate(candidates):
             if have + len(pending) >= quota or attempt >= max_attempts:
                 break
-            if (len(k) < 2 and kind != "single") or not _kernels.measurable(graph, k) or not _kernels.is_convex(graph, k):
+            if (len(k) < 2 and kind != "single") or not measurable(graph, k) or not is_convex(graph, k):
                 continue
             key = kernel_key(graph, k)
             nbytes = _boundary_bytes(graph, k)
@@ -437,21 +491,25 @@ def main(argv=None) -> int:
     existing = _existing(args.out)
     collector = Collector(args.out, device_kind, args.batch, args.rounds, args.seed)
     start = time.time()
-    with Progress(TextColumn("{task.description:28s}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as progress:
+    with Progress(
+        TextColumn("{task.description:28s}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    ) as progress:
         for model in models:
             task = progress.add_task(model.name, total=args.per_model)
             done = existing.setdefault(model.name, {})
             try:
-                new = collect_model(model, collector, done, args.per_model, args.max_singles, args.max_len, args.seed,
-                                    progress, task)
+                new = collect_model(
+                    model, collector, done, args.per_model, args.max_singles, args.max_len, args.seed, progress, task
+                )
             except Exception as err:
                 console.print(f"[red]{model.name} failed: {type(err).__name__}: {err}")
                 continue
             progress.update(task, description=f"{model.name} (+{new})")
     total = sum(len(v) for v in existing.values())
-    console.print(f"{total} samples in {args.out} ({args.out.stat().st_size / 1e6:.1f} MB), "
-                  f"{collector.failures} kernels skipped, {time.time() - start:.0f} s")
+    console.print(
+        f"{total} samples in {args.out} ({args.out.stat().st_size / 1e6:.1f} MB), "
+        f"{collector.failures} kernels skipped, {time.time() - start:.0f} s"
+    )
     return 0
 
 

@@ -18,18 +18,22 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
+import numpy as np
+from matplotlib.figure import Figure
+from rich.console import Console
 
-import jax  # noqa: E402
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from rich.console import Console  # noqa: E402
-
-from disco_jax._profile import SHIPPED_PROFILE_DIR, device_kind_key, sanitize_device_kind  # noqa: E402
-from gnn_estimator import _train, read_weights  # noqa: E402
+from disco_jax._profile_store import SHIPPED_PROFILE_DIR, device_kind_key, sanitize_device_kind
+from gnn_estimator import (
+    analytical_predict_us,
+    error_summary,
+    fit_analytical,
+    load_samples,
+    read_weights,
+    relative_errors,
+    sample_features,
+    split_samples,
+)
 
 console = Console()
 SETS = (("test", "random held-out kernels"), ("unseen", "kernels of a model never seen in training"))
@@ -38,25 +42,28 @@ SETS = (("test", "random held-out kernels"), ("unseen", "kernels of a model neve
 def _errors(trained, analytical, samples):
     measured = np.array([s["time_us"] for s in samples])
     return {
-        "GNN": _train.relative_errors(trained.predict_us(_train.sample_features(samples, True)), measured),
-        "GNN, own op times unknown": _train.relative_errors(
-            trained.predict_us(_train.sample_features(samples, False)), measured),
-        "analytical (core, fitted)": _train.relative_errors(_train.analytical_predict_us(analytical, samples), measured),
+        "GNN": relative_errors(trained.predict_us(sample_features(samples, True)), measured),
+        "GNN, own op times unknown": relative_errors(trained.predict_us(sample_features(samples, False)), measured),
+        "analytical (core, fitted)": relative_errors(analytical_predict_us(analytical, samples), measured),
         "measurement noise": np.array([s.get("repeat_error", 0.0) for s in samples]),
     }
 
 
 def _row(name: str, e: np.ndarray) -> str:
-    s = _train.error_summary(e)
-    return (f"| {name} | {s['count']} | {100 * s['median']:.1f}% | {100 * s['p90']:.1f}% | "
-            f"{100 * s['within_10pct']:.1f}% | {100 * s['within_20pct']:.1f}% |")
+    s = error_summary(e)
+    return (
+        f"| {name} | {s['count']} | {100 * s['median']:.1f}% | {100 * s['p90']:.1f}% | "
+        f"{100 * s['within_10pct']:.1f}% | {100 * s['within_20pct']:.1f}% |"
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device-kind", default=device_kind_key(jax.devices()[0]))
     parser.add_argument("--profiles-dir", type=Path, default=SHIPPED_PROFILE_DIR)
-    parser.add_argument("--data", type=Path, nargs="*", help="sample files (default: those the weights were trained on)")
+    parser.add_argument(
+        "--data", type=Path, nargs="*", help="sample files (default: those the weights were trained on)"
+    )
     args = parser.parse_args(argv)
     kind = sanitize_device_kind(args.device_kind)
     out_dir = args.profiles_dir / kind
@@ -66,24 +73,30 @@ def main(argv=None) -> int:
     samples, seen = [], set()
     for f in files:
         f = f if f.exists() else out_dir / f.name
-        for s in _train.load_samples(f, kind):
+        for s in load_samples(f, kind):
             if (s["model"], s["key"]) not in seen:
                 seen.add((s["model"], s["key"]))
                 samples.append(s)
-    split = _train.split_samples(samples, holdout_families=info.get("holdout_families", ()), seed=info.get("split_seed", 0))
-    analytical = _train.fit_analytical(split["train"])
+    split = split_samples(samples, holdout_families=info.get("holdout_families", ()), seed=info.get("split_seed", 0))
+    analytical = fit_analytical(split["train"])
 
-    lines = [f"# GNN fused-op estimator accuracy ({kind})", "",
-             f"Weights: `{out_dir.name}/gnn_estimator.msgpack` (feature version {trained.metadata['feature_version']}, "
-             f"config {trained.metadata['model_config']}), trained on {len(split['train'])} kernels "
-             f"(+{len(split['validation'])} validation) of {len(info.get('models', []))} models; "
-             f"measured times {info.get('time_us_range', ['?', '?'])[0]:.2f} us to "
-             f"{info.get('time_us_range', ['?', '?'])[1]:.0f} us. Unseen model families: "
-             f"{', '.join(info.get('holdout_families', [])) or 'none'}.", "",
-             "Relative error = |predicted - measured| / measured. 'measurement noise' compares two independent "
-             "halves of each kernel's timing rounds: the error a perfect model would still show against a "
-             "second measurement.", ""]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    lines = [
+        f"# GNN fused-op estimator accuracy ({kind})",
+        "",
+        f"Weights: `{out_dir.name}/gnn_estimator.msgpack` (feature version {trained.metadata['feature_version']}, "
+        f"config {trained.metadata['model_config']}), trained on {len(split['train'])} kernels "
+        f"(+{len(split['validation'])} validation) of {len(info.get('models', []))} models; "
+        f"measured times {info.get('time_us_range', ['?', '?'])[0]:.2f} us to "
+        f"{info.get('time_us_range', ['?', '?'])[1]:.0f} us. Unseen model families: "
+        f"{', '.join(info.get('holdout_families', [])) or 'none'}.",
+        "",
+        "Relative error = |predicted - measured| / measured. 'measurement noise' compares two independent "
+        "halves of each kernel's timing rounds: the error a perfect model would still show against a "
+        "second measurement.",
+        "",
+    ]
+    fig = Figure(figsize=(12, 4.5))
+    axes = fig.subplots(1, 2, sharey=True)
     summary = {}
     for ax, (key, title) in zip(axes, SETS):
         part = split[key]
@@ -91,22 +104,34 @@ def main(argv=None) -> int:
             ax.set_title(f"{title}: none")
             continue
         errors = _errors(trained, analytical, part)
-        summary[key] = {name: _train.error_summary(e) for name, e in errors.items()}
-        lines += [f"## {title} ({len(part)} kernels)", "",
-                  "| estimator | kernels | median | p90 | within 10% | within 20% |", "|---|---|---|---|---|---|"]
+        summary[key] = {name: error_summary(e) for name, e in errors.items()}
+        lines += [
+            f"## {title} ({len(part)} kernels)",
+            "",
+            "| estimator | kernels | median | p90 | within 10% | within 20% |",
+            "|---|---|---|---|---|---|",
+        ]
         lines += [_row(name, e) for name, e in errors.items()]
         gnn, ana = summary[key]["GNN"]["median"], summary[key]["analytical (core, fitted)"]["median"]
-        lines += ["", f"Median error: GNN {100 * gnn:.1f}% vs analytical {100 * ana:.1f}% "
-                  f"({ana / max(gnn, 1e-9):.1f}x lower).", ""]
+        lines += [
+            "",
+            f"Median error: GNN {100 * gnn:.1f}% vs analytical {100 * ana:.1f}% ({ana / max(gnn, 1e-9):.1f}x lower).",
+            "",
+        ]
         # Relative error by measured time, the GNN with own times.
         measured = np.array([s["time_us"] for s in part])
-        lines += ["| measured time | kernels | GNN median | GNN within 10% | analytical median |", "|---|---|---|---|---|"]
+        lines += [
+            "| measured time | kernels | GNN median | GNN within 10% | analytical median |",
+            "|---|---|---|---|---|",
+        ]
         for lo, hi in ((0, 1), (1, 10), (10, 100), (100, 1e3), (1e3, 1e9)):
             m = (measured >= lo) & (measured < hi)
             if m.any():
-                lines.append(f"| {lo:g}-{hi:g} us | {int(m.sum())} | {100 * np.median(errors['GNN'][m]):.1f}% | "
-                             f"{100 * np.mean(errors['GNN'][m] <= 0.1):.1f}% | "
-                             f"{100 * np.median(errors['analytical (core, fitted)'][m]):.1f}% |")
+                lines.append(
+                    f"| {lo:g}-{hi:g} us | {int(m.sum())} | {100 * np.median(errors['GNN'][m]):.1f}% | "
+                    f"{100 * np.mean(errors['GNN'][m] <= 0.1):.1f}% | "
+                    f"{100 * np.median(errors['analytical (core, fitted)'][m]):.1f}% |"
+                )
         lines.append("")
         for (name, e), style in zip(errors.items(), ("-", "--", "-.", ":")):
             xs = np.sort(e)
@@ -123,15 +148,21 @@ def main(argv=None) -> int:
     fig.tight_layout()
     png = out_dir / "estimator_accuracy.png"
     fig.savefig(png, dpi=110)
-    lines += ["![CDF of relative error](estimator_accuracy.png)", "",
-              "## Reproduce", "",
-              "```",
-              "python scripts/collect_kernel_samples.py --per-model 200 --max-singles 80   # disco_jax/profiles/<kind>/kernel_samples.jsonl",
-              f"python scripts/train_estimator.py --epochs {info.get('epochs', 100)} --members "
-              f"{trained.config.members}   # weights + metadata",
-              "python scripts/estimator_report.py                                          # this report",
-              "python scripts/train_estimator.py --finetune --data NEW.jsonl --epochs 20   # fine-tune on new samples",
-              "```", ""]
+    lines += [
+        "![CDF of relative error](estimator_accuracy.png)",
+        "",
+        "## Reproduce",
+        "",
+        "```",
+        "python scripts/collect_kernel_samples.py --per-model 200 --max-singles 80   "
+        "# disco_jax/profiles/<kind>/kernel_samples.jsonl",
+        f"python scripts/train_estimator.py --epochs {info.get('epochs', 100)} --members "
+        f"{trained.config.members}   # weights + metadata",
+        "python scripts/estimator_report.py                                          # this report",
+        "python scripts/train_estimator.py --finetune --data NEW.jsonl --epochs 20   # fine-tune on new samples",
+        "```",
+        "",
+    ]
     report = out_dir / "estimator_report.md"
     report.write_text("\n".join(lines) + "\n")
     console.print("\n".join(lines))

@@ -1,7 +1,7 @@
 """Train (or fine-tune) the GNN fused-op estimator and write its weights for a device kind.
 
 Data flow: samples (JSON lines from scripts/collect_kernel_samples.py, only those recorded on
---device-kind) -> split (`gnn_estimator._train.split_samples`: the --holdout-family models are
+--device-kind) -> split (`gnn_estimator.split_samples`: the --holdout-family models are
 never trained on; the rest by kernel hash into train / validation / random held-out test) ->
 `train` (best validation epoch kept) -> evaluation on both held-out sets next to the core's
 analytical estimator fitted on the same training samples -> `disco_jax/profiles/<device kind>/
@@ -22,16 +22,22 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
+import numpy as np
+from rich.console import Console
+from rich.table import Table
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from disco_jax._profile import SHIPPED_PROFILE_DIR, device_kind_key, sanitize_device_kind  # noqa: E402
-from gnn_estimator import _train, read_weights, write_weights  # noqa: E402
-from gnn_estimator._model import ModelConfig  # noqa: E402
+from disco_jax._profile_store import SHIPPED_PROFILE_DIR, device_kind_key, sanitize_device_kind
+from gnn_estimator import (
+    ModelConfig,
+    evaluate,
+    fit_analytical,
+    load_samples,
+    read_weights,
+    split_samples,
+    train,
+    write_weights,
+)
 
 console = Console()
 DEFAULT_HOLDOUT = ("zoo-transformer",)
@@ -47,8 +53,15 @@ def accuracy_table(accuracy: dict) -> Table:
             s = result.get(est)
             if not s or not s.get("count"):
                 continue
-            table.add_row(name, est, str(s["count"]), f"{100 * s['median']:.1f}%", f"{100 * s['p90']:.1f}%",
-                          f"{100 * s['within_10pct']:.1f}%", f"{100 * s['within_20pct']:.1f}%")
+            table.add_row(
+                name,
+                est,
+                str(s["count"]),
+                f"{100 * s['median']:.1f}%",
+                f"{100 * s['p90']:.1f}%",
+                f"{100 * s['within_10pct']:.1f}%",
+                f"{100 * s['within_20pct']:.1f}%",
+            )
     return table
 
 
@@ -56,10 +69,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_kind = device_kind_key(jax.devices()[0])
     parser.add_argument("--device-kind", default=default_kind)
-    parser.add_argument("--data", type=Path, nargs="*", help="sample files (default: disco_jax/profiles/<kind>/kernel_samples.jsonl)")
+    parser.add_argument(
+        "--data", type=Path, nargs="*", help="sample files (default: disco_jax/profiles/<kind>/kernel_samples.jsonl)"
+    )
     parser.add_argument("--profiles-dir", type=Path, default=SHIPPED_PROFILE_DIR)
-    parser.add_argument("--holdout-family", nargs="*", default=list(DEFAULT_HOLDOUT),
-                        help="model families never trained on (the unseen-model test)")
+    parser.add_argument(
+        "--holdout-family",
+        nargs="*",
+        default=list(DEFAULT_HOLDOUT),
+        help="model families never trained on (the unseen-model test)",
+    )
     parser.add_argument("--epochs", type=int, default=150)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--learning-rate", type=float, default=2e-3)
@@ -78,28 +97,39 @@ def main(argv=None) -> int:
     files = args.data or [out_dir / "kernel_samples.jsonl"]
     samples, seen = [], set()
     for f in files:
-        for s in _train.load_samples(f, kind):
+        for s in load_samples(f, kind):
             if (s["model"], s["key"]) not in seen:  # a resumed or merged file may repeat a sample
                 seen.add((s["model"], s["key"]))
                 samples.append(s)
     if not samples:
         console.print(f"[red]no samples for device kind {kind!r} in {[str(f) for f in files]}")
         return 1
-    split = _train.split_samples(samples, holdout_families=args.holdout_family, seed=args.split_seed)
-    console.print(f"{len(samples)} samples from {len({s['model'] for s in samples})} models: "
-                  + ", ".join(f"{k} {len(v)}" for k, v in split.items()))
+    split = split_samples(samples, holdout_families=args.holdout_family, seed=args.split_seed)
+    console.print(
+        f"{len(samples)} samples from {len({s['model'] for s in samples})} models: "
+        + ", ".join(f"{k} {len(v)}" for k, v in split.items())
+    )
 
     init = read_weights(out_dir) if args.finetune else None
     config = ModelConfig(hidden=args.hidden, heads=args.heads, layers=args.layers, members=args.members)
     start = time.time()
-    trained, history = _train.train(split["train"], config=config, epochs=args.epochs, batch_size=args.batch_size,
-                                    learning_rate=args.learning_rate, weight_decay=args.weight_decay, seed=args.seed,
-                                    validation=split["validation"], init=init, log=console.print)
+    trained, history = train(
+        split["train"],
+        config=config,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        weight_decay=args.weight_decay,
+        seed=args.seed,
+        validation=split["validation"],
+        init=init,
+        log=console.print,
+    )
     seconds = time.time() - start
-    analytical = _train.fit_analytical(split["train"])
+    analytical = fit_analytical(split["train"])
     accuracy = {
-        "random_heldout": _train.evaluate(trained, split["test"], analytical),
-        "unseen_model": _train.evaluate(trained, split["unseen"], analytical),
+        "random_heldout": evaluate(trained, split["test"], analytical),
+        "unseen_model": evaluate(trained, split["unseen"], analytical),
         "analytical_fit": analytical.to_json(),
     }
     console.print(accuracy_table(accuracy))
@@ -107,7 +137,7 @@ def main(argv=None) -> int:
     previous = init.metadata.get("training", {}) if init is not None else None
     trained.metadata = {
         "device_kind": kind,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "jax_version": jax.__version__,
         "training": {
             # Files beside the weights by name only, so the shipped metadata names no local path.
@@ -116,9 +146,13 @@ def main(argv=None) -> int:
             "models": sorted({s["model"] for s in split["train"]}),
             "holdout_families": list(args.holdout_family),
             "time_us_range": [float(times.min()), float(times.max())],
-            "epochs": args.epochs, "batch_size": args.batch_size, "learning_rate": args.learning_rate,
+            "epochs": args.epochs,
+            "batch_size": args.batch_size,
+            "learning_rate": args.learning_rate,
             "weight_decay": args.weight_decay,
-            "seed": args.seed, "split_seed": args.split_seed, "seconds": round(seconds, 1),
+            "seed": args.seed,
+            "split_seed": args.split_seed,
+            "seconds": round(seconds, 1),
             "final_train_loss": history[-1]["train_loss"],
             "best_validation_loss": min((h.get("validation_loss", np.inf) for h in history), default=None),
             "finetuned_from": previous,

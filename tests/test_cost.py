@@ -1,10 +1,11 @@
-"""Estimators and the simulator on hand-built graphs with answers worked out by hand."""
+"""The cost package on hand-built graphs with answers worked out by hand: the work counter, the
+estimators and their plugin registry, the all-reduce cost protocol and the simulator."""
 
 import numpy as np
 import pytest
 
-from disco_jax import backends, _cost, _graph, _strategy
-from disco_jax._profile import AllReduceCostModel
+from disco_jax import _graph, _strategy, backends, cost
+from disco_jax.cost import AllReduceCostModel
 
 # Two gradients produced one after the other (g1 then g2), each consumed by an update.
 HLO = """HloModule handmade, entry_computation_layout={(f32[4]{0}, f32[4]{0})->(f32[4]{0}, f32[4]{0})}
@@ -20,7 +21,8 @@ ENTRY %main (p0: f32[4], p1: f32[4]) -> (f32[4], f32[4]) {
   %p1 = f32[4]{0} parameter(1)
   %g1 = f32[4]{0} multiply(%p0, %p0)
   %g2 = f32[4]{0} multiply(%g1, %p1)
-  %ar = (f32[4]{0}, f32[4]{0}) all-reduce(%g1, %g2), channel_id=1, replica_groups={{0,1}}, use_global_device_ids=true, to_apply=%sum
+  %ar = (f32[4]{0}, f32[4]{0}) all-reduce(%g1, %g2), channel_id=1, replica_groups={{0,1}}, \
+use_global_device_ids=true, to_apply=%sum
   %r1 = f32[4]{0} get-tuple-element(%ar), index=0
   %r2 = f32[4]{0} get-tuple-element(%ar), index=1
   %u1 = f32[4]{0} subtract(%p0, %r1)
@@ -62,7 +64,7 @@ def test_handmade_graph(graph):
 
 def test_one_allreduce_per_gradient_overlaps_the_second_gradient(graph):
     s = _strategy.unfused(graph)
-    r = _cost.simulate(graph, s, FixedEstimator(), ALLREDUCE)
+    r = cost.simulate(graph, s, FixedEstimator(), ALLREDUCE)
     # g1 [0,10]; ar1 [10,15]; g2 [10,20]; ar2 [20,25]; u1 [20,21]; u2 [25,26].
     assert r.iteration_us == pytest.approx(26.0)
     assert r.compute_us == pytest.approx(22.0) and r.comm_us == pytest.approx(10.0)
@@ -73,7 +75,7 @@ def test_one_allreduce_per_gradient_overlaps_the_second_gradient(graph):
 
 def test_one_combined_allreduce_waits_for_the_last_gradient(graph):
     s = _strategy.with_buckets(_strategy.unfused(graph), [(0, 1)], "combined")
-    r = _cost.simulate(graph, s, FixedEstimator(), ALLREDUCE)
+    r = cost.simulate(graph, s, FixedEstimator(), ALLREDUCE)
     # g1, g2 [0,20]; ar [20,25]; u1 [25,26]; u2 [26,27]: nothing overlaps.
     assert r.iteration_us == pytest.approx(27.0)
     assert r.overlap_ratio == pytest.approx(0.0)
@@ -90,7 +92,7 @@ def test_fusing_the_gradients_delays_the_first_allreduce(graph):
         homes[o] = next(i for i, grp in enumerate(groups) if o in grp)
     fused = _strategy.Strategy(tuple(groups), tuple(homes), s.buckets, "fused")
     assert _strategy.is_valid(graph, fused)
-    r = _cost.simulate(graph, fused, FixedEstimator(fused=0.8), ALLREDUCE)
+    r = cost.simulate(graph, fused, FixedEstimator(fused=0.8), ALLREDUCE)
     # fused kernel [0,16]; ar1 [16,21]; ar2 [21,26]; u1 [21,22]; u2 [26,27]
     assert r.iteration_us == pytest.approx(27.0)
     assert r.num_fusions == 1
@@ -98,19 +100,19 @@ def test_fusing_the_gradients_delays_the_first_allreduce(graph):
 
 def test_blocking_allreduces_do_not_overlap(graph):
     s = _strategy.unfused(graph)
-    params = _cost.SimulatorParams(compute_scale=1.0, comm_blocking=1.0)
-    r = _cost.simulate(graph, s, FixedEstimator(), ALLREDUCE, params)
+    params = cost.SimulatorParams(compute_scale=1.0, comm_blocking=1.0)
+    r = cost.simulate(graph, s, FixedEstimator(), ALLREDUCE, params)
     assert r.iteration_us == pytest.approx(r.compute_us + r.comm_us)  # 32: fully serialized
 
 
 def test_calibration_recovers_known_parameters(graph):
     one, two = _strategy.with_buckets(_strategy.unfused(graph), [(0, 1)], "one"), _strategy.unfused(graph)
-    truth = _cost.SimulatorParams(compute_scale=2.0, comm_blocking=0.5)
+    truth = cost.SimulatorParams(compute_scale=2.0, comm_blocking=0.5)
 
     def simulate_at(p):
-        return tuple(_cost.simulate(graph, s, FixedEstimator(), ALLREDUCE, p).iteration_us for s in (one, two))
+        return tuple(cost.simulate(graph, s, FixedEstimator(), ALLREDUCE, p).iteration_us for s in (one, two))
 
-    fitted = _cost.calibrate(simulate_at, simulate_at(truth))
+    fitted = cost.calibrate(simulate_at, simulate_at(truth))
     assert fitted.compute_scale == pytest.approx(2.0)
     assert fitted.comm_blocking == pytest.approx(0.5)
 
@@ -124,8 +126,9 @@ def test_invalid_strategy_simulates_to_none(graph):
     homes = list(s.homes)
     homes[u1] = s.homes[g2]
     ok = _strategy.Strategy(tuple(groups), tuple(homes), s.buckets)
-    assert _cost.simulate(graph, _strategy.Strategy(ok.groups, ok.homes, ((0, 1),)), FixedEstimator(),
-                          ALLREDUCE) is None  # ... but one all-reduce for both is a cycle
+    assert (
+        cost.simulate(graph, _strategy.Strategy(ok.groups, ok.homes, ((0, 1),)), FixedEstimator(), ALLREDUCE) is None
+    )  # ... but one all-reduce for both is a cycle
 
 
 def test_analytical_fit_recovers_coefficients(graph):
@@ -135,15 +138,15 @@ def test_analytical_fit_recovers_coefficients(graph):
     for _ in range(40):
         f = np.array([1.0, *rng.uniform(1e2, 1e6, 4)])
         samples.append((f, float(f @ true)))
-    fitted = _cost.AnalyticalEstimator.fit(samples)
+    fitted = cost.AnalyticalEstimator.fit(samples)
     assert np.allclose(fitted.coefficients, true, rtol=1e-6, atol=1e-9)
 
 
 def test_calibrated_estimator_returns_measured_times_for_measured_kernels(graph):
-    analytical = _cost.AnalyticalEstimator()
+    analytical = cost.AnalyticalEstimator()
     kernels = [frozenset([o]) for o in graph.fusible_ops]
     measured = {k: 7.0 + i for i, k in enumerate(kernels)}
-    calibrated = _cost.CalibratedEstimator(analytical, graph, measured)
+    calibrated = cost.CalibratedEstimator(analytical, graph, measured)
     assert calibrated.estimate(graph, kernels) == pytest.approx([measured[k] for k in kernels])
     # A fused kernel is costed from its parts' measured shares and the base model's fusion gain.
     fused = frozenset(graph.fusible_ops[:2])
@@ -152,9 +155,101 @@ def test_calibrated_estimator_returns_measured_times_for_measured_kernels(graph)
 
 
 def test_chain_estimator_falls_through_and_caches(graph):
-    table = _cost.TableEstimator({})
-    chain = _cost.ChainEstimator([table, FixedEstimator()])
+    table = cost.TableEstimator({})
+    chain = cost.ChainEstimator([table, FixedEstimator()])
     k = frozenset([graph.fusible_ops[0]])
     assert chain.estimate_with_source(graph, [k]) == [(10.0, "fixed")]
-    table.times_us[_cost.kernel_signature(graph, k)] = 3.0
+    table.times_us[graph.kernel_signature(k)] = 3.0
     assert chain.estimate(graph, [k]) == [10.0]  # cached answer
+
+
+def test_chain_composes_like_optax_chain(graph):
+    k = frozenset([graph.fusible_ops[0]])
+    composed = cost.chain(cost.TableEstimator({graph.kernel_signature(k): 3.0}), FixedEstimator())
+    assert isinstance(composed, cost.ChainEstimator) and composed.name == "profile+fixed"
+    other = frozenset(o for o in graph.fusible_ops if graph.ops[o].name == "u1")  # a subtract: not in the table
+    assert composed.estimate_with_source(graph, [k, other]) == [(3.0, "profile"), (1.0, "fixed")]
+
+
+# Work: exp is transcendental, the reduce sums 4x8 elements, the dot contracts 8.
+WORK_HLO = """HloModule work, entry_computation_layout={(f32[4,8]{1,0}, f32[8,2]{1,0})->(f32[4]{0}, f32[4,2]{1,0})}
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: f32[4,8], w: f32[8,2]) -> (f32[4], f32[4,2]) {
+  %x = f32[4,8]{1,0} parameter(0)
+  %w = f32[8,2]{1,0} parameter(1)
+  %e = f32[4,8]{1,0} exponential(%x)
+  %t = f32[8,4]{0,1} transpose(%e), dimensions={1,0}
+  %zero = f32[] constant(0)
+  %r = f32[4]{0} reduce(%e, %zero), dimensions={1}, to_apply=%sum
+  %d = f32[4,2]{1,0} dot(%e, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %out = (f32[4]{0}, f32[4,2]{1,0}) tuple(%r, %d)
+}
+"""
+
+
+def test_the_work_counter_counts_each_op_once_and_the_graph_caches_it():
+    g = _graph.build_graph(WORK_HLO, backends.CPU)
+    by_name = {op.name: op.id for op in g.ops}
+    work = g.op_work
+    assert work[by_name["e"]] == cost.Work(flops=8.0 * 32, transcendental=32.0, bytes=128)
+    assert work[by_name["t"]] == cost.Work(flops=0.0, elementwise=32.0, bytes=128)  # moves data: no flops
+    assert work[by_name["r"]] == cost.Work(flops=32.0, elementwise=32.0, bytes=16)
+    assert work[by_name["d"]] == cost.Work(flops=2.0 * 4 * 2 * 8, dot=2.0 * 4 * 2 * 8, bytes=32)
+    assert g.op_flops == [w.flops for w in work]
+    assert g.op_work is work  # computed once per graph
+    kernel = frozenset([by_name["e"], by_name["r"]])
+    assert cost.kernel_work(g, kernel) == cost.KernelWork(128.0, 16.0 + 128.0, 32.0, 32.0, 0.0)
+    np.testing.assert_array_equal(cost.kernel_features(g, kernel), [1.0, 272.0, 32.0, 32.0, 0.0])
+    assert cost.loop_work("exponential", 32) == cost.Work(flops=256.0, transcendental=32.0)
+
+
+def test_allreduce_costs_share_one_protocol():
+    from disco_jax.eval import clusters
+
+    measured = AllReduceCostModel(per_byte_us=1e-3, latency_us=5.0)
+    simulated = clusters.H100_NVLINK_8.allreduce_model()
+    for model in (measured, simulated):
+        assert isinstance(model, cost.AllReduceCost)
+        assert model.time_us(1 << 20) > model.time_us(4) > 0 and isinstance(model.to_json(), dict)
+    fitted = cost.fit_allreduce_cost([(1000, 6.0), (2000, 7.0)])
+    assert (fitted.per_byte_us, fitted.latency_us) == pytest.approx((1e-3, 5.0))
+
+
+class ProbeEstimator:
+    """A plugin estimator: a fixed time for every kernel of fusible ops; remembers what it got."""
+
+    name = "probe"
+
+    def __init__(self, device_kind):
+        self.device_kind = device_kind
+        self.op_times = None
+
+    def with_op_times(self, op_times_us):
+        self.op_times = dict(op_times_us)
+        return self
+
+    def estimate(self, graph, kernels):
+        return [7.0 if all(graph.ops[o].kind == "fusible" for o in k) else None for k in kernels]
+
+
+def test_registered_plugins_come_first_then_entry_points_and_failures_are_skipped():
+    cost.register_estimator("probe", ProbeEstimator)
+    cost.register_estimator("broken", lambda kind: 1 / 0)
+    cost.register_estimator("nothing", lambda kind: None)
+    try:
+        names = list(cost.estimator_factories())
+        assert names[:3] == ["probe", "broken", "nothing"]
+        assert "gnn" in names  # the entry point in pyproject.toml
+        with pytest.warns(cost.EstimatorPluginWarning, match="broken"):
+            found = cost.plugin_estimators("no-such-device")  # the GNN has no weights for it
+        assert [type(e) for e in found] == [ProbeEstimator] and found[0].device_kind == "no-such-device"
+    finally:
+        for name in ("probe", "broken", "nothing"):
+            cost.unregister_estimator(name)
+    assert "probe" not in cost.estimator_factories()

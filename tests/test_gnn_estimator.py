@@ -3,6 +3,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import dataclasses
+import importlib.metadata
 import json
 import random
 import warnings
@@ -12,9 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from disco_jax import backends, _capture, _graph
-from disco_jax._cost import kernel_signature
-from disco_jax._strategy import _components
+import gnn_estimator
+from disco_jax import _capture, _graph, backends, cost
 from gnn_estimator import (
     FEATURE_VERSION,
     METADATA_FILE,
@@ -23,6 +23,9 @@ from gnn_estimator import (
     GnnWeightsWarning,
     ModelConfig,
     WeightsError,
+    _kernels,
+    _measure,
+    _train,
     describe_kernel,
     estimator_for_device,
     featurize,
@@ -32,7 +35,6 @@ from gnn_estimator import (
     train,
     write_weights,
 )
-from gnn_estimator import _kernels, _measure, _train
 
 TINY = ModelConfig(hidden=16, heads=2, layers=2, mlp=(16, 16))
 
@@ -69,7 +71,7 @@ def _fused_kernels(graph, count: int, seed: int = 0) -> list[frozenset[int]]:
         k = _kernels.random_kernel(graph, rng, rng.randint(1, 8))
         if not _kernels.measurable(graph, k) or not _kernels.is_convex(graph, k):
             continue
-        key = (kernel_signature(graph, k), tuple(_kernels.default_exports(graph, k)))
+        key = (graph.kernel_signature(k), tuple(_kernels.default_exports(graph, k)))
         if key in seen:  # structurally equal kernels have equal features
             continue
         seen.add(key)
@@ -89,9 +91,18 @@ def _tiny_dataset(graph, count: int = 16) -> list[dict]:
         if (f.nodes.tobytes(), f.senders.tobytes()) in seen:  # kernels the features cannot tell apart
             continue
         seen.add((f.nodes.tobytes(), f.senders.tobytes()))
-        samples.append({"kernel": description, "time_us": float(10 ** rng.uniform(0, 3)),
-                        "key": kernel_signature(graph, k) + str(i), "model": "test", "family": "test",
-                        "read_bytes": 0, "written_bytes": 0, "flops": 0.0})
+        samples.append(
+            {
+                "kernel": description,
+                "time_us": float(10 ** rng.uniform(0, 3)),
+                "key": graph.kernel_signature(k) + str(i),
+                "model": "test",
+                "family": "test",
+                "read_bytes": 0,
+                "written_bytes": 0,
+                "flops": 0.0,
+            }
+        )
         if len(samples) == count:
             break
     return samples
@@ -125,10 +136,21 @@ def test_unknown_own_time_is_zero_with_a_known_flag(graph):
     assert (known[:, flag] == 1).all() and (unknown[:, flag] == 0).all() and (unknown[:, time] == 0).all()
 
 
+def _connected(graph, kernel: frozenset[int]) -> bool:
+    """The kernel's ops form one piece along data edges inside it (either direction)."""
+    seen, stack = set(), [min(kernel)]
+    while stack:
+        o = stack.pop()
+        if o not in seen:
+            seen.add(o)
+            stack.extend(x for x in (*graph.ops[o].operands, *graph.users[o]) if x in kernel)
+    return seen == kernel
+
+
 def test_random_kernels_are_connected_fusible_and_convex(graph):
     for k in _fused_kernels(graph, 20, seed=1):
         assert all(graph.ops[o].kind == "fusible" for o in k)
-        assert len(_components(graph, sorted(k))) == 1
+        assert _connected(graph, k)
         assert _kernels.is_convex(graph, k)
 
 
@@ -148,8 +170,9 @@ def test_a_kernel_compiles_alone_and_is_timed(graph):
 
 def test_model_overfits_a_tiny_dataset(graph):
     samples = _tiny_dataset(graph)
-    trained, history = train(samples, config=TINY, epochs=300, batch_size=len(samples), learning_rate=1e-2,
-                             drop_times=0.0)
+    trained, history = train(
+        samples, config=TINY, epochs=300, batch_size=len(samples), learning_rate=1e-2, drop_times=0.0
+    )
     first, last = history[0]["train_loss"], history[-1]["train_loss"]
     assert last < first / 100, (first, last)
     predicted = trained.predict_us(_train.sample_features(samples))
@@ -184,8 +207,10 @@ def test_an_ensemble_round_trips_and_averages_its_members(tmp_path, graph):
     restored = read_weights(tmp_path)
     features = [kernel_features(graph, k) for k in _fused_kernels(graph, 4)]
     np.testing.assert_allclose(restored.predict_us(features), trained.predict_us(features), rtol=1e-6)
-    singles = [_train.TrainedEstimator(dataclasses.replace(config, members=1), [p], trained.normalization)
-               for p in trained.params]
+    singles = [
+        _train.TrainedEstimator(dataclasses.replace(config, members=1), [p], trained.normalization)
+        for p in trained.params
+    ]
     mean_log = np.mean([np.log(m.predict_us(features)) for m in singles], axis=0)
     np.testing.assert_allclose(np.log(trained.predict_us(features)), mean_log, rtol=1e-5, atol=1e-5)
 
@@ -230,7 +255,24 @@ def test_gnn_estimator_batches_caches_and_skips_opaque_kernels(tmp_path, graph, 
     times = estimator.estimate(graph, kernels + kernels[:3])
     assert times[len(kernels) - 1] is None  # a dot: left to the next estimator of a chain
     assert all(isinstance(t, float) and t > 0 for i, t in enumerate(times) if i != len(kernels) - 1)
-    assert times[:3] == times[len(kernels):]
+    assert times[:3] == times[len(kernels) :]
     assert calls == [distinct]  # one batched call for all distinct fusible kernels
     assert estimator.estimate(graph, kernels[:5]) == times[:5]
     assert calls == [distinct]  # served from the cache
+
+
+def test_the_core_finds_the_gnn_through_its_entry_point(tmp_path, graph):
+    """`gnn = "gnn_estimator:load_estimator"` in the `disco_jax.estimators` entry-point group: the
+    core's plugin registry finds and loads it, and it is the shipped CPU network."""
+    factories = cost.estimator_factories()
+    assert "gnn" in factories
+    [gnn] = [e for e in cost.plugin_estimators("cpu") if e.name == "gnn"]
+    assert isinstance(gnn, GnnEstimator) and gnn.metadata["feature_version"] == FEATURE_VERSION
+    assert factories["gnn"]("no-such-device") is None  # no weights: no estimator, no warning
+    # Given the profile's table, it reads its ops' own times (`cost.with_op_times`).
+    single = frozenset([graph.fusible_ops[0]])
+    table = {graph.kernel_signature(single): 4.0}
+    timed = cost.with_op_times(gnn, table)
+    assert timed.op_times_us == table and timed._own_times(graph, single) == {graph.fusible_ops[0]: 4.0}
+    [entry_point] = [e for e in importlib.metadata.entry_points(group=cost.ENTRY_POINT_GROUP) if e.name == "gnn"]
+    assert entry_point.load() is gnn_estimator.load_estimator

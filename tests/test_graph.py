@@ -6,7 +6,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from disco_jax import backends, _capture, _graph
+from disco_jax import _capture, _graph, backends
+from disco_jax.cost import work
+
 from _steps import make_step
 
 
@@ -63,7 +65,8 @@ def test_control_flow_is_one_opaque_kernel():
     def step(w, x):
         def loss(w):
             h = jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w), x)
-            return jnp.sum(h ** 2)
+            return jnp.sum(h**2)
+
         return w - 0.1 * jax.grad(loss)(w)
 
     w = jax.device_put(jnp.eye(8), NamedSharding(mesh, P()))
@@ -73,7 +76,56 @@ def test_control_flow_is_one_opaque_kernel():
     whiles = [op for op in graph.ops if op.opcode == "while"]
     assert whiles and all(op.kind == "opaque" for op in whiles)
     # Only entry-level all-reduces become gradients; one inside a loop body stays untouched.
-    entry_allreduce_operands = sum(len(i.operands) for i in graph.module.entry.instructions
-                                   if i.opcode == "all-reduce")
+    entry_allreduce_operands = sum(len(i.operands) for i in graph.module.entry.instructions if i.opcode == "all-reduce")
     assert len(graph.gradients) == entry_allreduce_operands
     assert all(op.kind != "fusible" or op.opcode != "all-reduce" for op in graph.ops)
+
+
+def _backward_through_free(graph, o):
+    """Reference: the non-free ops reachable from op `o` going backwards through free ops only."""
+    if graph.ops[o].kind != "free":
+        return {o}
+    return set().union(set(), *(_backward_through_free(graph, v) for v in graph.ops[o].operands))
+
+
+def _forward_through_free(graph, o):
+    """Reference: non-free users reachable through free ops, -1 where a value is a module output."""
+    found, stack, seen = set(), [o], set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if u in graph.output_set and (u == o or graph.ops[u].kind == "free"):
+            found.add(-1)
+        for user in graph.users[u]:
+            if graph.ops[user].kind == "free":
+                stack.append(user)
+            else:
+                found.add(user)
+    return found
+
+
+def test_cached_graph_queries_equal_a_fresh_computation():
+    step, args = make_step("jit")
+    text, _ = _capture.capture(step.lower(*args))
+    graph, fresh = _graph.build_graph(text, backends.CPU), _graph.build_graph(text, backends.CPU)
+    for o in range(len(graph.ops)):
+        sources = graph.free_sources[o]
+        assert len(set(sources)) == len(sources) and set(sources) == _backward_through_free(graph, o)
+        assert set(graph.consumers(o)) == _forward_through_free(graph, o)
+        assert graph.consumers(o) is graph.consumers(o)  # cached on the graph
+        assert graph.op_work[o] == work.op_work(fresh, o)
+    assert graph.free_sources is graph.free_sources and graph.op_work is graph.op_work
+    assert graph.op_flops == [w.flops for w in graph.op_work]
+    for gradient, mask in zip(graph.gradients, graph.reduced_dependencies):
+        reached, stack = set(), [gradient.producer]
+        while stack:
+            o = stack.pop()
+            if o not in reached:
+                reached.add(o)
+                stack.extend(graph.ops[o].operands)
+        assert mask == sum(1 << graph.ops[o].gradient for o in reached if graph.ops[o].kind == "reduced")
+    kernels = list(graph.xla_groups) + [frozenset([o]) for o in graph.opaque_ops]
+    assert [graph.kernel_signature(k) for k in kernels] == [fresh.kernel_signature(k) for k in kernels]
+    assert len({graph.kernel_signature(k) for k in graph.xla_groups}) > 1

@@ -13,8 +13,22 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_wheel_ships_and_loads_the_cpu_estimator_weights(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                    "-w", str(tmp_path / "dist"), str(REPO)], check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--quiet",
+            "-w",
+            str(tmp_path / "dist"),
+            str(REPO),
+        ],
+        check=True,
+        timeout=300,
+    )
     (wheel,) = (tmp_path / "dist").glob("disco_jax-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "disco_jax/profiles/cpu/gnn_estimator.msgpack" in names
@@ -25,19 +39,24 @@ def test_wheel_ships_and_loads_the_cpu_estimator_weights(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
-                    str(wheel)], check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps", str(wheel)],
+        check=True,
+        timeout=300,
+    )
     # jax, flax, ... come from this environment's site-packages; disco_jax from the wheel (an entry
     # on PYTHONPATH does not run the editable install's .pth hook, and the cwd is not the repo).
     env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"], "JAX_PLATFORMS": "cpu"}
-    probe = ("import json, disco_jax, gnn_estimator\n"
-             "from disco_jax import _profile\n"
-             "e = gnn_estimator.load_estimator('cpu')\n"
-             "print(json.dumps({'package': disco_jax.__file__, 'shipped': str(_profile.SHIPPED_PROFILE_DIR),"
-             " 'loaded': e is not None}))\n")
-    out = subprocess.run([str(python), "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)
+    probe = (
+        "import json, disco_jax, gnn_estimator\n"
+        "from disco_jax import _profile_store, cost\n"
+        "e = gnn_estimator.load_estimator('cpu')\n"
+        "print(json.dumps({'package': disco_jax.__file__, 'shipped': str(_profile_store.SHIPPED_PROFILE_DIR),"
+        " 'loaded': e is not None, 'plugins': [type(p).__name__ for p in cost.plugin_estimators('cpu')]}))\n"
+    )
+    out = subprocess.run([str(python), "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["package"].startswith(str(venv)) and result["shipped"].startswith(str(venv)), result
     assert result["loaded"], "the installed wheel did not load its shipped GNN weights"
+    assert result["plugins"] == ["GnnEstimator"], "the wheel's entry point did not register the GNN with the core"

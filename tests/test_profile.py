@@ -9,22 +9,20 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from disco_jax._profile import (
+from disco_jax import _compile, _console, _profiling, backends, cost
+from disco_jax._profile import hlo_module_name, kernel_times_from_trace, measure_allreduce_cost, measure_kernel_times
+from disco_jax._profile_store import (
     FORMAT_VERSION,
-    AllReduceCostModel,
     Profile,
     ProfileDatabase,
     ProfileFileWarning,
     device_kind_key,
-    fit_allreduce_cost,
-    hlo_module_name,
-    kernel_times_from_trace,
-    measure_allreduce_cost,
-    measure_kernel_times,
     sanitize_device_kind,
 )
+from disco_jax.cost import AllReduceCostModel, fit_allreduce_cost
 
 _INSTRUCTION_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(?:\([^=]*?\)|\S+)\s+([\w\-]+)\(", re.M)
 
@@ -81,23 +79,33 @@ def _xspace(events, plane="/host:CPU"):
             body.append(
                 f"events {{ metadata_id: {event_ids[op]} offset_ps: {start * 1000} duration_ps: {duration * 1000}"
                 f' stats {{ metadata_id: 1 str_value: "{op}" }} stats {{ metadata_id: 2 str_value: "jit_f" }}'
-                f" stats {{ metadata_id: 3 int64_value: {device} }} stats {{ metadata_id: 4 int64_value: {run} }} }}")
+                f" stats {{ metadata_id: 3 int64_value: {device} }} stats {{ metadata_id: 4 int64_value: {run} }} }}"
+            )
         lines.append(f'lines {{ id: {line} name: "thread{line}" timestamp_ns: 0 {" ".join(body)} }}')
-    event_meta = " ".join(f'event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}' for n, i in event_ids.items())
+    event_meta = " ".join(
+        f'event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}' for n, i in event_ids.items()
+    )
     stat_meta = " ".join(f'stat_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}' for n, i in stat_ids.items())
     text = f'planes {{ id: 1 name: "{plane}" {" ".join(lines)} {event_meta} {stat_meta} }}'
     return jax.profiler.ProfileData.from_text_proto(text)
 
 
 def test_kernel_times_from_trace_counts_nested_events_of_one_op_once_and_averages():
-    trace = _xspace([
-        # device 0, run 1: dot.1 on thread 1 holds thread-pool work of itself on thread 2.
-        (1, "dot.1", 0, 100, 0, 1), (2, "dot.1", 10, 50, 0, 1), (2, "dot.1", 70, 40, 0, 1),
-        (1, "add.2", 200, 20, 0, 1), (1, "add.2", 300, 20, 0, 1),  # twice in the step: summed
-        # device 1, run 1 and both devices in run 2.
-        (1, "dot.1", 0, 300, 1, 1), (1, "add.2", 400, 40, 1, 1),
-        (1, "dot.1", 1000, 100, 0, 2), (1, "dot.1", 1000, 100, 1, 2),
-    ])
+    trace = _xspace(
+        [
+            # device 0, run 1: dot.1 on thread 1 holds thread-pool work of itself on thread 2.
+            (1, "dot.1", 0, 100, 0, 1),
+            (2, "dot.1", 10, 50, 0, 1),
+            (2, "dot.1", 70, 40, 0, 1),
+            (1, "add.2", 200, 20, 0, 1),
+            (1, "add.2", 300, 20, 0, 1),  # twice in the step: summed
+            # device 1, run 1 and both devices in run 2.
+            (1, "dot.1", 0, 300, 1, 1),
+            (1, "add.2", 400, 40, 1, 1),
+            (1, "dot.1", 1000, 100, 0, 2),
+            (1, "dot.1", 1000, 100, 1, 2),
+        ]
+    )
     times = kernel_times_from_trace([trace], "jit_f", steps=2)
     assert times == pytest.approx({"dot.1": (110 + 300 + 100 + 100) / 4 / 1e3, "add.2": (40 + 40) / 4 / 1e3})
     assert kernel_times_from_trace([trace], "jit_other", steps=2) == {}
@@ -124,9 +132,14 @@ def test_fit_allreduce_cost_recovers_a_line_and_clips_negative_coefficients():
 
 
 def _profile(**fields):
-    base = dict(device_kind="NVIDIA H100 80GB HBM3", backend="gpu", num_devices=8,
-                allreduce=AllReduceCostModel(per_byte_us=1e-4, latency_us=20.0),
-                allreduce_points=[(4096, 20.5), (1 << 20, 125.0)], kernel_times_us={"fusion:f32[8]": 3.5})
+    base = dict(
+        device_kind="NVIDIA H100 80GB HBM3",
+        backend="gpu",
+        num_devices=8,
+        allreduce=AllReduceCostModel(per_byte_us=1e-4, latency_us=20.0),
+        allreduce_points=[(4096, 20.5), (1 << 20, 125.0)],
+        kernel_times_us={"fusion:f32[8]": 3.5},
+    )
     return Profile(**{**base, **fields})
 
 
@@ -156,14 +169,16 @@ def test_database_save_load_round_trip_keeps_one_allreduce_fit_per_device_count(
     db.save(_profile(num_devices=2, allreduce=AllReduceCostModel(5e-5, 8.0), kernel_times_us={"dot:f32[4]": 1.0}))
     eight = db.load("nvidia-h100-80gb-hbm3", "gpu", 8)
     two = db.load("NVIDIA H100 80GB HBM3", "gpu", 2)
-    assert eight.allreduce == AllReduceCostModel(1e-4, 20.0) and eight.allreduce_points == [(4096, 20.5), (1 << 20, 125.0)]
+    assert eight.allreduce == AllReduceCostModel(1e-4, 20.0)
+    assert eight.allreduce_points == [(4096, 20.5), (1 << 20, 125.0)]
     assert two.allreduce == AllReduceCostModel(5e-5, 8.0)
     assert eight.kernel_times_us == two.kernel_times_us == {"fusion:f32[8]": 3.5, "dot:f32[4]": 1.0}
     assert eight.device_kind == "NVIDIA H100 80GB HBM3" and eight.num_devices == 8
     unknown_count = db.load("NVIDIA H100 80GB HBM3", "gpu", 4)
     assert unknown_count.allreduce is None and unknown_count.kernel_times_us
     db.merge_kernel_times("NVIDIA H100 80GB HBM3", {"dot:f32[4]": 2.0, "new": 7.0})
-    assert db.load("NVIDIA H100 80GB HBM3", "gpu", 8).kernel_times_us == {"fusion:f32[8]": 3.5, "dot:f32[4]": 2.0, "new": 7.0}
+    merged = db.load("NVIDIA H100 80GB HBM3", "gpu", 8).kernel_times_us
+    assert merged == {"fusion:f32[8]": 3.5, "dot:f32[4]": 2.0, "new": 7.0}
     assert not list(path.parent.glob("*.tmp")), "atomic write left a temp file"
 
 
@@ -205,3 +220,48 @@ def test_database_user_dir_from_environment(tmp_path, monkeypatch):
     assert ProfileDatabase(user_dir=tmp_path / "env", shipped_dir=tmp_path).load("cpu", "cpu", 8) is not None
     with pytest.warns(ProfileFileWarning, match="backend"):
         assert ProfileDatabase(user_dir=tmp_path / "env", shipped_dir=tmp_path).load("cpu", "gpu", 8) is None
+
+
+class _ProbeEstimator:
+    """An estimator plugin registered in code: 7 us for any kernel of fusible ops."""
+
+    name = "probe"
+    created_for: list = []
+
+    def __init__(self, device_kind):
+        self.created_for.append(device_kind)
+
+    def estimate(self, graph, kernels):
+        return [7.0 if all(graph.ops[o].kind == "fusible" for o in k) else None for k in kernels]
+
+
+def test_profile_builds_its_estimator_chain_from_the_plugin_registry(tmp_path):
+    """The profile phase asks the registry: a plugin added with `register_estimator` and the GNN
+    (the `gnn` entry point; CPU weights are shipped) are each calibrated after the measured table,
+    and the calibrated analytical estimator comes last."""
+    mesh = jax.make_mesh((8,), ("data",))
+    params = jax.device_put([jnp.full((64, 64), 0.01), jnp.full((64, 64), 0.02)], NamedSharding(mesh, P()))
+    x = jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P("data")))
+
+    def step(params, x):
+        grads = jax.grad(lambda p: jnp.mean(jnp.tanh(jnp.tanh(x @ p[0]) @ p[1]) ** 2))(params)
+        return [p - 0.1 * g for p, g in zip(params, grads)]
+
+    captured = _compile.capture(jax.jit(step).lower(params, x), backends.CPU, (params, x), {})
+    database = ProfileDatabase(user_dir=tmp_path / "user", shipped_dir=tmp_path / "shipped")
+    # A stored all-reduce fit for these devices, so the phase does not measure one.
+    database.save(Profile.for_devices(captured.devices, allreduce=AllReduceCostModel(1e-4, 20.0)))
+    cost.register_estimator("probe", _ProbeEstimator)
+    try:
+        model = _profiling.profile(
+            captured, captured.runner(captured.default_compiled), database, _console.Ui(verbose=False)
+        )
+    finally:
+        cost.unregister_estimator("probe")
+    assert _ProbeEstimator.created_for == [captured.machine.device_kind]
+    assert model.sources["estimators"] == ["profile", "calibrated-probe", "calibrated-gnn", "calibrated-analytical"]
+    assert model.allreduce == AllReduceCostModel(1e-4, 20.0)
+    graph = captured.graph
+    # A kernel nobody measured (every fusible op in one) is answered by the calibrated probe.
+    [(t, source)] = model.estimator.estimate_with_source(graph, [frozenset(graph.fusible_ops)])
+    assert source == "calibrated-probe" and t > 0

@@ -2,8 +2,9 @@
 
 import pytest
 
-from disco_jax import backends, _capture, _cost, _graph, _search, _strategy
-from disco_jax._profile import AllReduceCostModel
+from disco_jax import _capture, _graph, _search, _strategy, backends
+from disco_jax.cost import AllReduceCostModel, AnalyticalEstimator, ChainEstimator, simulate
+
 from _steps import make_step
 
 
@@ -11,11 +12,11 @@ from _steps import make_step
 def problem():
     step, args = make_step("jit", sizes=(16, 64, 64, 64, 4))
     graph = _graph.build_graph(_capture.capture(step.lower(*args))[0], backends.CPU)
-    estimator = _cost.ChainEstimator([_cost.AnalyticalEstimator()])
+    estimator = ChainEstimator([AnalyticalEstimator()])
     allreduce = AllReduceCostModel(per_byte_us=1e-3, latency_us=20.0)
 
     def cost(s):
-        r = _cost.simulate(graph, s, estimator, allreduce)
+        r = simulate(graph, s, estimator, allreduce)
         return None if r is None else r.iteration_us
 
     return graph, cost

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from disco_jax import backends, _capture, _graph, _strategy
+from disco_jax import _capture, _graph, _strategy, backends
+
 from _steps import make_step
 
 
@@ -79,9 +80,12 @@ def test_strategy_json_with_unknown_op_is_refused(graph):
 def test_cycle_is_invalid(graph):
     # Put a gradient's producer and an op that reads the reduced value into one group:
     # the all-reduce would both feed and wait for the group.
-    g = next(gr for gr in graph.gradients
-             if any(graph.ops[u].kind == "fusible" for u in graph.users[gr.reduced])
-             and graph.ops[gr.producer].kind == "fusible")
+    g = next(
+        gr
+        for gr in graph.gradients
+        if any(graph.ops[u].kind == "fusible" for u in graph.users[gr.reduced])
+        and graph.ops[gr.producer].kind == "fusible"
+    )
     user = next(u for u in graph.users[g.reduced] if graph.ops[u].kind == "fusible")
     s = _strategy.xla_default(graph)
     groups = list(s.groups)

@@ -1,0 +1,79 @@
+"""The cost model: what kernels and all-reduces cost, and the step simulator built on them.
+
+* `work`: the one work counter: flops, elements, transcendentals and bytes of an op
+  (`Work`, cached per graph as `Graph.op_work`) and of a kernel (`KernelWork`).
+* `estimators`: the `Estimator` protocol (kernels -> microseconds) and its implementations:
+  measured table, analytical roofline, calibrated wrapper, `chain`; plus the registry of
+  estimator plugins (entry-point group ``disco_jax.estimators``; the GNN is one).
+* `allreduce`: the `AllReduceCost` protocol and the measured line `AllReduceCostModel`.
+* `simulator`: `simulate`, `SimulatorParams` and their `calibrate`, and `CostModel`.
+
+Data flow: profile table + plugins + analytical fit -> `chain(...)` -> `CostModel` (with the
+all-reduce cost) -> `simulate(graph, strategy)` for every candidate of the search.
+"""
+
+from disco_jax.cost.allreduce import AllReduceCost, AllReduceCostModel, fit_allreduce_cost
+from disco_jax.cost.estimators import (
+    ENTRY_POINT_GROUP,
+    AnalyticalEstimator,
+    CalibratedEstimator,
+    ChainEstimator,
+    Estimator,
+    EstimatorFactory,
+    EstimatorPluginWarning,
+    TableEstimator,
+    chain,
+    estimator_factories,
+    kernel_features,
+    plugin_estimators,
+    register_estimator,
+    unregister_estimator,
+    with_op_times,
+)
+from disco_jax.cost.simulator import CostModel, SimulatedStep, SimulatorParams, calibrate, simulate
+from disco_jax.cost.work import (
+    ANALYTICAL_FEATURES,
+    ELEMENTWISE,
+    TRANSCENDENTAL,
+    TRANSCENDENTAL_FLOPS,
+    KernelWork,
+    Work,
+    kernel_io_bytes,
+    kernel_work,
+    loop_work,
+)
+
+__all__ = [
+    "ANALYTICAL_FEATURES",
+    "ELEMENTWISE",
+    "ENTRY_POINT_GROUP",
+    "TRANSCENDENTAL",
+    "TRANSCENDENTAL_FLOPS",
+    "AllReduceCost",
+    "AllReduceCostModel",
+    "AnalyticalEstimator",
+    "CalibratedEstimator",
+    "ChainEstimator",
+    "CostModel",
+    "Estimator",
+    "EstimatorFactory",
+    "EstimatorPluginWarning",
+    "KernelWork",
+    "SimulatedStep",
+    "SimulatorParams",
+    "TableEstimator",
+    "Work",
+    "calibrate",
+    "chain",
+    "estimator_factories",
+    "fit_allreduce_cost",
+    "kernel_features",
+    "kernel_io_bytes",
+    "kernel_work",
+    "loop_work",
+    "plugin_estimators",
+    "register_estimator",
+    "simulate",
+    "unregister_estimator",
+    "with_op_times",
+]

@@ -1,0 +1,213 @@
+"""What an op computes and moves: the one work counter of disco-jax.
+
+Every count of an op's flops, elements, transcendentals and bytes is made here, and everything
+that needs one reads it from here: the graph's `Graph.op_work` and `Graph.op_flops` (cached per
+graph), the analytical estimator's kernel features, the GPU roofline of `disco_jax.eval.clusters`,
+and the GNN's node features and analytical baseline (`gnn_estimator`).
+
+* `Work`: one op's work. For an op a loop fusion computes (`loop_work`): its output elements (a
+  reduce: its reduced input elements), with transcendental ops counted apart. For an opaque op
+  (`instruction_work`, summed over the computation of a custom fusion: XLA:CPU wraps dots and
+  convolutions in `__ynn_fusion`s): elementwise, reduce and transcendental elements and dot and
+  convolution flops of its instructions.
+* `KernelWork`: a kernel's bytes read and written (`kernel_io_bytes`) and the sum of its ops' work;
+  `KernelWork.features()` is the analytical estimator's feature vector.
+
+This module reads HLO instructions only (`disco_jax._hlo`); the graph is duck-typed, so the graph
+IR can import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from disco_jax import _hlo
+
+if TYPE_CHECKING:
+    from disco_jax._graph import Graph
+
+ELEMENTWISE = frozenset(
+    """
+abs add and atan2 cbrt ceil clamp compare complex convert cos count-leading-zeros divide erf exp
+exponential exponential-minus-one floor imag is-finite log log-plus-one logistic maximum minimum
+multiply negate not or popcnt power real reduce-precision remainder round-nearest-afz
+round-nearest-even rsqrt select shift-left shift-right-arithmetic shift-right-logical sign sin
+sqrt subtract tan tanh xor bitcast-convert stochastic-convert
+""".split()
+)
+TRANSCENDENTAL = frozenset(
+    "exp exponential exponential-minus-one log log-plus-one logistic tanh sin cos tan erf power "
+    "rsqrt sqrt cbrt atan2".split()
+)
+TRANSCENDENTAL_FLOPS = 8.0
+"""Flop-equivalents per element of a transcendental op (exp, log, tanh... cost several FMAs)."""
+
+ANALYTICAL_FEATURES: tuple[str, ...] = ("launch", "bytes", "elementwise", "transcendental", "dot_flops")
+"""Names of the entries of `KernelWork.features()`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """One op's work.
+
+    flops: floating-point work: one per element of an elementwise op, `TRANSCENDENTAL_FLOPS` per
+      element of a transcendental one, one per reduced input element, 2 x multiply-adds of dots
+      and convolutions (data movement such as broadcast or transpose: none).
+    elementwise: elements of non-transcendental work: for an op a loop fusion computes, every
+      output element (a reduce: every reduced input element), data movement included; inside an
+      opaque op, those of its elementwise and reduce instructions.
+    transcendental: elements of transcendental ops.
+    dot: flops of dots and convolutions.
+    bytes: bytes of the op's output.
+    """
+
+    flops: float = 0.0
+    elementwise: float = 0.0
+    transcendental: float = 0.0
+    dot: float = 0.0
+    bytes: int = 0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(
+            self.flops + other.flops,
+            self.elementwise + other.elementwise,
+            self.transcendental + other.transcendental,
+            self.dot + other.dot,
+            self.bytes + other.bytes,
+        )
+
+
+def loop_work(opcode: str, out_elements: float, reduced_elements: float = 0.0, out_bytes: int = 0) -> Work:
+    """Work of an op a loop fusion computes, from its opcode, output elements and (a reduce) the
+    elements of the inputs it reduces. Also what a stored kernel description (`gnn_estimator`)
+    is counted with."""
+    out = float(out_elements)
+    if opcode in TRANSCENDENTAL:
+        return Work(flops=TRANSCENDENTAL_FLOPS * out, transcendental=out, bytes=out_bytes)
+    if opcode == "reduce":
+        reduced = float(reduced_elements)
+        return Work(flops=reduced, elementwise=reduced, bytes=out_bytes)
+    return Work(flops=out if opcode in ELEMENTWISE else 0.0, elementwise=out, bytes=out_bytes)
+
+
+def _reduced_elements(operands: Sequence[list[_hlo.TensorSpec] | None]) -> float:
+    """Elements of the inputs of a reduce or reduce-window: the first half of its operands (the
+    second half are the init values)."""
+    return float(sum(specs[0].elements for specs in operands[: len(operands) // 2] if specs))
+
+
+def _contracted(inst: _hlo.Instruction, lhs: _hlo.TensorSpec) -> int:
+    k = 1
+    for d in (inst.attr("lhs_contracting_dims", "{}") or "{}").strip("{}").split(","):
+        if d.strip():
+            k *= lhs.dims[int(d)]
+    return k
+
+
+def _conv_flops(inst: _hlo.Instruction, rhs: _hlo.TensorSpec | None) -> float:
+    """2 x output elements x (kernel elements / output features), the output feature dimension
+    read from `dim_labels` (its kernel part, 'o')."""
+    if rhs is None or not rhs.dims:
+        return 0.0
+    m = re.match(r"[^_]*_([^-]*)->", inst.attr("dim_labels", "") or "")
+    if m and "o" in m.group(1) and len(m.group(1)) == len(rhs.dims):
+        out_features = rhs.dims[m.group(1).index("o")]
+    else:
+        out_features = rhs.dims[-1]
+    return 2.0 * inst.outputs[0].elements * rhs.elements / max(1, out_features)
+
+
+def instruction_work(inst: _hlo.Instruction, operands: Sequence[list[_hlo.TensorSpec] | None]) -> Work:
+    """Work of one instruction of an opaque op (the op itself, or an instruction of a custom
+    fusion's computation); `operands` are the output specs of its operands (None where unknown)."""
+    first = operands[0][0] if operands and operands[0] else None
+    if inst.opcode == "convolution":
+        second = operands[1][0] if len(operands) > 1 and operands[1] else None
+        flops = _conv_flops(inst, second)
+        return Work(flops=flops, dot=flops)
+    if inst.opcode == "dot":
+        flops = 0.0 if first is None else 2.0 * inst.outputs[0].elements * _contracted(inst, first)
+        return Work(flops=flops, dot=flops)
+    elements = float(sum(t.elements for t in inst.outputs))
+    if inst.opcode in TRANSCENDENTAL:
+        return Work(flops=TRANSCENDENTAL_FLOPS * elements, transcendental=elements)
+    if inst.opcode in ELEMENTWISE:
+        return Work(flops=elements, elementwise=elements)
+    if inst.opcode in ("reduce", "reduce-window"):
+        reduced = _reduced_elements(operands)
+        return Work(flops=reduced, elementwise=reduced)
+    return Work()
+
+
+def op_work(graph: Graph, o: int) -> Work:
+    """Work of op `o` of `graph` (read it through the graph's cache, `graph.op_work[o]`)."""
+    op = graph.ops[o]
+    operands = [graph.ops[v].inst.outputs for v in op.operands]
+    if op.kind != "opaque":
+        reduced = _reduced_elements(operands) if op.opcode == "reduce" else 0.0
+        return loop_work(op.opcode, sum(t.elements for t in op.inst.outputs), reduced, op.output_bytes)
+    if op.opcode != "fusion":
+        return dataclasses.replace(instruction_work(op.inst, operands), bytes=op.output_bytes)
+    try:
+        comp = graph.module.computation((op.inst.attr("calls") or "").lstrip("%"))
+    except KeyError:
+        return Work(bytes=op.output_bytes)
+    shapes = {i.name: i.outputs for i in comp.instructions}
+    total = Work()
+    for inst in comp.instructions:
+        total += instruction_work(inst, [shapes.get(name) for name in inst.operands])
+    return dataclasses.replace(total, bytes=op.output_bytes)
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def kernel_io_bytes(graph: Graph, members: frozenset[int], exports: Sequence[int] | None = None) -> tuple[int, int]:
+    """Bytes read from outside the kernel and bytes written by it (exports default: ops used
+    outside the kernel, else its last op). Small constants (64 bytes or less) are not read: a
+    fusion holds its own copy."""
+    inputs = {v for o in members for v in graph.ops[o].operands if v not in members}
+    read = sum(
+        graph.ops[v].output_bytes for v in inputs if graph.ops[v].opcode != "constant" or graph.ops[v].output_bytes > 64
+    )
+    if exports is None:
+        exports = [o for o in members if any(u not in members for u in graph.users[o])] or [max(members)]
+    written = sum(graph.ops[o].output_bytes for o in exports)
+    return read, written
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelWork:
+    """What one kernel moves and computes: bytes read and written, and its ops' work summed."""
+
+    read_bytes: float
+    written_bytes: float
+    elementwise: float
+    transcendental: float
+    dot: float
+
+    @classmethod
+    def of(cls, read_bytes: float, written_bytes: float, ops: Sequence[Work]) -> KernelWork:
+        total = sum(ops, Work())
+        return cls(float(read_bytes), float(written_bytes), total.elementwise, total.transcendental, total.dot)
+
+    @property
+    def bytes(self) -> float:
+        return self.read_bytes + self.written_bytes
+
+    def features(self) -> np.ndarray:
+        """The analytical feature vector [1, bytes moved, elementwise, transcendental, dot flops]
+        (`ANALYTICAL_FEATURES`)."""
+        return np.array([1.0, self.bytes, self.elementwise, self.transcendental, self.dot])
+
+
+def kernel_work(graph: Graph, members: frozenset[int]) -> KernelWork:
+    """A kernel's bytes moved (`kernel_io_bytes`, default exports) and its ops' work."""
+    read, written = kernel_io_bytes(graph, members)
+    work = graph.op_work
+    return KernelWork.of(read, written, [work[o] for o in members])
