@@ -1,11 +1,13 @@
 """`disco-jax demo`: a Flax Transformer and an MLP, data-parallel on 8 virtual CPU devices.
 
 For each model the demo runs two fresh processes, as a user would: the search phase
-(`ENABLE_SEARCH=1`) and the enactment phase (`ENABLE_SEARCH=0`), and prints JAX's default next
-to the plan: simulated and measured step time, all-reduces and fusions in the compiled HLO, and
-whether the optimized step's outputs equal the unmodified step's.
+(`optimize_distributed(search=True)`, what `ENABLE_SEARCH=1` does) and the enactment phase
+(`search=False`), and prints JAX's default next to the plan: simulated and measured step time,
+all-reduces and fusions in the compiled HLO, and whether the optimized step's outputs equal the
+unmodified step's.
 
-Each phase is `python -m disco_jax._demo worker ...`, which writes one JSON result file.
+Each phase is `python -m disco_jax._demo worker --phase search|enact ...`, which writes one JSON
+result file.
 """
 
 from __future__ import annotations
@@ -20,20 +22,25 @@ import time
 from pathlib import Path
 
 DEMO_MODELS = ("mlp", "transformer")
+PHASES = ("search", "enact")
 NUM_DEVICES = 8
 
 
-def worker(model: str, config: str, style: str, out: Path, budget_s: float, plan_dir: str) -> None:
-    """One phase in this (fresh) process; ENABLE_SEARCH says which."""
+def worker(model: str, phase: str, config: str, style: str, out: Path, budget_s: float, plan_dir: str) -> None:
+    """One phase ('search' or 'enact') in this (fresh) process."""
     import jax
     import optax
 
     from disco_jax import _validate, optimize_distributed, zoo
 
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
     spec = zoo.get_model(model, config)
     step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(NUM_DEVICES), style)
     reference = jax.block_until_ready(step(state, batch))
-    optimized = optimize_distributed(budget_s=budget_s, plan_dir=plan_dir, validation_pairs=16)(step)
+    optimized = optimize_distributed(
+        step, search=phase == "search", budget_s=budget_s, plan_dir=plan_dir, validation_pairs=16
+    )
     started = time.perf_counter()
     result = jax.block_until_ready(optimized(state, batch))
     first_call_s = time.perf_counter() - started
@@ -42,32 +49,66 @@ def worker(model: str, config: str, style: str, out: Path, budget_s: float, plan
     floor = _validate.sensitivity(reference, step(*_validate.nudge((state, batch))))
     bitwise = _validate.compare_outputs(reference, result, bitwise=False, floor=floor)
     timing = _validate.time_interleaved(lambda: step(state, batch), lambda: optimized(state, batch), pairs=20)
-    out.write_text(json.dumps({
-        "model": model, "config": config, "style": style, "phase": report.phase,
-        "search_ran": report.search_ran, "applied": report.applied, "reason": (report.reason or ""),
-        "first_call_s": first_call_s, "plan_path": report.plan_path,
-        "default_counts": report.default_counts,
-        "plan_counts": (report.plan_counts or report.default_counts) if report.applied else report.default_counts,
-        "simulated": plan.get("simulated", {}), "search": {k: plan.get("search", {}).get(k) for k in
-                                                           ("seconds", "evaluated", "candidates_per_second")},
-        "measured_default_us": timing.default_us, "measured_plan_us": timing.plan_us, "measured_ratio": timing.ratio,
-        "outputs_bitwise_equal": bitwise.bitwise_equal, "outputs_within_tolerance": bitwise.within_tolerance,
-        "max_abs_error": bitwise.max_abs_error,
-    }))
+    out.write_text(
+        json.dumps(
+            {
+                "model": model,
+                "config": config,
+                "style": style,
+                "phase": report.phase,
+                "search_ran": report.search_ran,
+                "applied": report.applied,
+                "reason": (report.reason or ""),
+                "first_call_s": first_call_s,
+                "plan_path": report.plan_path,
+                "default_counts": report.default_counts,
+                "plan_counts": (report.plan_counts or report.default_counts)
+                if report.applied
+                else report.default_counts,
+                "simulated": plan.get("simulated", {}),
+                "search": {k: plan.get("search", {}).get(k) for k in ("seconds", "evaluated", "candidates_per_second")},
+                "measured_default_us": timing.default_us,
+                "measured_plan_us": timing.plan_us,
+                "measured_ratio": timing.ratio,
+                "outputs_bitwise_equal": bitwise.bitwise_equal,
+                "outputs_within_tolerance": bitwise.within_tolerance,
+                "max_abs_error": bitwise.max_abs_error,
+            }
+        )
+    )
 
 
-def run_phase(model: str, phase: str, *, config: str, style: str, budget_s: float, plan_dir: str,
-              timeout_s: float = 1800) -> dict:
+def run_phase(
+    model: str, phase: str, *, config: str, style: str, budget_s: float, plan_dir: str, timeout_s: float = 1800
+) -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(
         [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-        + [f"--xla_force_host_platform_device_count={NUM_DEVICES}"])
+        + [f"--xla_force_host_platform_device_count={NUM_DEVICES}"]
+    )
     env["JAX_PLATFORMS"] = "cpu"
-    env["ENABLE_SEARCH"] = "1" if phase == "search" else "0"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "disco_jax._demo", "worker", "--model", model, "--config", config,
-               "--style", style, "--out", str(out), "--budget", str(budget_s), "--plan-dir", plan_dir]
+        cmd = [
+            sys.executable,
+            "-m",
+            "disco_jax._demo",
+            "worker",
+            "--model",
+            model,
+            "--phase",
+            phase,
+            "--config",
+            config,
+            "--style",
+            style,
+            "--out",
+            str(out),
+            "--budget",
+            str(budget_s),
+            "--plan-dir",
+            plan_dir,
+        ]
         proc = subprocess.run(cmd, env=env, timeout=timeout_s)
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(f"demo {phase} phase of {model} failed (exit code {proc.returncode})")
@@ -79,20 +120,42 @@ def print_table(results: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="disco-jax demo: 8 virtual CPU devices, data parallel (ms per step)", title_justify="left")
-    for col in ("model", "phase", "searched", "sim JAX", "sim plan", "JAX", "plan", "ratio", "all-reduces",
-                "fusions", "outputs vs JAX"):
+    for col in (
+        "model",
+        "phase",
+        "searched",
+        "sim JAX",
+        "sim plan",
+        "JAX",
+        "plan",
+        "ratio",
+        "all-reduces",
+        "fusions",
+        "outputs vs JAX",
+    ):
         table.add_column(col, justify="right" if col not in ("model", "phase") else "left")
     for r in results:
         sim = r["simulated"]
         sim_d = f"{sim['default']['iteration_us'] / 1e3:.2f}" if sim else "-"
         sim_p = f"{sim['plan']['iteration_us'] / 1e3:.2f}" if sim else "-"
-        equal = "bitwise" if r["outputs_bitwise_equal"] else (
-            f"tol ({r['max_abs_error']:.0e})" if r["outputs_within_tolerance"] else "NO")
-        table.add_row(r["model"], r["phase"], "yes" if r["search_ran"] else "no", sim_d, sim_p,
-                      f"{r['measured_default_us'] / 1e3:.2f}", f"{r['measured_plan_us'] / 1e3:.2f}",
-                      f"{r['measured_ratio']:.3f}",
-                      f"{r['default_counts']['all-reduce']} -> {r['plan_counts']['all-reduce']}",
-                      f"{r['default_counts']['fusion']} -> {r['plan_counts']['fusion']}", equal)
+        equal = (
+            "bitwise"
+            if r["outputs_bitwise_equal"]
+            else (f"tol ({r['max_abs_error']:.0e})" if r["outputs_within_tolerance"] else "NO")
+        )
+        table.add_row(
+            r["model"],
+            r["phase"],
+            "yes" if r["search_ran"] else "no",
+            sim_d,
+            sim_p,
+            f"{r['measured_default_us'] / 1e3:.2f}",
+            f"{r['measured_plan_us'] / 1e3:.2f}",
+            f"{r['measured_ratio']:.3f}",
+            f"{r['default_counts']['all-reduce']} -> {r['plan_counts']['all-reduce']}",
+            f"{r['default_counts']['fusion']} -> {r['plan_counts']['fusion']}",
+            equal,
+        )
     console = Console(width=max(Console().width, 130))
     console.print(table)
     for r in results:
@@ -100,20 +163,23 @@ def print_table(results: list[dict]) -> None:
             console.print(f"{r['model']}: {'plan applied' if r['applied'] else 'default kept'} — {r['reason']}")
 
 
-def demo(models=DEMO_MODELS, *, config: str = "tiny", style: str = "jit", budget_s: float = 20.0,
-         plan_dir: str | None = None) -> list[dict]:
+def demo(
+    models=DEMO_MODELS, *, config: str = "tiny", style: str = "jit", budget_s: float = 20.0, plan_dir: str | None = None
+) -> list[dict]:
     plan_dir = plan_dir or tempfile.mkdtemp(prefix="disco-jax-demo-plans-")
     results = []
     for model in models:
-        for phase in ("search", "enact"):
+        for phase in PHASES:
             print(f"[demo] {model}: {phase} phase (fresh process)", flush=True)
             results.append(run_phase(model, phase, config=config, style=style, budget_s=budget_s, plan_dir=plan_dir))
     print_table(results)
     print(f"plans in {plan_dir}; look at one with: disco-jax inspect {plan_dir}/<plan>.json")
     bad = [r for r in results if r["phase"] == "enact" and (r["search_ran"] or not r["outputs_within_tolerance"])]
     if bad:
-        raise SystemExit(f"demo check failed for {[r['model'] for r in bad]}: the enactment phase must not "
-                         "search and its outputs must equal the unmodified step's")
+        raise SystemExit(
+            f"demo check failed for {[r['model'] for r in bad]}: the enactment phase must not "
+            "search and its outputs must equal the unmodified step's"
+        )
     return results
 
 
@@ -122,13 +188,14 @@ def main(argv=None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     w = sub.add_parser("worker")
     w.add_argument("--model", required=True)
+    w.add_argument("--phase", required=True, choices=PHASES)
     w.add_argument("--config", default="tiny")
     w.add_argument("--style", default="jit")
     w.add_argument("--out", required=True, type=Path)
     w.add_argument("--budget", type=float, default=20.0)
     w.add_argument("--plan-dir", required=True)
     args = parser.parse_args(argv)
-    worker(args.model, args.config, args.style, args.out, args.budget, args.plan_dir)
+    worker(args.model, args.phase, args.config, args.style, args.out, args.budget, args.plan_dir)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """The `disco-jax` command line.
 
-    disco-jax demo [--models mlp transformer] [--budget S] [--plan-dir DIR] [--style jit|shard_map]
-    disco-jax inspect PLAN.json [--out DIR]
-    disco-jax bench --out report            (baselines vs disco-jax per model and platform)
-    disco-jax launch -n N -- python train.py (an N-process job on loopback)
+disco-jax demo [--models mlp transformer] [--budget S] [--plan-dir DIR] [--style jit|shard_map]
+disco-jax inspect PLAN.json [--out DIR]
+disco-jax bench --out report            (baselines vs disco-jax per model and platform)
+disco-jax launch -n N -- python train.py (an N-process job on loopback)
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from disco_jax.eval import bench
 
 
 def _inspect(plan_path: Path, out_dir: Path | None) -> None:
@@ -24,11 +26,13 @@ def _inspect(plan_path: Path, out_dir: Path | None) -> None:
     try:
         plan = _plan.read_plan_file(plan_path)
     except (OSError, ValueError) as e:
-        raise SystemExit(f"disco-jax inspect: {e}")
+        raise SystemExit(f"disco-jax inspect: {e}") from None
     m = plan.machine
     console.print(f"[bold]{plan.module_name}[/] fingerprint {plan.fingerprint}")
-    console.print(f"machine: {m.backend} / {m.device_kind} x {m.num_devices} ({m.num_processes} process(es)), "
-                  f"jax {m.jax_version}, jaxlib {m.jaxlib_version}")
+    console.print(
+        f"machine: {m.backend} / {m.device_kind} x {m.num_devices} ({m.num_processes} process(es)), "
+        f"jax {m.jax_version}, jaxlib {m.jaxlib_version}"
+    )
     console.print(f"decision: {'XLA default' if plan.use_default else 'disco-jax plan'} — {plan.reason}")
     if plan.simulated:
         table = Table(title="simulated step", title_justify="left")
@@ -37,29 +41,40 @@ def _inspect(plan_path: Path, out_dir: Path | None) -> None:
         for name in ("default", "plan"):
             s = plan.simulated.get(name)
             if s:
-                table.add_row(name, f"{s['iteration_us']:.1f}", f"{s['compute_us']:.1f}", f"{s['comm_us']:.1f}",
-                              f"{s['overlap_ratio']:.2f}", f"{s['full_overlap_us']:.1f}", str(s["num_fusions"]),
-                              str(s["num_allreduces"]))
+                table.add_row(
+                    name,
+                    f"{s['iteration_us']:.1f}",
+                    f"{s['compute_us']:.1f}",
+                    f"{s['comm_us']:.1f}",
+                    f"{s['overlap_ratio']:.2f}",
+                    f"{s['full_overlap_us']:.1f}",
+                    str(s["num_fusions"]),
+                    str(s["num_allreduces"]),
+                )
         console.print(table)
     if plan.measured:
         meas = plan.measured
         outputs = "bitwise equal" if meas["bitwise_equal"] else f"max abs error {meas['max_abs_error']:.2g}"
-        console.print(f"measured: default {meas['default_us']:.1f} us, plan {meas['plan_us']:.1f} us, ratio "
-                      f"{meas['ratio']:.3f} (IQR {meas['ratio_iqr'][0]:.3f}-{meas['ratio_iqr'][1]:.3f}); "
-                      f"outputs {outputs}")
+        console.print(
+            f"measured: default {meas['default_us']:.1f} us, plan {meas['plan_us']:.1f} us, ratio "
+            f"{meas['ratio']:.3f} (IQR {meas['ratio_iqr'][0]:.3f}-{meas['ratio_iqr'][1]:.3f}); "
+            f"outputs {outputs}"
+        )
     if plan.strategy:
         buckets = plan.strategy["buckets"]
         console.print(f"all-reduce buckets ({len(buckets)}): " + ", ".join(f"[{len(b)}]" for b in buckets))
         console.print(f"fused groups: {len(plan.strategy['groups'])}")
     if plan.search:
         s = plan.search
-        console.print(f"search: {s.get('evaluated')} candidates in {s.get('seconds', 0):.1f} s, "
-                      f"stopped: {s.get('stop_reason')}")
+        console.print(
+            f"search: {s.get('evaluated')} candidates in {s.get('seconds', 0):.1f} s, stopped: {s.get('stop_reason')}"
+        )
     timeline_path = plan_path.with_suffix(".timeline.json")
     if timeline_path.exists():
         timelines = json.loads(timeline_path.read_text())
-        png, trace = _timeline.write_timelines(timelines, out_dir or plan_path.parent, plan_path.stem,
-                                               title=f"{plan.module_name}: simulated schedule")
+        png, trace = _timeline.write_timelines(
+            timelines, out_dir or plan_path.parent, plan_path.stem, title=f"{plan.module_name}: simulated schedule"
+        )
         console.print(f"timeline picture: {png}\nPerfetto/Chrome trace: {trace} (open in ui.perfetto.dev)")
     else:
         console.print(f"no simulated timeline stored beside the plan ({timeline_path.name})")
@@ -83,21 +98,30 @@ def main(argv=None) -> None:
     la.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
     la.add_argument("--timeout", type=float, default=None, help="terminate every process after S seconds")
     la.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command ...")
-    b = sub.add_parser("bench", help="DisCo's evaluation: baselines vs disco-jax per model and platform, "
-                                     "measured (8 CPU devices) and simulated (GPU clusters); writes a report")
-    from disco_jax.eval import bench as _bench
-    _bench.add_arguments(b)
+    b = sub.add_parser(
+        "bench",
+        help="DisCo's evaluation: baselines vs disco-jax per model and platform, "
+        "measured (8 CPU devices) and simulated (GPU clusters); writes a report",
+    )
+    bench.add_arguments(b)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from disco_jax import _demo
-        _demo.demo(tuple(args.models or _demo.DEMO_MODELS), config=args.config, style=args.style,
-                   budget_s=args.budget, plan_dir=args.plan_dir)
+
+        _demo.demo(
+            tuple(args.models or _demo.DEMO_MODELS),
+            config=args.config,
+            style=args.style,
+            budget_s=args.budget,
+            plan_dir=args.plan_dir,
+        )
     elif args.command == "inspect":
         _inspect(args.plan, args.out)
     elif args.command == "bench":
-        _bench.main(args)
+        bench.main(args)
     elif args.command == "launch":
         from disco_jax import _launch
+
         sys.exit(_launch.main(args.cmd, args.num_processes, args.devices_per_process, args.port, args.timeout))
 
 

@@ -19,78 +19,104 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import tempfile
+
+import jax
+import optax
+from rich.console import Console
+from rich.table import Table
+
+from disco_jax import _launch, _validate, initialize_from_env, optimize_distributed, zoo
 
 RESULT_PREFIX = "BENCH "
 
 
 def bench_in_job(models: list[str], config: str, style: str, budget_s: float, pairs: int, plan_dir: str) -> None:
     """Run inside every process of the job; process 0 prints one RESULT_PREFIX line per model."""
-    import disco_jax
-
-    disco_jax.initialize_from_env()
-    import jax
-    import optax
-
-    from disco_jax import _validate, optimize_distributed, zoo
-
+    initialize_from_env()  # before anything starts a JAX backend
     for name in models:
         spec = zoo.get_model(name, config)
         step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(), style)
-        os.environ["ENABLE_SEARCH"] = "1"
-        try:
-            optimized = optimize_distributed(budget_s=budget_s, plan_dir=plan_dir, verbose=False)(step)
-            jax.block_until_ready(optimized(state, batch))
-        finally:
-            os.environ.pop("ENABLE_SEARCH", None)
+        optimized = optimize_distributed(step, search=True, budget_s=budget_s, plan_dir=plan_dir, verbose=False)
+        jax.block_until_ready(optimized(state, batch))
         # Every process runs both executables in the same order (they are collectives).
-        timing = _validate.time_interleaved(lambda: step(state, batch), lambda: optimized(state, batch), pairs=pairs)
+        timing = _validate.time_interleaved(
+            functools.partial(step, state, batch), functools.partial(optimized, state, batch), pairs=pairs
+        )
         if jax.process_index() != 0:
             continue
         report = optimized.last_report
         sim, search, measured = report.simulated, report.search, report.measured or {}
         counts = report.default_counts["all-reduce"]
         row = {
-            "model": name, "config": config, "style": style, "processes": jax.process_count(),
-            "devices": jax.device_count(), "applied": report.applied, "reason": report.reason,
-            "measured_default_us": timing.default_us, "measured_plan_us": timing.plan_us,
-            "ratio": timing.ratio, "ratio_iqr": [timing.ratio_low, timing.ratio_high],
+            "model": name,
+            "config": config,
+            "style": style,
+            "processes": jax.process_count(),
+            "devices": jax.device_count(),
+            "applied": report.applied,
+            "reason": report.reason,
+            "measured_default_us": timing.default_us,
+            "measured_plan_us": timing.plan_us,
+            "ratio": timing.ratio,
+            "ratio_iqr": [timing.ratio_low, timing.ratio_high],
             "validation_ratio": measured.get("ratio"),
             "simulated_default_us": sim["default"]["iteration_us"],
             "simulated_plan_us": sim["plan"]["iteration_us"] if report.applied else sim["default"]["iteration_us"],
             "simulated_candidate_us": sim["plan"]["iteration_us"],
             "allreduce_fit": search["cost_model"]["allreduce"],
             "calibration": search["cost_model"].get("calibration", {}),
-            "search_s": search["seconds"], "evaluated": search["evaluated"],
+            "search_s": search["seconds"],
+            "evaluated": search["evaluated"],
             "allreduces": [counts, report.plan_counts["all-reduce"] if report.applied else counts],
         }
         print(RESULT_PREFIX + json.dumps(row), flush=True)
 
 
 def print_rows(rows: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     first = rows[0]
-    table = Table(title=f"disco-jax bench: {first['processes']} processes, {first['devices']} CPU devices, "
-                        "gloo over loopback (times in ms per step)", title_justify="left")
-    for col in ("model", "plan used", "JAX", "plan", "ratio [IQR]", "validation ratio", "sim JAX", "sim plan",
-                "sim err JAX", "sim err plan", "all-reduces", "gloo fit D us / C us/MB"):
+    table = Table(
+        title=f"disco-jax bench: {first['processes']} processes, {first['devices']} CPU devices, "
+        "gloo over loopback (times in ms per step)",
+        title_justify="left",
+    )
+    for col in (
+        "model",
+        "plan used",
+        "JAX",
+        "plan",
+        "ratio [IQR]",
+        "validation ratio",
+        "sim JAX",
+        "sim plan",
+        "sim err JAX",
+        "sim err plan",
+        "all-reduces",
+        "gloo fit D us / C us/MB",
+    ):
         table.add_column(col, justify="left" if col in ("model", "plan used") else "right")
     for r in rows:
         err_d = (r["simulated_default_us"] - r["measured_default_us"]) / r["measured_default_us"]
         err_p = (r["simulated_plan_us"] - r["measured_plan_us"]) / r["measured_plan_us"]
         fit = r["allreduce_fit"]
-        table.add_row(r["model"], "yes" if r["applied"] else "no (default)",
-                      f"{r['measured_default_us'] / 1e3:.2f}", f"{r['measured_plan_us'] / 1e3:.2f}",
-                      f"{r['ratio']:.3f} [{r['ratio_iqr'][0]:.3f}-{r['ratio_iqr'][1]:.3f}]",
-                      "-" if r["validation_ratio"] is None else f"{r['validation_ratio']:.3f}",
-                      f"{r['simulated_default_us'] / 1e3:.2f}", f"{r['simulated_plan_us'] / 1e3:.2f}",
-                      f"{err_d:+.1%}", f"{err_p:+.1%}", f"{r['allreduces'][0]} -> {r['allreduces'][1]}",
-                      f"{fit['latency_us']:.0f} / {fit['per_byte_us'] * 1e6:.0f}")
+        table.add_row(
+            r["model"],
+            "yes" if r["applied"] else "no (default)",
+            f"{r['measured_default_us'] / 1e3:.2f}",
+            f"{r['measured_plan_us'] / 1e3:.2f}",
+            f"{r['ratio']:.3f} [{r['ratio_iqr'][0]:.3f}-{r['ratio_iqr'][1]:.3f}]",
+            "-" if r["validation_ratio"] is None else f"{r['validation_ratio']:.3f}",
+            f"{r['simulated_default_us'] / 1e3:.2f}",
+            f"{r['simulated_plan_us'] / 1e3:.2f}",
+            f"{err_d:+.1%}",
+            f"{err_p:+.1%}",
+            f"{r['allreduces'][0]} -> {r['allreduces'][1]}",
+            f"{fit['latency_us']:.0f} / {fit['per_byte_us'] * 1e6:.0f}",
+        )
     Console(width=170).print(table)
     for r in rows:
         print(f"{r['model']}: {r['reason']} (simulated candidate {r['simulated_candidate_us'] / 1e3:.2f} ms)")
@@ -113,34 +139,50 @@ def main(argv=None) -> None:
     if args.in_job:
         bench_in_job(args.models, args.config, args.style, args.budget, args.pairs, args.plan_dir)
         return
-
-    from disco_jax import _launch
-
     plan_dir = tempfile.mkdtemp(prefix="disco-jax-bench-multihost-")
-    command = [sys.executable, os.path.abspath(__file__), "--in-job", "--plan-dir", plan_dir,
-               "--models", *args.models, "--config", args.config, "--style", args.style,
-               "--budget", str(args.budget), "--pairs", str(args.pairs)]
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--in-job",
+        "--plan-dir",
+        plan_dir,
+        "--models",
+        *args.models,
+        "--config",
+        args.config,
+        "--style",
+        args.style,
+        "--budget",
+        str(args.budget),
+        "--pairs",
+        str(args.pairs),
+    ]
     rows = []
 
     def on_line(process_id: int, line: str) -> None:
         if line.startswith(RESULT_PREFIX):
-            rows.append(json.loads(line[len(RESULT_PREFIX):]))
+            rows.append(json.loads(line[len(RESULT_PREFIX) :]))
             print(f"[bench] {rows[-1]['model']} done", file=sys.stderr, flush=True)
         elif "[Gloo]" not in line:
             sys.stderr.write(f"[p{process_id}] {line}")
 
-    print(f"[bench] {args.processes} processes x {args.devices_per_process} devices: {' '.join(args.models)}",
-          file=sys.stderr, flush=True)
-    result = _launch.launch(command, args.processes, devices_per_process=args.devices_per_process,
-                            timeout_s=args.timeout, on_line=on_line)
+    print(
+        f"[bench] {args.processes} processes x {args.devices_per_process} devices: {' '.join(args.models)}",
+        file=sys.stderr,
+        flush=True,
+    )
+    result = _launch.launch(
+        command, args.processes, devices_per_process=args.devices_per_process, timeout_s=args.timeout, on_line=on_line
+    )
     if rows:
         print_rows(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     if result.exit_code:
-        raise SystemExit(f"bench_multihost: the job failed (exit statuses {result.returncodes}, "
-                         f"timed out: {result.timed_out})")
+        raise SystemExit(
+            f"bench_multihost: the job failed (exit statuses {result.returncodes}, timed out: {result.timed_out})"
+        )
 
 
 if __name__ == "__main__":

@@ -17,43 +17,52 @@ interquartile ranges. The calling thread's CPU time during the call (`time.threa
 the wrapper adds to and what other processes on a loaded machine do not inflate: it is the figure
 to read on a shared machine; the wall times show the same on a quiet one.
 
+Then the wrapper alone, in tight loops: a decorated step that does no work (a program without
+all-reduces, which the decorator runs as XLA compiled it) on the same arguments, against its own
+executable called directly; and, for comparison, the slow path every call took before the fast
+one (`step.executable(...)`: keying the call by its signature and finding its executable).
+
     python scripts/bench_overhead.py [--leaves 300] [--rounds 400] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import tempfile
 import time
 
-os.environ["XLA_FLAGS"] = " ".join(
-    [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    + ["--xla_force_host_platform_device_count=8"])
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from disco_jax import optimize_distributed
 
-from disco_jax import optimize_distributed  # noqa: E402
+NUM_DEVICES = 8
+
+
+def use_cpu_devices(n: int) -> None:
+    """`n` virtual CPU devices (JAX_PLATFORMS=cpu unless it is set); before JAX starts a backend."""
+    if not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
 
 
 def make_step(leaves: int, width: int = 8, batch: int = 64):
     """A cheap step with `leaves` parameter vectors, each with a gradient of its own, so that the
     call's dispatch, not its arithmetic, is what differs between the timed paths."""
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    mesh = jax.make_mesh((NUM_DEVICES,), ("data",), axis_types=(AxisType.Auto,))
     params = {f"p{i:03d}": jnp.full((width,), 1.0 + i / leaves) for i in range(leaves)}
     opt = optax.sgd(1e-2)
 
     def step(params, opt_state, x):
         def loss(params):
             return sum(jnp.mean(jnp.tanh(x * p)) for p in params.values())
+
         value, grads = jax.value_and_grad(loss)(params)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
@@ -71,15 +80,16 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=3.0, help="search budget for making the plan (s)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    use_cpu_devices(NUM_DEVICES)
 
     step, call_args = make_step(args.leaves)
     leaves = len(jax.tree.leaves(call_args[0]))
     with tempfile.TemporaryDirectory(prefix="disco-overhead-") as plan_dir:
-        os.environ["ENABLE_SEARCH"] = "1"
-        jax.block_until_ready(optimize_distributed(budget_s=args.budget, plan_dir=plan_dir, verbose=False,
-                                                   validation_pairs=6)(step)(*call_args))
-        os.environ["ENABLE_SEARCH"] = "0"
-        decorated = optimize_distributed(plan_dir=plan_dir, verbose=False)(step)
+        searched = optimize_distributed(
+            step, search=True, budget_s=args.budget, plan_dir=plan_dir, verbose=False, validation_pairs=6
+        )
+        jax.block_until_ready(searched(*call_args))
+        decorated = optimize_distributed(step, search=False, plan_dir=plan_dir, verbose=False)
         jax.block_until_ready(decorated(*call_args))
     report = decorated.last_report
     executable = decorated.executable(*call_args)
@@ -92,7 +102,7 @@ def main() -> None:
     cpu = {name: [] for name in calls}
     order = list(calls)
     for r in range(args.rounds):
-        for name in (order if r % 2 == 0 else order[::-1]):
+        for name in order if r % 2 == 0 else order[::-1]:
             f = calls[name]
             cpu_start = time.thread_time_ns()
             start = time.perf_counter()
@@ -107,50 +117,63 @@ def main() -> None:
     def spread(d):
         return [float(np.median(d)), float(np.percentile(d, 25)), float(np.percentile(d, 75))]
 
-    result = {"parameter_leaves": leaves, "rounds": args.rounds, "plan_applied": bool(report.applied),
-              "plan_reason": report.reason}
-    print(f"step with {leaves} parameter leaves on 8 CPU devices, plan "
-          f"{'applied' if result['plan_applied'] else 'kept XLA default'} ({report.reason or ''}); "
-          f"{args.rounds} interleaved rounds; median [IQR] in us")
-    for label, times in (("cpu (the calling thread's CPU time until the call returns)", cpu),
-                         ("dispatch (wall time until the call returns)", dispatch),
-                         ("step (wall time until the result is ready)", step_time)):
+    result = {
+        "parameter_leaves": leaves,
+        "rounds": args.rounds,
+        "plan_applied": bool(report.applied),
+        "plan_reason": report.reason,
+    }
+    print(
+        f"step with {leaves} parameter leaves on 8 CPU devices, plan "
+        f"{'applied' if result['plan_applied'] else 'kept XLA default'} ({report.reason or ''}); "
+        f"{args.rounds} interleaved rounds; median [IQR] in us"
+    )
+    for label, times in (
+        ("cpu (the calling thread's CPU time until the call returns)", cpu),
+        ("dispatch (wall time until the call returns)", dispatch),
+        ("step (wall time until the result is ready)", step_time),
+    ):
         t = {k: np.array(v) for k, v in times.items()}
         wrapper, versus_jit = spread(t["decorated"] - t["executable"]), spread(t["decorated"] - t["jit"])
-        result[label.split()[0]] = {"median_us": {k: spread(v) for k, v in t.items()},
-                                    "decorated_minus_executable_us": wrapper, "decorated_minus_jit_us": versus_jit}
+        result[label.split()[0]] = {
+            "median_us": {k: spread(v) for k, v in t.items()},
+            "decorated_minus_executable_us": wrapper,
+            "decorated_minus_jit_us": versus_jit,
+        }
         print(f"  {label}: " + ", ".join(f"{k} {np.median(v):.1f}" for k, v in t.items()))
-        print(f"    decorated - executable {wrapper[0]:+.1f} [{wrapper[1]:+.1f} .. {wrapper[2]:+.1f}], "
-              f"decorated - jit {versus_jit[0]:+.1f} [{versus_jit[1]:+.1f} .. {versus_jit[2]:+.1f}]")
-    # The wrapper alone: the same decorated object with its executable replaced by a no-op, against
-    # the no-op called directly; what remains is the Python the decorator runs per call.
-    prepared = decorated._last
-
-    def noop(*a, **k):
-        return None
-
-    decorated._last = dataclasses.replace(prepared, run=noop)
+        print(
+            f"    decorated - executable {wrapper[0]:+.1f} [{wrapper[1]:+.1f} .. {wrapper[2]:+.1f}], "
+            f"decorated - jit {versus_jit[0]:+.1f} [{versus_jit[1]:+.1f} .. {versus_jit[2]:+.1f}]"
+        )
+    # The wrapper alone: a decorated step with nothing to run (no all-reduce: the decorator runs
+    # XLA's executable) on the same arguments, against that executable called directly; what
+    # remains is the Python the decorator runs per call.
+    idle = optimize_distributed(jax.jit(lambda params, opt_state, x: None), search=False, verbose=False)
+    idle(*call_args)
+    idle_executable = idle.executable(*call_args)
     wrapper_ns = []
     for _ in range(50):
         start = time.perf_counter_ns()
-        for _ in range(2000):
-            decorated(*call_args)
+        for _ in range(500):
+            idle(*call_args)
         mid = time.perf_counter_ns()
-        for _ in range(2000):
-            noop(*call_args)
-        wrapper_ns.append(((mid - start) - (time.perf_counter_ns() - mid)) / 2000)
-    decorated._last = prepared
+        for _ in range(500):
+            idle_executable(*call_args)
+        wrapper_ns.append(((mid - start) - (time.perf_counter_ns() - mid)) / 500)
     result["wrapper_only_us"] = spread(np.array(wrapper_ns) / 1e3)
-    print(f"  the decorator's own Python per call (executable replaced by a no-op): "
-          f"{result['wrapper_only_us'][0]:.2f} us [{result['wrapper_only_us'][1]:.2f} .. {result['wrapper_only_us'][2]:.2f}]")
-    from disco_jax._api import _signature
-
+    median, low, high = result["wrapper_only_us"]
+    print(
+        f"  the decorator's own Python per call (a step that does no work, decorated vs its executable): "
+        f"{median:.2f} us [{low:.2f} .. {high:.2f}]"
+    )
     start = time.perf_counter_ns()
     for _ in range(200):
-        _signature(call_args, {})
+        decorated.executable(*call_args)
     result["slow_path_key_us"] = (time.perf_counter_ns() - start) / 200 / 1e3
-    print(f"  for comparison, keying a call by its signature (the slow path; every call before): "
-          f"{result['slow_path_key_us']:.1f} us")
+    print(
+        f"  for comparison, the slow path (`executable(...)`: keying a call by its signature and finding its "
+        f"executable; every call before the fast path): {result['slow_path_key_us']:.1f} us"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -2,14 +2,19 @@
 decorator, equal to the unmodified step; the bench's rows and report hold together."""
 
 import json
+import re
+from pathlib import Path
 
 import jax
 import numpy as np
 import optax
 import pytest
 
-from disco_jax import _api, backends, _capture, _compile, _graph, optimize_distributed, _plan, _validate, zoo
-from disco_jax.eval import baselines as _baselines, bench as _bench, clusters as _clusters
+from disco_jax import _capture, _compile, _graph, _plan, _validate, backends, optimize_distributed, zoo
+from disco_jax._files import write_json_atomic
+from disco_jax.eval import baselines, bench, clusters, report, rows
+
+REPORT = Path(__file__).resolve().parents[1] / "report"
 
 MODELS = sorted(zoo.MODELS)
 
@@ -33,34 +38,38 @@ def test_decorated_tiny_model_trains_and_equals_the_unmodified_step(name, style,
     text, default = _capture.capture(lowered)
     graph = _graph.build_graph(text, backends.CPU)
     reference = default(state, batch)
-    strategy = _baselines.jax_op_fusion(graph).strategy
+    strategy = baselines.jax_op_fusion(graph).strategy
     machine = _plan.MachineKey.current(_compile.step_devices((state, batch), {}))
-    _plan.save_plan(_plan.Plan(graph.fingerprint, graph.module.name, machine, False, strategy.to_json(graph),
-                               "made by a test"), tmp_path)
+    _plan.save_plan(
+        _plan.Plan(graph.fingerprint, graph.module.name, machine, False, strategy.to_json(graph), "made by a test"),
+        tmp_path,
+    )
     # The decorator captures the same module again; reuse ours to keep the test fast (the plan
     # compile still goes through the hook, which checks the module's fingerprint).
-    monkeypatch.setattr(_capture, "capture", lambda lowered, compiler_options=None: (text, default))
+    monkeypatch.setattr(_capture, "capture", lambda lowered, *a, **k: (text, default))
 
-    decorated = optimize_distributed(plan_dir=tmp_path, verbose=False)(step)
+    decorated = optimize_distributed(search=False, plan_dir=tmp_path, verbose=False)(step)
     new_state, loss = decorated(state, batch)
-    report = decorated.last_report
-    assert report.applied, report.reason
-    assert report.compile_status == "rewritten"
-    assert report.plan_counts["all-reduce"] == len(graph.gradients)
-    assert report.default_counts["all-reduce"] <= len(graph.gradients)
+    step_report = decorated.last_report
+    assert step_report.applied, step_report.reason
+    assert step_report.compile_status == "rewritten"
+    assert step_report.plan_counts["all-reduce"] == len(graph.gradients)
+    assert step_report.default_counts["all-reduce"] <= len(graph.gradients)
     assert _validate.compare_outputs(reference, (new_state, loss), bitwise=True).bitwise_equal
     assert np.isfinite(float(loss))
-    changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(state.params))]
+    changed = [
+        not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(state.params))
+    ]
     assert np.mean(changed) > 0.9
 
 
 def test_summary_speedup_and_headroom():
-    s = _bench.summarize({"A": 120.0, "B": 100.0, _bench.DISCO: 90.0}, fo_us=80.0)
+    s = rows.summarize({"A": 120.0, "B": 100.0, rows.DISCO: 90.0}, fo_us=80.0)
     assert s["best_baseline"] == "B"
     assert s["speedup"] == pytest.approx(10 / 90)
     assert s["headroom_captured"] == pytest.approx(0.5)
-    assert _bench.summarize({"B": 100.0, _bench.DISCO: 100.0}, fo_us=100.0)["headroom_captured"] is None
-    loss = _bench.summarize({"B": 100.0, _bench.DISCO: 110.0}, fo_us=50.0)
+    assert rows.summarize({"B": 100.0, rows.DISCO: 100.0}, fo_us=100.0)["headroom_captured"] is None
+    loss = rows.summarize({"B": 100.0, rows.DISCO: 110.0}, fo_us=50.0)
     assert loss["speedup"] < 0 and loss["headroom_captured"] == pytest.approx(-0.2)
 
 
@@ -69,38 +78,74 @@ def simulated_rows(mesh):
     spec = zoo.get_model("mlp", "tiny")
     lowered = zoo.lower_abstract(spec, optax.adam(1e-3), mesh, "jit")
     graph = _graph.build_graph(_capture.capture(lowered)[0], backends.CPU)
-    return graph, {name: _bench.simulated_row(graph, c, budget_s=1.0) for name, c in _clusters.CLUSTERS.items()}
+    return graph, {name: rows.simulated_row(graph, c, budget_s=1.0) for name, c in clusters.CLUSTERS.items()}
 
 
 def test_simulated_row_has_every_strategy_and_a_consistent_bound(simulated_rows):
-    graph, rows = simulated_rows
-    for name, row in rows.items():
-        assert set(row["strategies"]) == {*_bench.BASELINE_ORDER, _bench.DISCO}
+    graph, by_cluster = simulated_rows
+    for name, row in by_cluster.items():
+        assert set(row["strategies"]) == {*rows.BASELINE_ORDER, rows.DISCO}
         times = row["time_us"]
         assert all(t is not None and t > 0 for t in times.values()), name
         # The search starts from every baseline: it is never worse in simulation.
-        assert times[_bench.DISCO] <= row["best_baseline_us"] + 1e-6
+        assert times[rows.DISCO] <= row["best_baseline_us"] + 1e-6
         assert row["fo_us"] <= min(times.values()) + 1e-6
-        assert row["search"]["evaluated"] >= len(_bench.BASELINE_ORDER)
+        assert row["search"]["evaluated"] >= len(rows.BASELINE_ORDER)
+        # XLA's all-reduce combining on a GPU cluster is XLA:GPU's combiner.
+        assert row["strategies"]["JAX_default"]["buckets"] == len(baselines.xla_gpu_buckets(graph))
         json.dumps(row)  # rows are JSON
 
 
 def test_report_is_written_from_rows(simulated_rows, tmp_path):
-    graph, rows = simulated_rows
-    for name, row in rows.items():
-        full = {**_bench._common_fields("mlp", name, "jit", graph.summary(), _bench.KERNELS_ANALYTICAL,
-                                        _clusters.CLUSTERS[name].num_devices), **row, "elapsed_s": 1.0}
-        _bench._write_json(_bench.row_path(tmp_path, "mlp", name, "jit"), full)
-    readme = _bench.write_report(tmp_path, run_info={"elapsed_s": 3.0, "config": {"budget_s": 1.0}})
+    graph, by_cluster = simulated_rows
+    for name, row in by_cluster.items():
+        full = {
+            **rows.common_fields(
+                "mlp", name, "jit", graph.summary(), rows.KERNELS_ANALYTICAL, clusters.CLUSTERS[name].num_devices
+            ),
+            **row,
+            "elapsed_s": 1.0,
+        }
+        write_json_atomic(rows.row_path(tmp_path, "mlp", name, "jit"), full)
+    readme = report.write_report(tmp_path, run_info={"elapsed_s": 3.0, "config": {"budget_s": 1.0}})
     text = readme.read_text()
     assert "disco-jax bench --out report" in text
-    for name in _clusters.CLUSTERS:
+    assert "$" not in text  # every placeholder of the template was filled
+    for name in clusters.CLUSTERS:
         assert name in text
     assert "analytical-scaled" in text
     assert (tmp_path / "fig6_iteration_time.png").stat().st_size > 1000
     assert any(p.name.startswith("fig7_breakdown_") for p in tmp_path.glob("*.png"))
     # Resumable: a run whose rows all exist starts no model process and only rewrites the report.
-    config = _bench.BenchConfig(models=("mlp",), platforms=tuple(_clusters.CLUSTERS), out=str(tmp_path))
-    assert _bench.run(config) == readme
+    config = bench.BenchConfig(models=("mlp",), platforms=tuple(clusters.CLUSTERS), out=str(tmp_path))
+    assert bench.run(config) == readme
     assert not list((tmp_path / "logs").iterdir())
     assert json.loads((tmp_path / "run.json").read_text())["failures"] == []
+
+
+def test_template_sections_are_all_used_and_filled():
+    """Every section of the report template is used by the report writer, and no section asks for
+    a value the writer does not give (string.Template would raise)."""
+    source = Path(report.__file__).read_text()
+    names = set(report.sections())
+    assert {"header", "headline", "caveats", "accuracy", "clusters"} <= names
+    used = set(re.findall(r'_t\(\s*"(\w+)"', source))
+    assert used == names, (names - used, used - names)
+
+
+@pytest.mark.skipif(not (REPORT / "rows").is_dir(), reason="no committed report rows")
+def test_report_from_the_committed_rows_has_the_committed_sections(tmp_path):
+    """The committed rows (measured and simulated) render with every section the committed report
+    has, in the same order (nothing is run; figures are not drawn)."""
+    committed = rows.load_rows(REPORT)
+    run_info = json.loads((REPORT / "run.json").read_text()) if (REPORT / "run.json").exists() else {}
+    figures = {
+        "fig6": "fig6_iteration_time.png",
+        "table2": "table2_simulated_vs_measured.png",
+        **{f"fig7_{p}": f"fig7_breakdown_{p}.png" for p in rows.platform_order(committed)},
+    }
+    text = report.report_markdown(committed, figures, run_info)
+    headings = [line for line in text.splitlines() if line.startswith("#")]
+    expected = [line for line in (REPORT / "README.md").read_text().splitlines() if line.startswith("#")]
+    assert headings == expected
+    assert "$" not in text

@@ -3,10 +3,11 @@
 A `Baseline` is
 
 * a `Strategy` on the captured graph, for the simulator (every platform), and
-* how the measured CPU platform enacts it: XLA compile options (`compiler_options`), or, for the
-  framework-style bucketings XLA has no option for, a rewrite of the strategy into the module
-  (`compiler_options is None`: compile with `disco_jax._api.compile_strategy`). The bucketing
-  is what PyTorch DDP and Horovod do; enacting it through our rewriter is enacting that policy.
+* how the measured platform (XLA:CPU, `backends.CPU`) enacts it: XLA compile options
+  (`compiler_options`, from `backends.CPU.baseline_options`), or, for the framework-style
+  bucketings XLA has no option for, a rewrite of the strategy into the module (`compiler_options
+  is None`: compile with `disco_jax._compile.compile_strategy`). The bucketing is what PyTorch
+  DDP and Horovod do; enacting it through our rewriter is enacting that policy.
 
 The baselines (one function each):
 
@@ -19,17 +20,18 @@ The baselines (one function each):
 | `pytorch_ddp` | PyTorch_DDP | XLA's | 25 MiB buckets in gradient-ready order, first bucket 1 MiB |
 | `horovod` | Horovod | XLA's | fuse ready gradients up to 128 MiB per cycle |
 
-XLA:CPU levers (checked on compiled HLO in tests/test_baselines.py): the pass `fusion` forms loop
-fusions (with it disabled, `fusion-wrapper` still wraps each elementwise op alone in a
-one-instruction kLoop fusion, which is how XLA:CPU emits code for it); `cpu-all-reduce-combiner`
-combines all-reduces (the CPU combiner takes everything it can; DESIGN.md point 4). XLA's
-library-call fusions (`__ynn_fusion` around a dot or convolution) are not op fusion and stay.
+XLA:CPU levers (checked on compiled HLO in tests/test_baselines.py; pass names in
+docs/xla-facts.md): the pass `fusion` forms loop fusions (with it disabled, `fusion-wrapper` still
+wraps each elementwise op alone in a one-instruction kLoop fusion, which is how XLA:CPU emits code
+for it); `cpu-all-reduce-combiner` combines all-reduces (the CPU combiner takes everything it can).
+XLA's library-call fusions (`__ynn_fusion` around a dot or convolution) are not op fusion and stay.
 
-"XLA's all-reduce combining" depends on the platform: on CPU it is what the captured module
-shows (`graph.xla_buckets`); on GPU XLA combines neighbouring all-reduces up to
-`xla_gpu_all_reduce_combine_threshold_bytes` (30 MiB by default, DESIGN.md point 4), modelled by
-`xla_gpu_buckets`. The module is captured on CPU, so on a simulated GPU cluster "XLA's op fusion"
-is XLA:CPU's fusion decisions (XLA:GPU's differ in detail; both fuse elementwise chains greedily).
+"XLA's all-reduce combining" is a rule passed as `combine` (a function of the graph giving the
+gradient ids of each all-reduce): by default the measured platform's, `backends.CPU.xla_buckets`
+(what the captured module shows); on a simulated GPU cluster `xla_gpu_buckets`, XLA:GPU's combiner
+of neighbouring all-reduces up to `xla_gpu_all_reduce_combine_threshold_bytes` (30 MiB by
+default). The module is captured on CPU, so on a simulated GPU cluster "XLA's op fusion" is
+XLA:CPU's fusion decisions (XLA:GPU's differ in detail; both fuse elementwise chains greedily).
 
 PyTorch DDP and Horovod do not fuse ops (eager PyTorch; Horovod leaves that to the framework). Here
 they get XLA's op fusion, so they are the strongest version of their bucketing policy; pass
@@ -39,16 +41,13 @@ they get XLA's op fusion, so they are the strongest version of their bucketing p
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
-from disco_jax import _cost, _strategy
-from disco_jax._graph import Graph
-from disco_jax._profile import AllReduceCostModel
-from disco_jax._strategy import Strategy
+from disco_jax import AllReduceCostModel, Graph, Strategy, _strategy, backends, simulate
+
+Combine = Callable[[Graph], Sequence[Sequence[int]]]  # XLA's all-reduce combining: gradient ids per all-reduce
 
 MiB = 1 << 20
-NO_FUSION_PASS = "fusion"
-ALLREDUCE_COMBINER_PASS = "cpu-all-reduce-combiner"
 XLA_GPU_COMBINE_THRESHOLD_BYTES = 30 * MiB  # xla_gpu_all_reduce_combine_threshold_bytes default
 XLA_GPU_COMBINE_THRESHOLD_COUNT = 256  # xla_gpu_collective_combine_threshold_count default
 DDP_BUCKET_CAP_BYTES = 25 * MiB  # torch DistributedDataParallel(bucket_cap_mb=25)
@@ -61,13 +60,13 @@ SOURCES = {
     "JAX_op_fusion": "DisCo section 6.1 baseline (2); XLA:CPU pass 'cpu-all-reduce-combiner' disabled",
     "JAX_AllReduce_fusion": "DisCo section 6.1 baseline (3); XLA:CPU pass 'fusion' disabled",
     "JAX_default": "DisCo section 6.1 baseline (4); XLA's defaults (GPU combine threshold 30 MiB, "
-                   "xla_gpu_all_reduce_combine_threshold_bytes)",
+    "xla_gpu_all_reduce_combine_threshold_bytes)",
     "PyTorch_DDP": "DisCo section 6.1 baseline (5); torch DistributedDataParallel bucket_cap_mb=25 and "
-                   "_DEFAULT_FIRST_BUCKET_BYTES = 1 MiB; buckets close once they reach the cap "
-                   "(reducer.cpp compute_bucket_assignment_by_size), in the order gradients become ready "
-                   "(DDP's reverse parameter order stands for that)",
+    "_DEFAULT_FIRST_BUCKET_BYTES = 1 MiB; buckets close once they reach the cap "
+    "(reducer.cpp compute_bucket_assignment_by_size), in the order gradients become ready "
+    "(DDP's reverse parameter order stands for that)",
     "Horovod": "Horovod tensor fusion (docs/tensor-fusion.rst): every cycle, ready tensors of one dtype fused "
-               "up to HOROVOD_FUSION_THRESHOLD; defaults 128 MB and 1 ms since v0.21.0 (changelog, #2468)",
+    "up to HOROVOD_FUSION_THRESHOLD; defaults 128 MB and 1 ms since v0.21.0 (changelog, #2468)",
 }
 
 
@@ -76,9 +75,10 @@ class Baseline:
     """One baseline on one captured graph.
 
     name: the baseline's name in the report. strategy: its decisions on the graph, for the
-    simulator. compiler_options: XLA compile options that make XLA:CPU compile the step this way
-    (``{}``: XLA's defaults), or None when it is enacted by rewriting `strategy` into the module.
-    description: one line for the report."""
+    simulator. compiler_options: XLA compile options that make the measured platform (XLA:CPU)
+    compile the step this way (``{}``: XLA's defaults; `backends.CPU.baseline_options`), or None
+    when it is enacted by rewriting `strategy` into the module. description: one line for the
+    report."""
 
     name: str
     strategy: Strategy
@@ -90,8 +90,10 @@ class Baseline:
         return "rewrite" if self.compiler_options is None else "compile options"
 
 
-def _disable(*passes: str) -> dict:
-    return {"xla_disable_hlo_passes": ",".join(passes)}
+def compiler_options(name: str) -> dict | None:
+    """The measured platform's compile options for baseline `name` (None: enacted by rewrite)."""
+    options = backends.CPU.baseline_options.get(name)
+    return None if options is None else dict(options)
 
 
 # --------------------------------------------------------------------------- bucket builders
@@ -101,27 +103,14 @@ def gradient_ready_order(graph: Graph, ready_times_us: Sequence[float] | None = 
     """Gradient ids in the order they become ready: by ready time when given, else by the
     program position of their producers (the order the backward pass produces them)."""
     if ready_times_us is not None:
-        return sorted(range(len(graph.gradients)),
-                      key=lambda g: (ready_times_us[g], graph.gradients[g].producer, g))
+        return sorted(range(len(graph.gradients)), key=lambda g: (ready_times_us[g], graph.gradients[g].producer, g))
     return sorted(range(len(graph.gradients)), key=lambda g: (graph.gradients[g].producer, g))
 
 
 def _reduced_dependencies(graph: Graph) -> list[int]:
     """Per gradient, a bitmask of the gradients whose all-reduced value its producer depends on
     (forward-pass all-reduces such as batch-norm statistics feed later gradients)."""
-    cached = graph.__dict__.get("_reduced_dependencies")
-    if cached is None:
-        masks: list[int] = []
-        for op in graph.ops:
-            m = 0
-            for v in op.operands:
-                m |= masks[v]
-            if op.kind == "reduced" and op.gradient is not None:
-                m |= 1 << op.gradient
-            masks.append(m)
-        cached = [masks[g.producer] for g in graph.gradients]
-        graph.__dict__["_reduced_dependencies"] = cached
-    return cached
+    return graph.reduced_dependencies
 
 
 class _Buckets:
@@ -165,8 +154,9 @@ class _Buckets:
         return self.done
 
 
-def fit_buckets(graph: Graph, order: Sequence[int], threshold_bytes: int,
-                max_count: int | None = None) -> list[tuple[int, ...]]:
+def fit_buckets(
+    graph: Graph, order: Sequence[int], threshold_bytes: int, max_count: int | None = None
+) -> list[tuple[int, ...]]:
     """Greedy combining in `order` (gradients after those they depend on): add a gradient to the
     open bucket of its kind (`compat`) while the bucket stays within `threshold_bytes` (and
     `max_count` gradients); a gradient that does not fit closes it. A gradient larger than the
@@ -176,15 +166,20 @@ def fit_buckets(graph: Graph, order: Sequence[int], threshold_bytes: int,
         g = graph.gradients[gid]
         buckets.close_dependencies(gid)
         bucket = buckets.open.get(g.compat)
-        if bucket and (buckets.bytes[g.compat] + g.nbytes > threshold_bytes
-                       or (max_count is not None and len(bucket) >= max_count)):
+        if bucket and (
+            buckets.bytes[g.compat] + g.nbytes > threshold_bytes or (max_count is not None and len(bucket) >= max_count)
+        ):
             buckets.close(g.compat)
         buckets.add(gid)
     return buckets.finish()
 
 
-def ddp_buckets(graph: Graph, order: Sequence[int], bucket_cap_bytes: int = DDP_BUCKET_CAP_BYTES,
-                first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES) -> list[tuple[int, ...]]:
+def ddp_buckets(
+    graph: Graph,
+    order: Sequence[int],
+    bucket_cap_bytes: int = DDP_BUCKET_CAP_BYTES,
+    first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES,
+) -> list[tuple[int, ...]]:
     """PyTorch DDP's assignment: per dtype, fill a bucket in `order` and close it as soon as it
     holds at least its limit; the first bucket's limit is `first_bucket_bytes`, later ones
     `bucket_cap_bytes`."""
@@ -199,9 +194,12 @@ def ddp_buckets(graph: Graph, order: Sequence[int], bucket_cap_bytes: int = DDP_
     return buckets.finish()
 
 
-def horovod_buckets(graph: Graph, threshold_bytes: int = HOROVOD_FUSION_THRESHOLD_BYTES,
-                    ready_times_us: Sequence[float] | None = None,
-                    cycle_us: float = HOROVOD_CYCLE_TIME_US) -> list[tuple[int, ...]]:
+def horovod_buckets(
+    graph: Graph,
+    threshold_bytes: int = HOROVOD_FUSION_THRESHOLD_BYTES,
+    ready_times_us: Sequence[float] | None = None,
+    cycle_us: float = HOROVOD_CYCLE_TIME_US,
+) -> list[tuple[int, ...]]:
     """Horovod's tensor fusion: the gradients that became ready within one cycle are fused, in
     ready order and per dtype, into buffers of at most `threshold_bytes`. Without ready times
     every gradient counts as ready in one cycle (pure threshold fusion in production order)."""
@@ -217,21 +215,14 @@ def horovod_buckets(graph: Graph, threshold_bytes: int = HOROVOD_FUSION_THRESHOL
     return buckets
 
 
-def xla_gpu_buckets(graph: Graph, threshold_bytes: int = XLA_GPU_COMBINE_THRESHOLD_BYTES,
-                    max_count: int = XLA_GPU_COMBINE_THRESHOLD_COUNT) -> list[tuple[int, ...]]:
+def xla_gpu_buckets(
+    graph: Graph,
+    threshold_bytes: int = XLA_GPU_COMBINE_THRESHOLD_BYTES,
+    max_count: int = XLA_GPU_COMBINE_THRESHOLD_COUNT,
+) -> list[tuple[int, ...]]:
     """XLA:GPU's all-reduce combiner: neighbouring all-reduces (production order) combined up to
     the byte threshold and the op count threshold."""
     return fit_buckets(graph, gradient_ready_order(graph), threshold_bytes, max_count)
-
-
-def xla_buckets(graph: Graph, platform: str = "cpu") -> list[tuple[int, ...]]:
-    """XLA's all-reduce combining on `platform`: 'cpu' is what the captured module holds
-    (XLA:CPU combines everything it can), 'gpu' the GPU combiner's thresholds."""
-    if platform == "cpu":
-        return [tuple(b) for b in graph.xla_buckets]
-    if platform == "gpu":
-        return xla_gpu_buckets(graph)
-    raise ValueError(f"platform must be 'cpu' or 'gpu', got {platform!r}")
 
 
 def per_gradient(graph: Graph) -> list[tuple[int, ...]]:
@@ -255,7 +246,7 @@ def gradient_ready_times(graph: Graph, strategy: Strategy, kernel_time_us: Calla
     and communication costs nothing. `kernel_time_us(kernels)` costs a list of kernels
     (frozensets of op ids). Raises ValueError for an invalid strategy."""
     per_gradient_buckets = _strategy.with_buckets(strategy, [(g.id,) for g in graph.gradients], "ready-times")
-    step = _cost.simulate(graph, per_gradient_buckets, _GivenCosts(kernel_time_us), AllReduceCostModel(0.0, 0.0))
+    step = simulate(graph, per_gradient_buckets, _GivenCosts(kernel_time_us), AllReduceCostModel(0.0, 0.0))
     if step is None:
         raise ValueError("strategy has no valid kernel graph")
     return step.allreduce_ready_us  # one bucket per gradient, in gradient order
@@ -272,55 +263,88 @@ def _fusion_groups(graph: Graph, fusion: str) -> Strategy:
     raise ValueError(f"fusion must be 'xla' or 'none', got {fusion!r}")
 
 
-def jax_no_fusion(graph: Graph, platform: str = "cpu") -> Baseline:
+def _combining(combine: Combine) -> str:
+    return getattr(combine, "__name__", type(combine).__name__)
+
+
+def jax_no_fusion(graph: Graph) -> Baseline:
     """Neither op fusion nor all-reduce combining."""
     s = _strategy.with_buckets(_strategy.unfused(graph), per_gradient(graph), "JAX_no_fusion")
-    return Baseline("JAX_no_fusion", s, _disable(NO_FUSION_PASS, ALLREDUCE_COMBINER_PASS),
-                    "no op fusion, one all-reduce per gradient")
+    return Baseline("JAX_no_fusion", s, compiler_options("JAX_no_fusion"), "no op fusion, one all-reduce per gradient")
 
 
-def jax_op_fusion(graph: Graph, platform: str = "cpu") -> Baseline:
+def jax_op_fusion(graph: Graph) -> Baseline:
     """XLA's op fusion, no all-reduce combining."""
     s = _strategy.with_buckets(_strategy.xla_default(graph), per_gradient(graph), "JAX_op_fusion")
-    return Baseline("JAX_op_fusion", s, _disable(ALLREDUCE_COMBINER_PASS),
-                    "XLA's op fusion, one all-reduce per gradient")
+    return Baseline(
+        "JAX_op_fusion", s, compiler_options("JAX_op_fusion"), "XLA's op fusion, one all-reduce per gradient"
+    )
 
 
-def jax_allreduce_fusion(graph: Graph, platform: str = "cpu") -> Baseline:
-    """XLA's all-reduce combining, no op fusion."""
-    s = _strategy.with_buckets(_strategy.unfused(graph), xla_buckets(graph, platform), "JAX_AllReduce_fusion")
-    return Baseline("JAX_AllReduce_fusion", s, _disable(NO_FUSION_PASS),
-                    f"no op fusion, XLA's all-reduce combining ({platform})")
+def jax_allreduce_fusion(graph: Graph, combine: Combine = backends.CPU.xla_buckets) -> Baseline:
+    """XLA's all-reduce combining (`combine`), no op fusion."""
+    s = _strategy.with_buckets(_strategy.unfused(graph), combine(graph), "JAX_AllReduce_fusion")
+    return Baseline(
+        "JAX_AllReduce_fusion",
+        s,
+        compiler_options("JAX_AllReduce_fusion"),
+        f"no op fusion, XLA's all-reduce combining ({_combining(combine)})",
+    )
 
 
-def jax_default(graph: Graph, platform: str = "cpu") -> Baseline:
-    """XLA's op fusion and all-reduce combining."""
-    s = _strategy.with_buckets(_strategy.xla_default(graph), xla_buckets(graph, platform), "JAX_default")
-    return Baseline("JAX_default", s, {}, f"XLA's op fusion and all-reduce combining ({platform})")
+def jax_default(graph: Graph, combine: Combine = backends.CPU.xla_buckets) -> Baseline:
+    """XLA's op fusion and all-reduce combining (`combine`)."""
+    s = _strategy.with_buckets(_strategy.xla_default(graph), combine(graph), "JAX_default")
+    return Baseline(
+        "JAX_default",
+        s,
+        compiler_options("JAX_default"),
+        f"XLA's op fusion and all-reduce combining ({_combining(combine)})",
+    )
 
 
-def pytorch_ddp(graph: Graph, platform: str = "cpu", *, bucket_cap_bytes: int = DDP_BUCKET_CAP_BYTES,
-                first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES, fusion: str = "xla",
-                ready_times_us: Sequence[float] | None = None) -> Baseline:
-    """PyTorch DDP's gradient buckets (enacted by rewrite on CPU)."""
+def pytorch_ddp(
+    graph: Graph,
+    *,
+    bucket_cap_bytes: int = DDP_BUCKET_CAP_BYTES,
+    first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES,
+    fusion: str = "xla",
+    ready_times_us: Sequence[float] | None = None,
+) -> Baseline:
+    """PyTorch DDP's gradient buckets (enacted by rewrite on the measured platform)."""
     order = gradient_ready_order(graph, ready_times_us)
-    s = _strategy.with_buckets(_fusion_groups(graph, fusion),
-                               ddp_buckets(graph, order, bucket_cap_bytes, first_bucket_bytes), "PyTorch_DDP")
-    return Baseline("PyTorch_DDP", s, None,
-                    f"{'XLA op fusion' if fusion == 'xla' else 'no op fusion'}, DDP buckets "
-                    f"(cap {bucket_cap_bytes / MiB:g} MiB, first {first_bucket_bytes / MiB:g} MiB)")
+    s = _strategy.with_buckets(
+        _fusion_groups(graph, fusion), ddp_buckets(graph, order, bucket_cap_bytes, first_bucket_bytes), "PyTorch_DDP"
+    )
+    return Baseline(
+        "PyTorch_DDP",
+        s,
+        compiler_options("PyTorch_DDP"),
+        f"{'XLA op fusion' if fusion == 'xla' else 'no op fusion'}, DDP buckets "
+        f"(cap {bucket_cap_bytes / MiB:g} MiB, first {first_bucket_bytes / MiB:g} MiB)",
+    )
 
 
-def horovod(graph: Graph, platform: str = "cpu", *, threshold_bytes: int = HOROVOD_FUSION_THRESHOLD_BYTES,
-            cycle_us: float = HOROVOD_CYCLE_TIME_US, ready_times_us: Sequence[float] | None = None,
-            fusion: str = "xla") -> Baseline:
-    """Horovod's threshold tensor fusion per cycle (enacted by rewrite on CPU)."""
-    s = _strategy.with_buckets(_fusion_groups(graph, fusion),
-                               horovod_buckets(graph, threshold_bytes, ready_times_us, cycle_us), "Horovod")
+def horovod(
+    graph: Graph,
+    *,
+    threshold_bytes: int = HOROVOD_FUSION_THRESHOLD_BYTES,
+    cycle_us: float = HOROVOD_CYCLE_TIME_US,
+    ready_times_us: Sequence[float] | None = None,
+    fusion: str = "xla",
+) -> Baseline:
+    """Horovod's threshold tensor fusion per cycle (enacted by rewrite on the measured platform)."""
+    s = _strategy.with_buckets(
+        _fusion_groups(graph, fusion), horovod_buckets(graph, threshold_bytes, ready_times_us, cycle_us), "Horovod"
+    )
     cycle = f", cycle {cycle_us / 1000:g} ms" if ready_times_us is not None else ""
-    return Baseline("Horovod", s, None,
-                    f"{'XLA op fusion' if fusion == 'xla' else 'no op fusion'}, fusion threshold "
-                    f"{threshold_bytes / MiB:g} MiB{cycle}")
+    return Baseline(
+        "Horovod",
+        s,
+        compiler_options("Horovod"),
+        f"{'XLA op fusion' if fusion == 'xla' else 'no op fusion'}, fusion threshold "
+        f"{threshold_bytes / MiB:g} MiB{cycle}",
+    )
 
 
 BASELINES: dict[str, Callable[..., Baseline]] = {
@@ -333,48 +357,32 @@ BASELINES: dict[str, Callable[..., Baseline]] = {
 }
 
 
-def all_baselines(graph: Graph, platform: str = "cpu", *,
-                  kernel_time_us: Callable[[list], list] | None = None, **thresholds) -> list[Baseline]:
-    """Every baseline on `graph` for `platform` ('cpu' or 'gpu'). With `kernel_time_us` (the
-    platform's kernel cost), DDP and Horovod order gradients by when they become ready in
+def all_baselines(
+    graph: Graph,
+    *,
+    combine: Combine = backends.CPU.xla_buckets,
+    kernel_time_us: Callable[[list], list] | None = None,
+    **thresholds,
+) -> list[Baseline]:
+    """Every baseline on `graph`, with `combine` as XLA's all-reduce combining (default: the
+    measured platform's; `xla_gpu_buckets` for a simulated GPU cluster). With `kernel_time_us`
+    (the platform's kernel cost), DDP and Horovod order gradients by when they become ready in
     XLA's plan, and Horovod fuses per cycle; without it, by program position and in one cycle.
     `thresholds`: bucket_cap_bytes / first_bucket_bytes (DDP), threshold_bytes / cycle_us (Horovod)."""
     ready = None
     if kernel_time_us is not None:
-        ready = gradient_ready_times(graph, _strategy.with_buckets(
-            _strategy.xla_default(graph), per_gradient(graph), "ready-times"), kernel_time_us)
+        ready = gradient_ready_times(
+            graph,
+            _strategy.with_buckets(_strategy.xla_default(graph), per_gradient(graph), "ready-times"),
+            kernel_time_us,
+        )
     ddp_args = {k: thresholds[k] for k in ("bucket_cap_bytes", "first_bucket_bytes") if k in thresholds}
     hvd_args = {k: thresholds[k] for k in ("threshold_bytes", "cycle_us") if k in thresholds}
-    return [jax_no_fusion(graph, platform), jax_op_fusion(graph, platform), jax_allreduce_fusion(graph, platform),
-            jax_default(graph, platform), pytorch_ddp(graph, platform, ready_times_us=ready, **ddp_args),
-            horovod(graph, platform, ready_times_us=ready, **hvd_args)]
-
-
-# --------------------------------------------------------------------------- compiled HLO
-
-
-def compiled_hlo_stats(text: str) -> dict[str, int]:
-    """What a compiled module's entry computation holds: all-reduces (and how many tensors they
-    carry), loop fusions, loop fusions of more than one compute instruction (op fusion proper:
-    with the `fusion` pass off, XLA:CPU still wraps single ops in one-instruction kLoop fusions),
-    and library-call custom fusions."""
-    from disco_jax import _hlo
-
-    module = _hlo.parse_module(text)
-    stats = {"all-reduce": 0, "all-reduce-operands": 0, "loop_fusions": 0, "multi_op_loop_fusions": 0,
-             "custom_fusions": 0}
-    trivial = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
-    for inst in module.entry.instructions:
-        if inst.opcode in ("all-reduce", "all-reduce-start"):
-            stats["all-reduce"] += 1
-            stats["all-reduce-operands"] += len(inst.operands)
-        elif inst.opcode == "fusion":
-            kind = inst.attr("kind")
-            if kind == "kCustom":
-                stats["custom_fusions"] += 1
-                continue
-            stats["loop_fusions"] += 1
-            comp = module.computation((inst.attr("calls") or "").lstrip("%"))
-            if sum(1 for i in comp.instructions if i.opcode not in trivial) > 1:
-                stats["multi_op_loop_fusions"] += 1
-    return stats
+    return [
+        jax_no_fusion(graph),
+        jax_op_fusion(graph),
+        jax_allreduce_fusion(graph, combine),
+        jax_default(graph, combine),
+        pytorch_ddp(graph, ready_times_us=ready, **ddp_args),
+        horovod(graph, ready_times_us=ready, **hvd_args),
+    ]

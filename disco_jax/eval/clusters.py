@@ -26,13 +26,10 @@ changes.
 from __future__ import annotations
 
 import dataclasses
-import re
-from typing import Sequence
+from collections.abc import Sequence
 
-import numpy as np
-
-from disco_jax import _cost, _hlo
-from disco_jax._graph import ELEMENTWISE, TRANSCENDENTAL, Graph
+from disco_jax import Graph
+from disco_jax.cost import TRANSCENDENTAL_FLOPS, AllReduceCost, kernel_work
 
 NCCL_TUNING = "NCCL src/graph/tuning.cc (v2.7), baseLat/hwLat tables, ring algorithm"
 GB = 1e9
@@ -63,8 +60,11 @@ class DeviceSpec:
     dot_efficiency: Quantity  # achieved fraction of dot_flops
     memory_efficiency: Quantity  # achieved fraction of memory_bandwidth
     transcendental_cost: Quantity = Quantity(
-        8.0, "flop-equivalents per element",
-        "disco_jax._graph.Op.flops weighting (exp, log, tanh... cost several FMAs)", assumption=True)
+        TRANSCENDENTAL_FLOPS,
+        "flop-equivalents per element",
+        "disco_jax.cost.work.TRANSCENDENTAL_FLOPS weighting (exp, log, tanh... cost several FMAs)",
+        assumption=True,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +98,14 @@ def ring_allreduce_us(nbytes: float, num_devices: int, bandwidth: float, latency
     return 2.0 * (num_devices - 1) / num_devices * float(nbytes) / bandwidth * 1e6 + latency_us
 
 
-def hierarchical_allreduce_us(nbytes: float, gpus_per_node: int, nodes: int, intra_bandwidth: float,
-                              inter_bandwidth: float, latency_us: float = 0.0) -> float:
+def hierarchical_allreduce_us(
+    nbytes: float,
+    gpus_per_node: int,
+    nodes: int,
+    intra_bandwidth: float,
+    inter_bandwidth: float,
+    latency_us: float = 0.0,
+) -> float:
     """Two-level all-reduce of ``nbytes`` per device: reduce-scatter within each node
     ((G-1)/G * S / B_intra), ring all-reduce of each 1/G shard across the nodes, G rings in
     parallel (2(M-1)/M * (S/G) / B_inter, B_inter the inter-node bandwidth per GPU), all-gather
@@ -110,9 +116,9 @@ def hierarchical_allreduce_us(nbytes: float, gpus_per_node: int, nodes: int, int
 
 
 @dataclasses.dataclass(frozen=True)
-class ClusterAllReduce:
-    """All-reduce cost on a cluster: `time_us(nbytes)` with ``nbytes`` the bytes of one device's
-    tensor (the all-reduce's HLO shape), like `disco_jax._profile.AllReduceCostModel`.
+class ClusterAllReduce(AllReduceCost):
+    """All-reduce cost on a cluster (a `disco_jax.cost.AllReduceCost`): `time_us(nbytes)` with
+    ``nbytes`` the bytes of one device's tensor (the all-reduce's HLO shape).
 
     For each NCCL protocol p in (LL, Simple): base_p + 2(G-1) x intra step latency_p + 2(M-1) x
     inter step latency_p (NCCL's ring latency model), plus the ring (one node) or hierarchical
@@ -134,12 +140,15 @@ class ClusterAllReduce:
     def _transfer_us(self, nbytes: float, fraction: float) -> float:
         if self.nodes == 1:
             return ring_allreduce_us(nbytes, self.gpus_per_node, self.intra_bandwidth * fraction)
-        return hierarchical_allreduce_us(nbytes, self.gpus_per_node, self.nodes, self.intra_bandwidth * fraction,
-                                         self.inter_bandwidth * fraction)
+        return hierarchical_allreduce_us(
+            nbytes, self.gpus_per_node, self.nodes, self.intra_bandwidth * fraction, self.inter_bandwidth * fraction
+        )
 
     def protocol_times_us(self, nbytes: float) -> dict[str, float]:
-        return {"LL": self.latency_ll_us + self._transfer_us(nbytes, self.ll_bandwidth_fraction),
-                "Simple": self.latency_simple_us + self._transfer_us(nbytes, 1.0)}
+        return {
+            "LL": self.latency_ll_us + self._transfer_us(nbytes, self.ll_bandwidth_fraction),
+            "Simple": self.latency_simple_us + self._transfer_us(nbytes, 1.0),
+        }
 
     def time_us(self, nbytes: int | float) -> float:
         if self.num_devices <= 1:
@@ -147,8 +156,10 @@ class ClusterAllReduce:
         return min(self.protocol_times_us(nbytes).values())
 
     def to_json(self) -> dict:
-        return {"model": "ring (one node) / hierarchical (several nodes), min over NCCL LL and Simple",
-                **dataclasses.asdict(self)}
+        return {
+            "model": "ring (one node) / hierarchical (several nodes), min over NCCL LL and Simple",
+            **dataclasses.asdict(self),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,11 +188,17 @@ class Cluster:
                 raise ValueError(f"cluster {self.name} has {self.nodes} nodes but no inter-node link")
             lat_ll += steps_inter * inter.step_latency_ll_us.value
             lat_simple += steps_inter * inter.step_latency_simple_us.value
-        return ClusterAllReduce(self.gpus_per_node, self.nodes, self.intra.effective_bandwidth,
-                                inter.effective_bandwidth if (inter is not None and self.nodes > 1) else 0.0,
-                                lat_ll, lat_simple, LL_BANDWIDTH_FRACTION.value)
+        return ClusterAllReduce(
+            self.gpus_per_node,
+            self.nodes,
+            self.intra.effective_bandwidth,
+            inter.effective_bandwidth if (inter is not None and self.nodes > 1) else 0.0,
+            lat_ll,
+            lat_simple,
+            LL_BANDWIDTH_FRACTION.value,
+        )
 
-    def kernel_estimator(self) -> "RooflineEstimator":
+    def kernel_estimator(self) -> RooflineEstimator:
         return RooflineEstimator(self.device)
 
     def sources(self) -> dict:
@@ -200,136 +217,73 @@ class Cluster:
         return out
 
     def to_json(self) -> dict:
-        return {"name": self.name, "description": self.description, "gpus_per_node": self.gpus_per_node,
-                "nodes": self.nodes, "num_devices": self.num_devices,
-                "allreduce": self.allreduce_model().to_json(), "sources": self.sources()}
+        return {
+            "name": self.name,
+            "description": self.description,
+            "gpus_per_node": self.gpus_per_node,
+            "nodes": self.nodes,
+            "num_devices": self.num_devices,
+            "allreduce": self.allreduce_model().to_json(),
+            "sources": self.sources(),
+        }
 
 
 # --------------------------------------------------------------------------- analytical kernels
 
 
-def _conv_flops(inst: _hlo.Instruction, shapes: dict[str, list]) -> float:
-    """2 x output elements x (kernel elements / output features), from `dim_labels`."""
-    out = inst.outputs[0]
-    rhs = shapes[inst.operands[1]][0] if len(inst.operands) > 1 and inst.operands[1] in shapes else None
-    if rhs is None or not rhs.dims:
-        return 0.0
-    labels = inst.attr("dim_labels", "")
-    m = re.match(r"[^_]*_([^-]*)->", labels or "")
-    if m and "o" in m.group(1) and len(m.group(1)) == len(rhs.dims):
-        out_features = rhs.dims[m.group(1).index("o")]
-    else:
-        out_features = rhs.dims[-1]
-    return 2.0 * out.elements * rhs.elements / max(1, out_features)
-
-
-def _dot_flops(inst: _hlo.Instruction, shapes: dict[str, list]) -> float:
-    lhs = shapes[inst.operands[0]][0] if inst.operands and inst.operands[0] in shapes else None
-    if lhs is None:
-        return 0.0
-    k = 1
-    for d in (inst.attr("lhs_contracting_dims", "{}") or "{}").strip("{}").split(","):
-        if d.strip():
-            k *= lhs.dims[int(d)]
-    return 2.0 * inst.outputs[0].elements * k
-
-
-def _instruction_work(inst: _hlo.Instruction, shapes: dict[str, list]) -> tuple[float, float, float]:
-    """(elementwise, transcendental, dot/conv) work of one instruction."""
-    if inst.opcode == "convolution":
-        return 0.0, 0.0, _conv_flops(inst, shapes)
-    if inst.opcode == "dot":
-        return 0.0, 0.0, _dot_flops(inst, shapes)
-    if inst.opcode in TRANSCENDENTAL:
-        return 0.0, float(sum(t.elements for t in inst.outputs)), 0.0
-    if inst.opcode in ELEMENTWISE:
-        return float(sum(t.elements for t in inst.outputs)), 0.0, 0.0
-    if inst.opcode in ("reduce", "reduce-window") and inst.operands and inst.operands[0] in shapes:
-        return float(shapes[inst.operands[0]][0].elements), 0.0, 0.0
-    return 0.0, 0.0, 0.0
-
-
 def opaque_op_work(graph: Graph, o: int) -> tuple[float, float, float]:
     """(elementwise, transcendental, dot/conv) work of an opaque op, looking inside the
-    computation of a custom fusion (XLA:CPU wraps convolutions and dots in `__ynn_fusion`s)."""
-    cache = graph.__dict__.setdefault("_opaque_work", {})
-    if o in cache:
-        return cache[o]
-    op = graph.ops[o]
-    entry_shapes = {graph.ops[v].name: graph.ops[v].inst.outputs for v in op.operands}
-    work = (0.0, 0.0, 0.0)
-    if op.opcode == "fusion":
-        try:
-            comp = graph.module.computation((op.inst.attr("calls") or "").lstrip("%"))
-        except KeyError:
-            comp = None
-        if comp is not None:
-            shapes = {i.name: i.outputs for i in comp.instructions}
-            totals = np.zeros(3)
-            for inst in comp.instructions:
-                totals += _instruction_work(inst, shapes)
-            work = tuple(float(x) for x in totals)
-    else:
-        shapes = dict(entry_shapes)
-        for v, name in zip(op.operands, op.inst.operands):
-            shapes[name] = graph.ops[v].inst.outputs
-        work = _instruction_work(op.inst, shapes)
-        if work == (0.0, 0.0, 0.0):
-            work = (0.0, 0.0, float(graph.op_flops[o]))
-    cache[o] = work
-    return work
+    computation of a custom fusion (XLA:CPU wraps convolutions and dots in `__ynn_fusion`s);
+    counted by `disco_jax.cost.work` and cached on the graph (`graph.op_work`)."""
+    work = graph.op_work[o]
+    return work.elementwise, work.transcendental, work.dot
 
 
 @dataclasses.dataclass
 class RooflineEstimator:
     """The analytical model scaled to a GPU: per kernel
-    ``launch + max(memory time, elementwise time + dot time)`` (see the module docstring).
-    Implements `disco_jax._cost.Estimator`."""
+    ``launch + max(memory time, elementwise time + dot time)`` (see the module docstring), with
+    each kernel's work counted by `disco_jax.cost.work`. Implements `disco_jax.cost.Estimator`."""
 
     device: DeviceSpec
     name: str = "analytical-scaled"
 
     def kernel_time_us(self, graph: Graph, members: frozenset[int]) -> float:
         d = self.device
-        read, written = _cost.kernel_io_bytes(graph, members)
-        elementwise = transcendental = dots = 0.0
-        for o in members:
-            op = graph.ops[o]
-            if op.kind == "opaque":
-                e, t, f = opaque_op_work(graph, o)
-                elementwise, transcendental, dots = elementwise + e, transcendental + t, dots + f
-            elif op.opcode in TRANSCENDENTAL:
-                transcendental += sum(t.elements for t in op.inst.outputs)
-            elif op.opcode == "reduce":
-                elementwise += graph.op_flops[o]
-            elif op.kind == "fusible":
-                elementwise += sum(t.elements for t in op.inst.outputs)
-        memory_s = (read + written) / (d.memory_bandwidth.value * d.memory_efficiency.value)
-        compute_s = ((elementwise + d.transcendental_cost.value * transcendental) / d.fp32_flops.value
-                     + dots / (d.dot_flops.value * d.dot_efficiency.value))
+        work = kernel_work(graph, members)
+        memory_s = work.bytes / (d.memory_bandwidth.value * d.memory_efficiency.value)
+        compute_s = (
+            work.elementwise + d.transcendental_cost.value * work.transcendental
+        ) / d.fp32_flops.value + work.dot / (d.dot_flops.value * d.dot_efficiency.value)
         return d.launch_us.value + 1e6 * max(memory_s, compute_s)
 
     def estimate(self, graph: Graph, kernels: Sequence[frozenset[int]]) -> list[float | None]:
         return [self.kernel_time_us(graph, k) for k in kernels]
 
     def to_json(self) -> dict:
-        return {"name": self.name, "device": self.device.name,
-                "formula": "launch + max(bytes / (eff_mem * HBM), (elementwise + 8 * transcendental) / fp32 peak "
-                           "+ dot flops / (eff_dot * dot peak))"}
+        return {
+            "name": self.name,
+            "device": self.device.name,
+            "formula": "launch + max(bytes / (eff_mem * HBM), (elementwise + 8 * transcendental) / fp32 peak "
+            "+ dot flops / (eff_dot * dot peak))",
+        }
 
 
 # --------------------------------------------------------------------------- the data
 
-_ASSUMED_LAUNCH = ("kernel launch plus XLA thunk dispatch on a GPU, typically 3-10 us; 5 us taken "
-                   "(NVIDIA CUDA C++ Best Practices Guide notes launches cost microseconds)")
+_ASSUMED_LAUNCH = (
+    "kernel launch plus XLA thunk dispatch on a GPU, typically 3-10 us; 5 us taken "
+    "(NVIDIA CUDA C++ Best Practices Guide notes launches cost microseconds)"
+)
 _ASSUMED_MEMORY_EFFICIENCY = "achievable fraction of peak DRAM bandwidth for streaming kernels (STREAM-like), assumed"
 _ASSUMED_DOT_EFFICIENCY = "achievable fraction of peak matrix throughput for XLA's GEMM/conv libraries, assumed"
 _ASSUMED_LINK_EFFICIENCY = "achieved fraction of the link bandwidth by NCCL (bus bandwidth / link rate), assumed"
 
 GTX_1080_TI = DeviceSpec(
     name="NVIDIA GeForce GTX 1080 Ti",
-    fp32_flops=Quantity(11.34e12, "FLOP/s",
-                        "NVIDIA GTX 1080 Ti specifications: 3584 CUDA cores x 1582 MHz boost x 2 = 11.3 TFLOPS fp32"),
+    fp32_flops=Quantity(
+        11.34e12, "FLOP/s", "NVIDIA GTX 1080 Ti specifications: 3584 CUDA cores x 1582 MHz boost x 2 = 11.3 TFLOPS fp32"
+    ),
     dot_flops=Quantity(11.34e12, "FLOP/s", "Pascal has no tensor cores: dots run at the fp32 peak (11.3 TFLOPS)"),
     memory_bandwidth=Quantity(484e9, "B/s", "NVIDIA GTX 1080 Ti specifications: 11 Gbps GDDR5X, 352-bit, 484 GB/s"),
     launch_us=Quantity(5.0, "us", _ASSUMED_LAUNCH, assumption=True),
@@ -340,10 +294,13 @@ GTX_1080_TI = DeviceSpec(
 H100_SXM = DeviceSpec(
     name="NVIDIA H100 SXM5 80GB",
     fp32_flops=Quantity(67e12, "FLOP/s", "NVIDIA H100 Tensor Core GPU datasheet: FP32 67 TFLOPS (SXM)"),
-    dot_flops=Quantity(494.7e12, "FLOP/s",
-                       "NVIDIA H100 datasheet: TF32 Tensor Core 989 TFLOPS with sparsity, 494.7 dense (SXM); "
-                       "JAX docs, Matmul precision (docs.jax.dev/en/latest/201/precision.html): by default float32 "
-                       "dots may use TF32 on recent GPUs"),
+    dot_flops=Quantity(
+        494.7e12,
+        "FLOP/s",
+        "NVIDIA H100 datasheet: TF32 Tensor Core 989 TFLOPS with sparsity, 494.7 dense (SXM); "
+        "JAX docs, Matmul precision (docs.jax.dev/en/latest/201/precision.html): by default float32 "
+        "dots may use TF32 on recent GPUs",
+    ),
     memory_bandwidth=Quantity(3.35e12, "B/s", "NVIDIA H100 datasheet: HBM3 3.35 TB/s (SXM)"),
     launch_us=Quantity(5.0, "us", _ASSUMED_LAUNCH, assumption=True),
     dot_efficiency=Quantity(0.5, "fraction", _ASSUMED_DOT_EFFICIENCY, assumption=True),
@@ -352,7 +309,9 @@ H100_SXM = DeviceSpec(
 
 PCIE3_X16 = Link(
     name="PCIe 3.0 x16 (two GPUs in one machine, no NVLink)",
-    bandwidth=Quantity(15.75e9, "B/s", "PCI-SIG PCIe 3.0: 8 GT/s x 16 lanes, 128b/130b encoding = 15.75 GB/s per direction"),
+    bandwidth=Quantity(
+        15.75e9, "B/s", "PCI-SIG PCIe 3.0: 8 GT/s x 16 lanes, 128b/130b encoding = 15.75 GB/s per direction"
+    ),
     step_latency_ll_us=Quantity(1.0, "us", NCCL_TUNING + ": hwLat[PCI][Ring][LL]"),
     step_latency_simple_us=Quantity(5.7, "us", NCCL_TUNING + ": hwLat[PCI][Ring][Simple]"),
     efficiency=Quantity(0.8, "fraction", _ASSUMED_LINK_EFFICIENCY, assumption=True),
@@ -360,9 +319,12 @@ PCIE3_X16 = Link(
 
 ETHERNET_100G_SHARED_BY_2 = Link(
     name="100 GbE RDMA, one NIC per machine shared by its 2 GPUs",
-    bandwidth=Quantity(12.5e9 / 2, "B/s",
-                       "DisCo paper section 6.1 (cluster A: one 100GbE Mellanox RDMA card per machine of 2 GPUs): "
-                       "100 Gb/s = 12.5 GB/s per direction, halved per GPU"),
+    bandwidth=Quantity(
+        12.5e9 / 2,
+        "B/s",
+        "DisCo paper section 6.1 (cluster A: one 100GbE Mellanox RDMA card per machine of 2 GPUs): "
+        "100 Gb/s = 12.5 GB/s per direction, halved per GPU",
+    ),
     step_latency_ll_us=Quantity(2.7, "us", NCCL_TUNING + ": hwLat[NET][Ring][LL]"),
     step_latency_simple_us=Quantity(9.6, "us", NCCL_TUNING + ": hwLat[NET][Ring][Simple]"),
     efficiency=Quantity(0.8, "fraction", _ASSUMED_LINK_EFFICIENCY, assumption=True),
@@ -370,8 +332,9 @@ ETHERNET_100G_SHARED_BY_2 = Link(
 
 NVLINK4 = Link(
     name="NVLink 4 (NVSwitch, DGX/HGX H100)",
-    bandwidth=Quantity(450e9, "B/s",
-                       "NVIDIA H100 datasheet: NVLink 900 GB/s per GPU, bidirectional = 450 GB/s per direction"),
+    bandwidth=Quantity(
+        450e9, "B/s", "NVIDIA H100 datasheet: NVLink 900 GB/s per GPU, bidirectional = 450 GB/s per direction"
+    ),
     step_latency_ll_us=Quantity(0.47, "us", NCCL_TUNING + ": hwLat[NVLink][Ring][LL]"),
     step_latency_simple_us=Quantity(3.4, "us", NCCL_TUNING + ": hwLat[NVLink][Ring][Simple]"),
     efficiency=Quantity(0.8, "fraction", _ASSUMED_LINK_EFFICIENCY, assumption=True),
@@ -379,9 +342,12 @@ NVLINK4 = Link(
 
 INFINIBAND_NDR_PER_GPU = Link(
     name="InfiniBand NDR 400 Gb/s, one NIC per GPU (DGX H100: 8 ConnectX-7)",
-    bandwidth=Quantity(50e9, "B/s",
-                       "NVIDIA DGX H100 user guide: 8 single-port ConnectX-7 400 Gb/s InfiniBand NDR for compute; "
-                       "400 Gb/s = 50 GB/s per direction per GPU"),
+    bandwidth=Quantity(
+        50e9,
+        "B/s",
+        "NVIDIA DGX H100 user guide: 8 single-port ConnectX-7 400 Gb/s InfiniBand NDR for compute; "
+        "400 Gb/s = 50 GB/s per direction per GPU",
+    ),
     step_latency_ll_us=Quantity(2.7, "us", NCCL_TUNING + ": hwLat[NET][Ring][LL]"),
     step_latency_simple_us=Quantity(9.6, "us", NCCL_TUNING + ": hwLat[NET][Ring][Simple]"),
     efficiency=Quantity(0.8, "fraction", _ASSUMED_LINK_EFFICIENCY, assumption=True),
@@ -390,21 +356,33 @@ INFINIBAND_NDR_PER_GPU = Link(
 CLUSTER_A = Cluster(
     name="clusterA-12x1080Ti",
     description="DisCo's cluster A: 6 machines x 2 GTX 1080 Ti (PCIe), 100 GbE RDMA between machines",
-    device=GTX_1080_TI, gpus_per_node=2, nodes=6, intra=PCIE3_X16, inter=ETHERNET_100G_SHARED_BY_2,
+    device=GTX_1080_TI,
+    gpus_per_node=2,
+    nodes=6,
+    intra=PCIE3_X16,
+    inter=ETHERNET_100G_SHARED_BY_2,
     source="DisCo paper, section 6.1 (Testbed, cluster A)",
 )
 
 H100_NVLINK_8 = Cluster(
     name="8xH100-NVLink",
     description="one HGX/DGX H100 node: 8 H100 SXM over NVLink 4 / NVSwitch",
-    device=H100_SXM, gpus_per_node=8, nodes=1, intra=NVLINK4, inter=None,
+    device=H100_SXM,
+    gpus_per_node=8,
+    nodes=1,
+    intra=NVLINK4,
+    inter=None,
     source="NVIDIA DGX H100 system (8 H100 SXM5, 4th-gen NVSwitch)",
 )
 
 H100_IB_4X8 = Cluster(
     name="4x8xH100-IB400",
     description="4 nodes x 8 H100 SXM: NVLink 4 in the node, 400 Gb/s NDR InfiniBand (one NIC per GPU) between nodes",
-    device=H100_SXM, gpus_per_node=8, nodes=4, intra=NVLINK4, inter=INFINIBAND_NDR_PER_GPU,
+    device=H100_SXM,
+    gpus_per_node=8,
+    nodes=4,
+    intra=NVLINK4,
+    inter=INFINIBAND_NDR_PER_GPU,
     source="NVIDIA DGX H100 SuperPOD building block (8 GPUs and 8 ConnectX-7 NDR NICs per node)",
 )
 
@@ -431,5 +409,15 @@ def _fmt_bytes(n: float) -> str:
     return f"{n} B"
 
 
-__all__ = ["CLUSTERS", "Cluster", "ClusterAllReduce", "DeviceSpec", "Link", "Quantity", "RooflineEstimator",
-           "get_cluster", "hierarchical_allreduce_us", "ring_allreduce_us"]
+__all__ = [
+    "CLUSTERS",
+    "Cluster",
+    "ClusterAllReduce",
+    "DeviceSpec",
+    "Link",
+    "Quantity",
+    "RooflineEstimator",
+    "get_cluster",
+    "hierarchical_allreduce_us",
+    "ring_allreduce_us",
+]
