@@ -10,8 +10,7 @@ import sys
 from jax._src.lib import xla_client
 from jax.extend import xla as jax_xla
 
-STAGES = {"PRE_SCHEDULER": jax_xla.PipelineStage.PRE_SCHEDULER,
-          "POST_SCHEDULER": jax_xla.PipelineStage.POST_SCHEDULER}
+STAGES = {"PRE_SCHEDULER": jax_xla.PipelineStage.PRE_SCHEDULER, "POST_SCHEDULER": jax_xla.PipelineStage.POST_SCHEDULER}
 
 
 class Recorder:
@@ -24,7 +23,8 @@ class Recorder:
         self.edit = None  # (stage, fn(text) -> text) or None
         for stage, enum in STAGES.items():
             jax_xla.register_hlo_module_transformation(
-                self._callback(stage), name=f"check_{stage}_{platform}", stage=enum, platforms=platform)
+                self._callback(stage), name=f"check_{stage}_{platform}", stage=enum, platforms=platform
+            )
 
     def _callback(self, stage):
         def cb(serialized: bytes):
@@ -38,6 +38,7 @@ class Recorder:
             if self.edit and self.edit[0] == stage:
                 return xla_client.hlo.hlo_module_from_text(self.edit[1](text)).as_serialized_hlo_module_proto()
             return None
+
         return cb
 
     def reset(self, edit=None):
@@ -48,7 +49,7 @@ class Recorder:
 
 def entry(text: str) -> str:
     """The entry computation's text."""
-    return text[text.index("\nENTRY"):].split("\n}\n", 1)[0]
+    return text[text.index("\nENTRY") :].split("\n}\n", 1)[0]
 
 
 def count(text: str, opcode: str) -> int:
@@ -58,8 +59,9 @@ def count(text: str, opcode: str) -> int:
 
 def operand_counts(text: str, opcode: str) -> list[int]:
     """Operand count of each `opcode` instruction in the entry computation."""
-    return sorted(len(re.findall(r"%[\w.\-]+", m.group(1)))
-                  for m in re.finditer(rf" {re.escape(opcode)}\(([^)]*)\)", entry(text)))
+    return sorted(
+        len(re.findall(r"%[\w.\-]+", m.group(1))) for m in re.finditer(rf" {re.escape(opcode)}\(([^)]*)\)", entry(text))
+    )
 
 
 _failures: list[str] = []
@@ -75,6 +77,9 @@ def fact(ok: bool, statement: str, observed) -> None:
 def finish() -> None:
     import jax
     import jaxlib
-    print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}: "
-          f"{'all facts hold' if not _failures else f'{len(_failures)} fact(s) no longer hold'}")
+
+    print(
+        f"jax {jax.__version__}, jaxlib {jaxlib.__version__}: "
+        f"{'all facts hold' if not _failures else f'{len(_failures)} fact(s) no longer hold'}"
+    )
     sys.exit(1 if _failures else 0)

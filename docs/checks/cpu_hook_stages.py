@@ -24,11 +24,17 @@ rec.reset()
 compiled = lowered.compile(compiler_options={"xla_dump_max_hlo_modules": 101})
 pre, post = rec.texts["PRE_SCHEDULER"][-1], rec.texts["POST_SCHEDULER"][-1]
 fact(count(pre, "fusion") > 0, "PRE_SCHEDULER on CPU is after fusion", f"{count(pre, 'fusion')} fusions")
-fact(operand_counts(pre, "all-reduce") == [gradients + 1],
-     "PRE_SCHEDULER on CPU is after the all-reduce combiner (one variadic all-reduce of every gradient and the loss)",
-     f"all-reduce operand counts {operand_counts(pre, 'all-reduce')}, {gradients} parameters")
-fact("is_scheduled=true" not in pre.split("\n", 1)[0] and "is_scheduled=true" in post.split("\n", 1)[0],
-     "PRE_SCHEDULER is unscheduled, POST_SCHEDULER scheduled", post.split("\n", 1)[0][:80])
+fact(
+    operand_counts(pre, "all-reduce") == [gradients + 1],
+    "PRE_SCHEDULER on CPU is after the all-reduce combiner (one variadic all-reduce of every gradient and the loss)",
+    f"all-reduce operand counts {operand_counts(pre, 'all-reduce')}, {gradients} parameters",
+)
+fact(
+    "is_scheduled=true" not in pre.split("\n", 1)[0] and "is_scheduled=true" in post.split("\n", 1)[0],
+    "PRE_SCHEDULER is unscheduled, POST_SCHEDULER scheduled",
+    post.split("\n", 1)[0][:80],
+)
+
 
 @jax.jit
 def step_in_place(x):
@@ -37,10 +43,11 @@ def step_in_place(x):
 
 rec.reset()
 step_in_place.lower(jax.numpy.zeros(8)).compile()
-fact("copy(" in rec.texts["PRE_SCHEDULER"][-1],
-     "copy insertion has run before PRE_SCHEDULER on CPU (an in-place update gets a copy of its input)",
-     f"{rec.texts['PRE_SCHEDULER'][-1].count(' copy(')} copies")
-
+fact(
+    "copy(" in rec.texts["PRE_SCHEDULER"][-1],
+    "copy insertion has run before PRE_SCHEDULER on CPU (an in-place update gets a copy of its input)",
+    f"{rec.texts['PRE_SCHEDULER'][-1].count(' copy(')} copies",
+)
 
 
 def kernels(text: str) -> list[tuple[str, tuple[str, ...]]]:
@@ -59,15 +66,20 @@ graph = _graph.build_graph(pre, backends.CPU)
 unfused, _ = _compile.compile_strategy(lowered, graph, _strategy.unfused(graph))
 after = kernels(unfused.as_text())
 loop = [ops for kind, ops in after if kind == "kLoop"]
-fact(max((len(o) for o in loop), default=0) == 1,
-     "XLA:CPU forms no multi-op fusion after PRE_SCHEDULER: ops returned bare stay one kernel each",
-     f"{len(loop)} kLoop fusions after the hook, largest {max((len(o) for o in loop), default=0)} op(s)")
+fact(
+    max((len(o) for o in loop), default=0) == 1,
+    "XLA:CPU forms no multi-op fusion after PRE_SCHEDULER: ops returned bare stay one kernel each",
+    f"{len(loop)} kLoop fusions after the hook, largest {max((len(o) for o in loop), default=0)} op(s)",
+)
 import jaxlib  # noqa: E402
 
 wraps = tuple(int(p) for p in jaxlib.__version__.split(".")[:2]) >= (0, 12)
-fact((("broadcast",) in loop) == wraps,
-     "jaxlib 0.12 wraps lone ops returned from PRE_SCHEDULER, broadcasts included, in one-op kLoop fusions; 0.11.2 leaves broadcasts bare",
-     f"one-op kLoop fusions: {sorted(set(o[0] for o in loop))}")
+fact(
+    (("broadcast",) in loop) == wraps,
+    "jaxlib 0.12 wraps lone ops returned from PRE_SCHEDULER, broadcasts included, in one-op kLoop fusions; "
+    "0.11.2 leaves broadcasts bare",
+    f"one-op kLoop fusions: {sorted(set(o[0] for o in loop))}",
+)
 
 
 def split_allreduce(text: str) -> str:
@@ -85,8 +97,10 @@ def split_allreduce(text: str) -> str:
         attrs = re.sub(r"channel_id=\d+", "channel_id={}", attrs)
         parts = []
         for i, (shape, operand) in enumerate(zip(shapes, operands)):
-            out.append(f"{indent}%{name}.split{i} = {shape} all-reduce({operand}), "
-                       + attrs.replace("channel_id={}", f"channel_id={900 + i}"))
+            out.append(
+                f"{indent}%{name}.split{i} = {shape} all-reduce({operand}), "
+                + attrs.replace("channel_id={}", f"channel_id={900 + i}")
+            )
             parts.append(f"%{name}.split{i}")
         out.append(f"{indent}%{name} = ({', '.join(shapes)}) tuple({', '.join(parts)})")
     return "\n".join(out)
@@ -95,19 +109,31 @@ def split_allreduce(text: str) -> str:
 rec.reset(edit=("PRE_SCHEDULER", split_allreduce))
 edited = lowered.compile(compiler_options={"xla_dump_max_hlo_modules": 102})
 final = edited.as_text()
-fact(operand_counts(final, "all-reduce") == [1] * (gradients + 1),
-     "a module returned at PRE_SCHEDULER is what XLA:CPU compiles (the combined all-reduce, split by the hook, stays split)",
-     f"compiled all-reduce operand counts {operand_counts(final, 'all-reduce')}")
+fact(
+    operand_counts(final, "all-reduce") == [1] * (gradients + 1),
+    "a module returned at PRE_SCHEDULER is what XLA:CPU compiles "
+    "(the combined all-reduce, split by the hook, stays split)",
+    f"compiled all-reduce operand counts {operand_counts(final, 'all-reduce')}",
+)
 reference, result = compiled(state, batch), edited(state, batch)
-fact(all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(result))),
-     "splitting the all-reduce leaves outputs bitwise equal", "compared every output leaf")
+fact(
+    all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(result))),
+    "splitting the all-reduce leaves outputs bitwise equal",
+    "compared every output leaf",
+)
 
 rec.reset()
 lowered.compile(compiler_options={"xla_dump_max_hlo_modules": 101})
-fact(not rec.texts["PRE_SCHEDULER"],
-     "the same compile options hit JAX's in-memory cache: the hook does not run again", f"{len(rec.texts['PRE_SCHEDULER'])} modules seen")
+fact(
+    not rec.texts["PRE_SCHEDULER"],
+    "the same compile options hit JAX's in-memory cache: the hook does not run again",
+    f"{len(rec.texts['PRE_SCHEDULER'])} modules seen",
+)
 rec.reset()
 lowered.compile(compiler_options={"xla_dump_max_hlo_modules": 103})
-fact(len(rec.texts["PRE_SCHEDULER"]) == 1,
-     "a fresh xla_dump_max_hlo_modules value forces a compile through the hook", f"{len(rec.texts['PRE_SCHEDULER'])} modules seen")
+fact(
+    len(rec.texts["PRE_SCHEDULER"]) == 1,
+    "a fresh xla_dump_max_hlo_modules value forces a compile through the hook",
+    f"{len(rec.texts['PRE_SCHEDULER'])} modules seen",
+)
 finish()

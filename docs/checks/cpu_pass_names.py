@@ -45,14 +45,26 @@ default = compiled_text(None)
 base = {"multi-op fusions": multi_op_fusions(default), "all-reduces": count(default, "all-reduce")}
 print(f"default: {base}")
 observed = {}
-for name in ("fusion", "cpu-all-reduce-combiner", "all-reduce-combiner", "cpu-instruction-fusion",
-             "fusion_wrapper", "loop-fusion"):
+for name in (
+    "fusion",
+    "cpu-all-reduce-combiner",
+    "all-reduce-combiner",
+    "cpu-instruction-fusion",
+    "fusion_wrapper",
+    "loop-fusion",
+):
     text = compiled_text(name)
     observed[name] = {"multi-op fusions": multi_op_fusions(text), "all-reduces": count(text, "all-reduce")}
-fact(observed["fusion"]["multi-op fusions"] == 0 < base["multi-op fusions"],
-     "'fusion' disables XLA:CPU's loop fusion (no multi-op kLoop fusion left)", observed["fusion"])
-fact(observed["cpu-all-reduce-combiner"]["all-reduces"] > base["all-reduces"] == 1,
-     "'cpu-all-reduce-combiner' disables the CPU all-reduce combiner", observed["cpu-all-reduce-combiner"])
+fact(
+    observed["fusion"]["multi-op fusions"] == 0 < base["multi-op fusions"],
+    "'fusion' disables XLA:CPU's loop fusion (no multi-op kLoop fusion left)",
+    observed["fusion"],
+)
+fact(
+    observed["cpu-all-reduce-combiner"]["all-reduces"] > base["all-reduces"] == 1,
+    "'cpu-all-reduce-combiner' disables the CPU all-reduce combiner",
+    observed["cpu-all-reduce-combiner"],
+)
 for name in ("all-reduce-combiner", "cpu-instruction-fusion", "fusion_wrapper", "loop-fusion"):
     fact(observed[name] == base, f"'{name}' is silently ignored by XLA:CPU", observed[name])
 
@@ -64,8 +76,14 @@ def step_barrier(x):
 
 
 barrier = step_barrier.lower(jax.numpy.ones(8))
-fact("opt-barrier" not in compiled_text(None, barrier),
-     "XLA:CPU strips optimization barriers by default", "no opt-barrier in the compiled module")
-fact("opt-barrier" in compiled_text("cse_barrier_expander", barrier),
-     "disabling 'cse_barrier_expander' keeps them", "opt-barrier in the compiled module")
+fact(
+    "opt-barrier" not in compiled_text(None, barrier),
+    "XLA:CPU strips optimization barriers by default",
+    "no opt-barrier in the compiled module",
+)
+fact(
+    "opt-barrier" in compiled_text("cse_barrier_expander", barrier),
+    "disabling 'cse_barrier_expander' keeps them",
+    "opt-barrier in the compiled module",
+)
 finish()

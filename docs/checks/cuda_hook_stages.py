@@ -20,9 +20,11 @@ from disco_jax import targets  # noqa: E402
 LAYERS, WIDTH = 4, 256
 rec = Recorder("cuda")
 mesh = targets.mesh("h100-sxm", 8)
-fact(mesh.devices.flat[0].device_kind == "NVIDIA H100 80GB HBM3" and mesh.size == 8,
-     "get_topology_desc(platform='cuda', target_config=H100 text) gives 8 compile-only H100s",
-     mesh.devices.flat[0].device_kind)
+fact(
+    mesh.devices.flat[0].device_kind == "NVIDIA H100 80GB HBM3" and mesh.size == 8,
+    "get_topology_desc(platform='cuda', target_config=H100 text) gives 8 compile-only H100s",
+    mesh.devices.flat[0].device_kind,
+)
 
 
 def step(ws, x):
@@ -30,7 +32,8 @@ def step(ws, x):
         h = x
         for w in ws:
             h = jnp.tanh(h @ w)
-        return jnp.sum(h ** 2)
+        return jnp.sum(h**2)
+
     return [w - 0.1 * g for w, g in zip(ws, jax.grad(loss)(ws))]
 
 
@@ -41,12 +44,17 @@ lowered = jax.jit(step).lower(ws, x)
 rec.reset()
 final = lowered.compile(compiler_options={"xla_dump_max_hlo_modules": 301}).as_text()
 pre, post = rec.texts["PRE_SCHEDULER"], rec.texts["POST_SCHEDULER"]
-fact(len(pre) == 1 and len(post) == 1, "the hook registered for 'cuda' runs at both stages without a GPU",
-     f"{len(pre)} / {len(post)} modules")
+fact(
+    len(pre) == 1 and len(post) == 1,
+    "the hook registered for 'cuda' runs at both stages without a GPU",
+    f"{len(pre)} / {len(post)} modules",
+)
 pre, post = pre[-1], post[-1]
-fact(count(pre, "fusion") == 0 and operand_counts(pre, "all-reduce") == [1] * LAYERS,
-     "PRE_SCHEDULER on XLA:GPU is before fusion and before all-reduce combining (one all-reduce per gradient)",
-     f"{count(pre, 'fusion')} fusions, all-reduce operand counts {operand_counts(pre, 'all-reduce')}")
+fact(
+    count(pre, "fusion") == 0 and operand_counts(pre, "all-reduce") == [1] * LAYERS,
+    "PRE_SCHEDULER on XLA:GPU is before fusion and before all-reduce combining (one all-reduce per gradient)",
+    f"{count(pre, 'fusion')} fusions, all-reduce operand counts {operand_counts(pre, 'all-reduce')}",
+)
 
 
 def reduced_elements(text: str) -> list[int]:
@@ -54,16 +62,27 @@ def reduced_elements(text: str) -> list[int]:
     return [int(n) for n in re.findall(r"all-reduce-start = \(\(f32\[(\d+)\]", text)]
 
 
-fact(count(post, "fusion") > 0 and reduced_elements(post) == [LAYERS * WIDTH * WIDTH]
-     and "is_scheduled=true" in post.split("\n", 1)[0],
-     "POST_SCHEDULER on XLA:GPU is fused, combined and scheduled: one async all-reduce of every gradient, "
-     "concatenated into one flat buffer and sliced after",
-     f"{count(post, 'fusion')} fusions, async all-reduces of {reduced_elements(post)} elements")
-fact("__cublas$gemm" in post or "kCustom" in post, "XLA:GPU's dots become cuBLAS / Triton gemm fusions",
-     f"{post.count('kCustom')} kCustom fusions")
-fact(count(final, "all-reduce") == 1 and count(final, "all-reduce-start") == 0 and count(final, "concatenate") + final.count("wrapped_concatenate") > 0,
-     "after POST_SCHEDULER an async all-reduce with nothing to overlap becomes a synchronous one over a concatenated buffer",
-     f"compiled: {count(final, 'all-reduce')} all-reduce, {count(final, 'all-reduce-start')} all-reduce-start")
+fact(
+    count(post, "fusion") > 0
+    and reduced_elements(post) == [LAYERS * WIDTH * WIDTH]
+    and "is_scheduled=true" in post.split("\n", 1)[0],
+    "POST_SCHEDULER on XLA:GPU is fused, combined and scheduled: one async all-reduce of every gradient, "
+    "concatenated into one flat buffer and sliced after",
+    f"{count(post, 'fusion')} fusions, async all-reduces of {reduced_elements(post)} elements",
+)
+fact(
+    "__cublas$gemm" in post or "kCustom" in post,
+    "XLA:GPU's dots become cuBLAS / Triton gemm fusions",
+    f"{post.count('kCustom')} kCustom fusions",
+)
+fact(
+    count(final, "all-reduce") == 1
+    and count(final, "all-reduce-start") == 0
+    and count(final, "concatenate") + final.count("wrapped_concatenate") > 0,
+    "after POST_SCHEDULER an async all-reduce with nothing to overlap becomes a synchronous one "
+    "over a concatenated buffer",
+    f"compiled: {count(final, 'all-reduce')} all-reduce, {count(final, 'all-reduce-start')} all-reduce-start",
+)
 
 
 def drop_one_allreduce(text: str) -> str:
@@ -74,9 +93,12 @@ def drop_one_allreduce(text: str) -> str:
 rec.reset(edit=("PRE_SCHEDULER", drop_one_allreduce))
 final = lowered.compile(compiler_options={"xla_dump_max_hlo_modules": 302}).as_text()
 post = rec.texts["POST_SCHEDULER"][-1]
-fact(reduced_elements(post) == [(LAYERS - 1) * WIDTH * WIDTH],
-     "a module returned at PRE_SCHEDULER is what XLA:GPU compiles (one all-reduce replaced: the combined one carries 3 gradients)",
-     f"async all-reduces of {reduced_elements(post)} elements")
+fact(
+    reduced_elements(post) == [(LAYERS - 1) * WIDTH * WIDTH],
+    "a module returned at PRE_SCHEDULER is what XLA:GPU compiles "
+    "(one all-reduce replaced: the combined one carries 3 gradients)",
+    f"async all-reduces of {reduced_elements(post)} elements",
+)
 
 
 def barrier_after_sine(text: str) -> str:
@@ -91,7 +113,11 @@ def barrier_after_sine(text: str) -> str:
             out.append(f"  %{name}.b = ({shape}) opt-barrier(%{name}.t)")
             out.append(f"  %{name}.g = {shape} get-tuple-element(%{name}.b), index=0")
         else:
-            out.append(re.sub(rf"%{re.escape(name)}(?=[,)])", f"%{name}.g", line) if "= " in line and f"%{name}" in line.split("=", 1)[1] else line)
+            out.append(
+                re.sub(rf"%{re.escape(name)}(?=[,)])", f"%{name}.g", line)
+                if "= " in line and f"%{name}" in line.split("=", 1)[1]
+                else line
+            )
     return "\n".join(out)
 
 
@@ -104,7 +130,10 @@ chain = step_chain.lower(jax.ShapeDtypeStruct((1024,), jnp.float32, sharding=Nam
 plain = chain.compile(compiler_options={"xla_dump_max_hlo_modules": 303}).as_text()
 rec.reset(edit=("PRE_SCHEDULER", barrier_after_sine))
 split = chain.compile(compiler_options={"xla_dump_max_hlo_modules": 304}).as_text()
-fact(count(plain, "fusion") == 1 and count(split, "fusion") == 2 and "opt-barrier" not in split,
-     "an optimization barrier added at PRE_SCHEDULER is a fusion boundary on XLA:GPU, removed after fusion",
-     f"{count(plain, 'fusion')} fusion without, {count(split, 'fusion')} with the barrier; barrier left: {'opt-barrier' in split}")
+fact(
+    count(plain, "fusion") == 1 and count(split, "fusion") == 2 and "opt-barrier" not in split,
+    "an optimization barrier added at PRE_SCHEDULER is a fusion boundary on XLA:GPU, removed after fusion",
+    f"{count(plain, 'fusion')} fusion without, {count(split, 'fusion')} with the barrier; "
+    f"barrier left: {'opt-barrier' in split}",
+)
 finish()
