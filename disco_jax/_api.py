@@ -33,9 +33,15 @@ class _StaticArgs:
         nums = set(getattr(info, "static_argnums", ()) or ())
         names = set(getattr(info, "static_argnames", ()) or ())
         signature = getattr(info, "fun_signature", None)
-        positional = [] if signature is None else [
-            p.name for p in signature.parameters.values()
-            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        positional = (
+            []
+            if signature is None
+            else [
+                p.name
+                for p in signature.parameters.values()
+                if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            ]
+        )
         self.nums = frozenset(nums | {i for i, n in enumerate(positional) if n in names})
         self.names = frozenset(names | {positional[i] for i in nums if 0 <= i < len(positional)})
         self.any = bool(self.nums or self.names)
@@ -47,8 +53,10 @@ class _StaticArgs:
         nums = {i if i >= 0 else i + len(args) for i in self.nums}
         dynamic_args = tuple(a for i, a in enumerate(args) if i not in nums)
         dynamic_kwargs = {k: v for k, v in kwargs.items() if k not in self.names}
-        static = (tuple((i, args[i]) for i in sorted(nums) if 0 <= i < len(args)),
-                  tuple(sorted(((k, v) for k, v in kwargs.items() if k in self.names), key=lambda kv: kv[0])))
+        static = (
+            tuple((i, args[i]) for i in sorted(nums) if 0 <= i < len(args)),
+            tuple(sorted(((k, v) for k, v in kwargs.items() if k in self.names), key=lambda kv: kv[0])),
+        )
         return dynamic_args, dynamic_kwargs, static
 
 
@@ -135,18 +143,28 @@ def _signature(args, kwargs):
     array's shape, dtype and sharding (hashable objects; no string formatting)."""
     leaves, tree = jax.tree.flatten((args, kwargs))
     return tree, tuple(
-        (leaf.shape, leaf.dtype, leaf.sharding) if isinstance(leaf, jax.Array)
-        else (type(leaf), tuple(leaf.shape), str(leaf.dtype)) if hasattr(leaf, "shape")
+        (leaf.shape, leaf.dtype, leaf.sharding)
+        if isinstance(leaf, jax.Array)
+        else (type(leaf), tuple(leaf.shape), str(leaf.dtype))
+        if hasattr(leaf, "shape")
         else (type(leaf),)  # Python scalars are traced, their value does not matter
-        for leaf in leaves)
+        for leaf in leaves
+    )
 
 
 _SEARCH_PARAMETERS = ("alpha", "beta", "seed", "budget_s", "max_unchanged")
 
 
-def optimize_distributed(fn: Callable | None = None, *, search: bool | None = None,
-                         config: SearchConfig | None = None, plan_dir: str | os.PathLike | None = None,
-                         validation_pairs: int = 20, verbose: bool = True, **kwargs):
+def optimize_distributed(
+    fn: Callable | None = None,
+    *,
+    search: bool | None = None,
+    config: SearchConfig | None = None,
+    plan_dir: str | os.PathLike | None = None,
+    validation_pairs: int = 20,
+    verbose: bool = True,
+    **kwargs,
+):
     """Optimize a data-parallel training step by joint op fusion and all-reduce fusion.
 
     Use as `@optimize_distributed` or `@optimize_distributed(search=..., ...)`, above `@jax.jit` or on
@@ -167,8 +185,12 @@ def optimize_distributed(fn: Callable | None = None, *, search: bool | None = No
         raise TypeError(f"search must be None, True or False, got {search!r}")
     overrides = {k: kwargs.pop(k) for k in _SEARCH_PARAMETERS if k in kwargs}
     config = dataclasses.replace(config or SearchConfig(), **overrides)  # SearchConfig validates
-    options = Options(search=config, plan_dir=None if plan_dir is None else str(plan_dir),
-                      validation_pairs=validation_pairs, verbose=verbose)
+    options = Options(
+        search=config,
+        plan_dir=None if plan_dir is None else str(plan_dir),
+        validation_pairs=validation_pairs,
+        verbose=verbose,
+    )
     jit_kwargs = kwargs
 
     def wrap(f: Callable) -> OptimizedStep:
@@ -176,8 +198,10 @@ def optimize_distributed(fn: Callable | None = None, *, search: bool | None = No
             raise TypeError(f"optimize_distributed expects a function, got {f!r}")
         if hasattr(f, "lower"):
             if jit_kwargs:
-                raise TypeError(f"optimize_distributed got jax.jit options ({', '.join(sorted(jit_kwargs))}) for a "
-                                "function that is jitted already; pass them to its jax.jit")
+                raise TypeError(
+                    f"optimize_distributed got jax.jit options ({', '.join(sorted(jit_kwargs))}) for a "
+                    "function that is jitted already; pass them to its jax.jit"
+                )
         else:
             f = jax.jit(f, **jit_kwargs)
         return OptimizedStep(f, options, search)

@@ -55,8 +55,11 @@ def _dispatch(serialized: bytes) -> bytes | None:
 def _ensure_registered(platform: str, stage: str) -> None:
     if (platform, stage) not in _registered_for:
         jax_xla.register_hlo_module_transformation(
-            _dispatch, name=f"disco_jax_{platform}_{stage.lower()}", stage=getattr(jax_xla.PipelineStage, stage),
-            platforms=platform)
+            _dispatch,
+            name=f"disco_jax_{platform}_{stage.lower()}",
+            stage=getattr(jax_xla.PipelineStage, stage),
+            platforms=platform,
+        )
         _registered_for.add((platform, stage))
 
 
@@ -71,9 +74,15 @@ def cache_key_value(tag: str) -> int:
     return 1_000_000 + int(hashlib.sha256(tag.encode()).hexdigest()[:8], 16) % 1_000_000_000
 
 
-def compile_with_hook(lowered: jax.stages.Lowered, handler: Callable[[str], str | None], *,
-                      cache_tag: str | None = None, compiler_options: dict | None = None,
-                      platform: str | None = None, stage: str = "PRE_SCHEDULER"):
+def compile_with_hook(
+    lowered: jax.stages.Lowered,
+    handler: Callable[[str], str | None],
+    *,
+    cache_tag: str | None = None,
+    compiler_options: dict | None = None,
+    platform: str | None = None,
+    stage: str = "PRE_SCHEDULER",
+):
     """Compile `lowered` with `handler(module_text) -> new text | None` applied at the hook
     (`stage`: a `jax.extend.xla.PipelineStage` member name; a backend's `hook_stage`).
 
@@ -101,8 +110,13 @@ def compile_with_hook(lowered: jax.stages.Lowered, handler: Callable[[str], str 
     return compiled
 
 
-def capture(lowered: jax.stages.Lowered, compiler_options: dict | None = None, *, platform: str | None = None,
-            stage: str = "PRE_SCHEDULER") -> tuple[str, Any]:
+def capture(
+    lowered: jax.stages.Lowered,
+    compiler_options: dict | None = None,
+    *,
+    platform: str | None = None,
+    stage: str = "PRE_SCHEDULER",
+) -> tuple[str, Any]:
     """The module text at the hook stage, and the compiled (unmodified) executable."""
     texts: list[str] = []
 

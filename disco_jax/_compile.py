@@ -68,8 +68,14 @@ def compiled_stats(text: str) -> dict[str, int]:
     (op fusion proper: with the `fusion` pass off, XLA:CPU still wraps single ops in
     one-instruction kLoop fusions), and library-call custom fusions."""
     module = _hlo.parse_module(text)
-    stats = {"all-reduce": 0, "all-reduce-operands": 0, "fusion": 0, "loop_fusions": 0,
-             "multi_op_loop_fusions": 0, "custom_fusions": 0}
+    stats = {
+        "all-reduce": 0,
+        "all-reduce-operands": 0,
+        "fusion": 0,
+        "loop_fusions": 0,
+        "multi_op_loop_fusions": 0,
+        "custom_fusions": 0,
+    }
     for inst in module.entry.instructions:
         if inst.opcode in ("all-reduce", "all-reduce-start"):
             stats["all-reduce"] += 1
@@ -109,8 +115,13 @@ def compile_strategy(lowered: jax.stages.Lowered, graph: Graph, strategy: Strate
         status[0] = "rewritten"
         return text
 
-    compiled = _capture.compile_with_hook(lowered, handler, cache_tag=plan_tag(graph.fingerprint, strategy.to_json(graph)),
-                                          platform=graph.backend.platform, stage=graph.backend.hook_stage)
+    compiled = _capture.compile_with_hook(
+        lowered,
+        handler,
+        cache_tag=plan_tag(graph.fingerprint, strategy.to_json(graph)),
+        platform=graph.backend.platform,
+        stage=graph.backend.hook_stage,
+    )
     return compiled, status[0]
 
 
@@ -137,8 +148,9 @@ class Captured:
 
     def runner(self, compiled: Any, args: tuple | None = None, kwargs: dict | None = None) -> Runner:
         """A `Runner` of `compiled` on this call's arguments (or on others of the same signature)."""
-        return Runner(compiled, self.lowered, self.args if args is None else args,
-                      self.kwargs if kwargs is None else kwargs)
+        return Runner(
+            compiled, self.lowered, self.args if args is None else args, self.kwargs if kwargs is None else kwargs
+        )
 
 
 def capture(lowered: jax.stages.Lowered, backend: Backend, args: tuple, kwargs: dict) -> Captured:
@@ -146,5 +158,6 @@ def capture(lowered: jax.stages.Lowered, backend: Backend, args: tuple, kwargs: 
     `args`/`kwargs`: the call's dynamic arguments."""
     text, default_compiled = _capture.capture(lowered, platform=backend.platform, stage=backend.hook_stage)
     devices = step_devices(args, kwargs)
-    return Captured(lowered, build_graph(text, backend), default_compiled, args, kwargs, devices,
-                    MachineKey.current(devices))
+    return Captured(
+        lowered, build_graph(text, backend), default_compiled, args, kwargs, devices, MachineKey.current(devices)
+    )

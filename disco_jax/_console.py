@@ -32,9 +32,13 @@ class Ui:
         """`run(progress=callback)` with a progress bar showing the best simulated step so far."""
         if not self.verbose:
             return run(progress=None)
-        columns = [TextColumn("[bold cyan]disco-jax[/] search"), BarColumn(),
-                   TextColumn("best {task.fields[best]:.1f} us ({task.fields[ratio]:.3f}x default)"),
-                   TextColumn("{task.fields[n]} candidates"), TimeElapsedColumn()]
+        columns = [
+            TextColumn("[bold cyan]disco-jax[/] search"),
+            BarColumn(),
+            TextColumn("best {task.fields[best]:.1f} us ({task.fields[ratio]:.3f}x default)"),
+            TextColumn("{task.fields[n]} candidates"),
+            TimeElapsedColumn(),
+        ]
         with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
             task = bar.add_task("search", total=config.budget_s, best=default_cost, ratio=1.0, n=0)
 
@@ -45,8 +49,9 @@ class Ui:
             bar.update(task, completed=config.budget_s)
         return result
 
-    def summary(self, module_name: str, plan: Plan, default_counts: dict, plan_counts: dict | None,
-                plan_path: str | None) -> None:
+    def summary(
+        self, module_name: str, plan: Plan, default_counts: dict, plan_counts: dict | None, plan_path: str | None
+    ) -> None:
         """The search's outcome: simulated and measured step times, counts, and the decision."""
         if not self.verbose:
             return
@@ -57,8 +62,11 @@ class Ui:
         table.add_column("disco-jax plan", justify="right")
         d, p = sim["default"], sim["plan"]
         table.add_row("simulated step (us)", f"{d['iteration_us']:.1f}", f"{p['iteration_us']:.1f}")
-        table.add_row("  compute / comm (us)", f"{d['compute_us']:.0f} / {d['comm_us']:.0f}",
-                      f"{p['compute_us']:.0f} / {p['comm_us']:.0f}")
+        table.add_row(
+            "  compute / comm (us)",
+            f"{d['compute_us']:.0f} / {d['comm_us']:.0f}",
+            f"{p['compute_us']:.0f} / {p['comm_us']:.0f}",
+        )
         table.add_row("  overlap ratio", f"{d['overlap_ratio']:.2f}", f"{p['overlap_ratio']:.2f}")
         if meas:
             table.add_row("measured step (us)", f"{meas['default_us']:.1f}", f"{meas['plan_us']:.1f}")
@@ -68,8 +76,10 @@ class Ui:
         console = Console(stderr=True)
         console.print(table)
         if stats:
-            console.print(f"search: {stats['evaluated']} candidates in {stats['seconds']:.1f} s "
-                          f"({stats['candidates_per_second']:.0f}/s), stopped: {stats['stop_reason']}")
+            console.print(
+                f"search: {stats['evaluated']} candidates in {stats['seconds']:.1f} s "
+                f"({stats['candidates_per_second']:.0f}/s), stopped: {stats['stop_reason']}"
+            )
         console.print(f"decision: {'XLA default' if plan.use_default else 'disco-jax plan'} — {plan.reason}")
         if plan_path:
             console.print(f"plan: {plan_path}")

@@ -58,12 +58,18 @@ def initialize_from_env() -> bool:
     try:
         num_processes, process_id = int(os.environ[NUM_PROCESSES_ENV]), int(os.environ[PROCESS_ID_ENV])
     except (KeyError, ValueError) as e:
-        raise ValueError(f"{COORDINATOR_ENV} is set, so {NUM_PROCESSES_ENV} and {PROCESS_ID_ENV} must be "
-                         f"integers: {e}") from None
+        raise ValueError(
+            f"{COORDINATOR_ENV} is set, so {NUM_PROCESSES_ENV} and {PROCESS_ID_ENV} must be integers: {e}"
+        ) from None
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     timeout = max(1, int(sync_timeout_s()))  # joining, and waiting for the others at exit
-    jax.distributed.initialize(coordinator_address=address, num_processes=num_processes, process_id=process_id,
-                               initialization_timeout=timeout, shutdown_timeout_seconds=timeout)
+    jax.distributed.initialize(
+        coordinator_address=address,
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=timeout,
+        shutdown_timeout_seconds=timeout,
+    )
     return True
 
 
@@ -96,10 +102,13 @@ def digest(value: Any) -> str:
 
 def _client():
     from jax._src import distributed
+
     client = distributed.global_state.client
     if client is None:
-        raise RuntimeError("jax.distributed is not initialized; call disco_jax.initialize_from_env() or "
-                           "jax.distributed.initialize() first")
+        raise RuntimeError(
+            "jax.distributed is not initialized; call disco_jax.initialize_from_env() or "
+            "jax.distributed.initialize() first"
+        )
     return client
 
 
@@ -116,7 +125,8 @@ def _get(key: str, deadline: float, source: int, timeout_s: float) -> Any:
             f"disco-jax: process {jax.process_index()} waited {timeout_s:.0f} s for {key!r} from process "
             f"{source} and got nothing ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
             "Do all processes run the same program with the same ENABLE_SEARCH? (timeout: "
-            f"${SYNC_TIMEOUT_ENV})") from None
+            f"${SYNC_TIMEOUT_ENV})"
+        ) from None
     return json.loads(data)
 
 
@@ -146,14 +156,20 @@ def agree(key: str, value: dict, timeout_s: float | None = None, what: str = "pr
     problems = []
     for i, other in enumerate(values[1:], start=1):
         fields = sorted(set(reference) | set(other))
-        diffs = [f"{f} {other.get(f)!r} (process 0: {reference.get(f)!r})" for f in fields
-                 if other.get(f) != reference.get(f)]
+        diffs = [
+            f"{f} {other.get(f)!r} (process 0: {reference.get(f)!r})"
+            for f in fields
+            if other.get(f) != reference.get(f)
+        ]
         if diffs:
             problems.append(f"process {i}: " + ", ".join(diffs))
     if problems:
-        raise PlanMismatchError(f"disco-jax: the processes do not run the same {what}: " + "; ".join(problems)
-                                + ". Every process must run the same program on the same kind of machine "
-                                  "with the same versions and ENABLE_SEARCH.")
+        raise PlanMismatchError(
+            f"disco-jax: the processes do not run the same {what}: "
+            + "; ".join(problems)
+            + ". Every process must run the same program on the same kind of machine "
+            "with the same versions and ENABLE_SEARCH."
+        )
     return values
 
 

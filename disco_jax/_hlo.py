@@ -13,13 +13,35 @@ import re
 from collections.abc import Iterator
 
 DTYPE_BYTES = {
-    "pred": 1, "s2": 1, "u2": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1,
-    "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1,
-    "f8e3m4": 1, "f8e8m0fnu": 1, "f4e2m1fn": 1,
-    "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-    "f32": 4, "s32": 4, "u32": 4,
-    "f64": 8, "s64": 8, "u64": 8, "c64": 8,
-    "c128": 16, "token": 0,
+    "pred": 1,
+    "s2": 1,
+    "u2": 1,
+    "s4": 1,
+    "u4": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e4m3": 1,
+    "f8e4m3fnuz": 1,
+    "f8e5m2fnuz": 1,
+    "f8e4m3b11fnuz": 1,
+    "f8e3m4": 1,
+    "f8e8m0fnu": 1,
+    "f4e2m1fn": 1,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "u16": 2,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+    "c64": 8,
+    "c128": 16,
+    "token": 0,
 }
 
 
@@ -106,7 +128,7 @@ def _matching(text: str, start: int) -> int:
             if not stack:
                 return i + 1
         i += 1
-    raise ValueError(f"unbalanced brackets in HLO text: {text[start:start + 80]!r}")
+    raise ValueError(f"unbalanced brackets in HLO text: {text[start : start + 80]!r}")
 
 
 @dataclasses.dataclass
@@ -140,14 +162,25 @@ class Instruction:
     def called_computations(self) -> list[str]:
         names = []
         for k, v in self.attrs:
-            if k in ("calls", "to_apply", "body", "condition", "true_computation",
-                     "false_computation", "branch_computations", "called_computations"):
+            if k in (
+                "calls",
+                "to_apply",
+                "body",
+                "condition",
+                "true_computation",
+                "false_computation",
+                "branch_computations",
+                "called_computations",
+            ):
                 names += [n.strip().lstrip("%") for n in v.strip("{}").split(",") if n.strip()]
         return names
 
     def attrs_text(self, drop_metadata: bool = False) -> str:
-        return ", ".join(f"{k}={v}" if v is not None else k for k, v in self.attrs
-                         if not (drop_metadata and k in ("metadata", "frontend_attributes")))
+        return ", ".join(
+            f"{k}={v}" if v is not None else k
+            for k, v in self.attrs
+            if not (drop_metadata and k in ("metadata", "frontend_attributes"))
+        )
 
     def to_text(self, drop_metadata: bool = False) -> str:
         inner = self.literal if self.literal is not None else ", ".join(f"%{o}" for o in self.operands)
@@ -173,7 +206,7 @@ def parse_instruction(line: str) -> Instruction:
     paren = rest.index("(")
     opcode = rest[:paren]
     close = _matching(rest, paren)
-    inner, tail = rest[paren + 1:close - 1], rest[close:].lstrip(", ").strip()
+    inner, tail = rest[paren + 1 : close - 1], rest[close:].lstrip(", ").strip()
     items = split_top_level(re.sub(r"/\*.*?\*/", "", inner))
     if items and all("%" in item for item in items):
         operands = [item.split()[-1].lstrip("%") for item in items]

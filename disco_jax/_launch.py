@@ -37,8 +37,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_env(base: dict[str, str], *, port: int, num_processes: int, process_id: int,
-              devices_per_process: int | None) -> dict[str, str]:
+def child_env(
+    base: dict[str, str], *, port: int, num_processes: int, process_id: int, devices_per_process: int | None
+) -> dict[str, str]:
     """The environment of child `process_id`: `base` plus the job's variables."""
     env = dict(base)
     env[COORDINATOR_ENV] = f"{LOOPBACK}:{port}"
@@ -61,9 +62,17 @@ class LaunchResult:
     terminated: list[int] = dataclasses.field(default_factory=list)  # process ids the launcher stopped
 
 
-def launch(command: Sequence[str], num_processes: int, *, devices_per_process: int | None = None,
-           port: int | None = None, timeout_s: float | None = None, env: dict[str, str] | None = None,
-           on_line: Callable[[int, str], None] | None = None, cwd: str | None = None) -> LaunchResult:
+def launch(
+    command: Sequence[str],
+    num_processes: int,
+    *,
+    devices_per_process: int | None = None,
+    port: int | None = None,
+    timeout_s: float | None = None,
+    env: dict[str, str] | None = None,
+    on_line: Callable[[int, str], None] | None = None,
+    cwd: str | None = None,
+) -> LaunchResult:
     """Run `command` as `num_processes` processes of one job on loopback and wait for all of them.
 
     `on_line(process_id, line)` is called for each output line as it arrives. If a child exits
@@ -83,10 +92,16 @@ def launch(command: Sequence[str], num_processes: int, *, devices_per_process: i
     try:
         for i in range(num_processes):
             child = subprocess.Popen(
-                list(command), env=child_env(base, port=port, num_processes=num_processes, process_id=i,
-                                             devices_per_process=devices_per_process),
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd,
-                start_new_session=True)  # its own process group: terminating it reaches its children
+                list(command),
+                env=child_env(
+                    base, port=port, num_processes=num_processes, process_id=i, devices_per_process=devices_per_process
+                ),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                cwd=cwd,
+                start_new_session=True,
+            )  # its own process group: terminating it reaches its children
             children.append(child)
             reader = threading.Thread(target=_read_lines, args=(child, i, outputs[i], on_line), daemon=True)
             reader.start()
@@ -119,8 +134,9 @@ def launch(command: Sequence[str], num_processes: int, *, devices_per_process: i
     return LaunchResult(codes, ["".join(lines) for lines in outputs], timed_out, exit_code, running)
 
 
-def _read_lines(child: subprocess.Popen, process_id: int, sink: list[str],
-                on_line: Callable[[int, str], None] | None) -> None:
+def _read_lines(
+    child: subprocess.Popen, process_id: int, sink: list[str], on_line: Callable[[int, str], None] | None
+) -> None:
     for raw in iter(child.stdout.readline, b""):
         line = raw.decode("utf-8", errors="replace")
         sink.append(line)
@@ -151,8 +167,13 @@ def _signal_group(child: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def main(command: Sequence[str], num_processes: int, devices_per_process: int | None, port: int | None,
-         timeout_s: float | None) -> int:
+def main(
+    command: Sequence[str],
+    num_processes: int,
+    devices_per_process: int | None,
+    port: int | None,
+    timeout_s: float | None,
+) -> int:
     """`disco-jax launch`: stream the children's output prefixed with `[pN] `; return the exit code."""
     command = list(command)
     if command and command[0] == "--":
@@ -166,8 +187,14 @@ def main(command: Sequence[str], num_processes: int, devices_per_process: int | 
             sys.stdout.write(f"[p{process_id}] {line if line.endswith(chr(10)) else line + chr(10)}")
             sys.stdout.flush()
 
-    result = launch(command, num_processes, devices_per_process=devices_per_process, port=port,
-                    timeout_s=timeout_s, on_line=print_line)
+    result = launch(
+        command,
+        num_processes,
+        devices_per_process=devices_per_process,
+        port=port,
+        timeout_s=timeout_s,
+        on_line=print_line,
+    )
     if result.exit_code:
         why = "timed out" if result.timed_out else f"a process failed (exit statuses {result.returncodes})"
         stopped = f"; terminated process(es) {result.terminated}" if result.terminated else ""

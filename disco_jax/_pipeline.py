@@ -20,11 +20,12 @@ from typing import Any
 
 import jax
 
-from disco_jax import _distributed, _files, _plan, _profile, _search, _strategy, _validate, backends
+from disco_jax import _distributed, _files, _plan, _profile_store, _search, _strategy, _validate, backends
 from disco_jax._compile import Captured, Runner, capture, compile_strategy, compiled_stats
 from disco_jax._console import Ui
-from disco_jax._profiling import CostModel, calibrate, profile
+from disco_jax._profiling import calibrate, profile
 from disco_jax._strategy import Strategy
+from disco_jax.cost import CostModel
 
 ENABLE_SEARCH_ENV = "ENABLE_SEARCH"
 
@@ -96,16 +97,27 @@ class Verdict:
     plan_counts: dict | None = None
 
 
-def prepare(fn: Callable, args: tuple, kwargs: dict, dynamic_args: tuple, dynamic_kwargs: dict,
-            options: Options, search: bool, report: StepReport) -> Callable:
+def prepare(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    dynamic_args: tuple,
+    dynamic_kwargs: dict,
+    options: Options,
+    search: bool,
+    report: StepReport,
+) -> Callable:
     """The executable for one program: the plan's, or XLA's own when there is no usable plan
     (compiled either way), or `fn` itself on a backend disco-jax does not support.
     `args`/`kwargs` are the call as made (for lowering); `dynamic_*` without static arguments."""
     ui = Ui(options.verbose)
     backend = backends.for_platform(report.backend)
     if backend is None:
-        warnings.warn(f"disco-jax: backend {report.backend!r} is not supported yet (supported: "
-                      f"{', '.join(backends.supported_platforms())}); running the unmodified step", stacklevel=5)
+        warnings.warn(
+            f"disco-jax: backend {report.backend!r} is not supported yet (supported: "
+            f"{', '.join(backends.supported_platforms())}); running the unmodified step",
+            stacklevel=5,
+        )
         report.reason = "unsupported backend"
         return fn
     step = capture(fn.lower(*args, **kwargs), backend, dynamic_args, dynamic_kwargs)
@@ -117,8 +129,10 @@ def prepare(fn: Callable, args: tuple, kwargs: dict, dynamic_args: tuple, dynami
         # versions and phase, or all of them fail here with one message.
         step.scope = _distributed.new_scope("step")
         report.process_index = jax.process_index()
-        _distributed.agree(f"{step.scope}/program", {"fingerprint": graph.fingerprint, "phase": report.phase,
-                                                      **dataclasses.asdict(step.machine)})
+        _distributed.agree(
+            f"{step.scope}/program",
+            {"fingerprint": graph.fingerprint, "phase": report.phase, **dataclasses.asdict(step.machine)},
+        )
     if not graph.gradients:
         ui.say(f"{graph.module.name}: no all-reduce in the step, nothing to optimize; running it unmodified")
         report.reason = "no collectives"
@@ -136,11 +150,14 @@ def search_phase(step: Captured, options: Options, report: StepReport, ui: Ui) -
     leader = jax.process_index() == 0
     report.search_ran = leader
     default_runner = step.runner(step.default_compiled)
-    ui.say(f"{graph.module.name}: profiling {len(graph.ops)} ops, {len(graph.gradients)} gradients "
-           f"on {len(step.devices)} {machine.device_kind} devices")
-    cost_model = profile(step, default_runner, _profile.ProfileDatabase(), ui)
-    cost_model.sources["calibration"] = calibrate(cost_model, step, default_runner, options.validation_pairs,
-                                                  ui).to_json()
+    ui.say(
+        f"{graph.module.name}: profiling {len(graph.ops)} ops, {len(graph.gradients)} gradients "
+        f"on {len(step.devices)} {machine.device_kind} devices"
+    )
+    cost_model = profile(step, default_runner, _profile_store.ProfileDatabase(), ui)
+    cost_model.sources["calibration"] = calibrate(
+        cost_model, step, default_runner, options.validation_pairs, ui
+    ).to_json()
     default = _strategy.xla_default(graph)
     sim_default = cost_model.simulate(graph, default, record=True)
     best, search_info = default, {}
@@ -150,8 +167,9 @@ def search_phase(step: Captured, options: Options, report: StepReport, ui: Ui) -
         search_info = {**result.stats(), "options": options.to_json(), "cost_model": cost_model.sources}
     if step.scope is not None:
         found = None if best.key() == default.key() else best.to_json(graph)
-        found = _distributed.broadcast_json(f"{step.scope}/strategy", found,
-                                            timeout_s=_distributed.sync_timeout_s() + options.search.budget_s)
+        found = _distributed.broadcast_json(
+            f"{step.scope}/strategy", found, timeout_s=_distributed.sync_timeout_s() + options.search.budget_s
+        )
         best = default if found is None else Strategy.from_json(graph, found)
     sim_best = cost_model.simulate(graph, best, record=True)
     simulated = {"default": sim_default.to_json(), "plan": sim_best.to_json()}
@@ -160,12 +178,26 @@ def search_phase(step: Captured, options: Options, report: StepReport, ui: Ui) -
         verdict = Verdict(True, "the search found nothing better than XLA's plan in simulation", {})
     else:
         compiled, _ = compile_strategy(step.lowered, graph, best)
-        verdict = validate(step, default_runner, best, compiled, options.validation_pairs,
-                           sim_best.iteration_us / sim_default.iteration_us)
+        verdict = validate(
+            step,
+            default_runner,
+            best,
+            compiled,
+            options.validation_pairs,
+            sim_best.iteration_us / sim_default.iteration_us,
+        )
     report.plan_counts = verdict.plan_counts
-    plan = _plan.Plan(graph.fingerprint, graph.module.name, machine, verdict.use_default,
-                      None if verdict.use_default else best.to_json(graph), verdict.reason,
-                      simulated=simulated, measured=verdict.measured, search=search_info)
+    plan = _plan.Plan(
+        graph.fingerprint,
+        graph.module.name,
+        machine,
+        verdict.use_default,
+        None if verdict.use_default else best.to_json(graph),
+        verdict.reason,
+        simulated=simulated,
+        measured=verdict.measured,
+        search=search_info,
+    )
     if step.scope is not None:  # process 0 measured and decided for everyone
         plan = _plan.Plan.from_json(_distributed.broadcast_json(f"{step.scope}/plan", plan.to_json()))
     report.simulated, report.measured, report.search = plan.simulated, plan.measured, plan.search
@@ -176,8 +208,9 @@ def search_phase(step: Captured, options: Options, report: StepReport, ui: Ui) -
     return step.default_compiled if plan.use_default else compiled
 
 
-def run_search(step: Captured, cost_model: CostModel, config: _search.SearchConfig, default_cost: float,
-               ui: Ui) -> _search.SearchResult:
+def run_search(
+    step: Captured, cost_model: CostModel, config: _search.SearchConfig, default_cost: float, ui: Ui
+) -> _search.SearchResult:
     """DisCo's backtracking search over the step's graph, costed by the simulator."""
     graph = step.graph
 
@@ -185,12 +218,14 @@ def run_search(step: Captured, cost_model: CostModel, config: _search.SearchConf
         r = cost_model.simulate(graph, s)
         return None if r is None else r.iteration_us
 
-    return ui.search(lambda progress: _search.backtracking_search(graph, cost, config, progress=progress),
-                     config, default_cost)
+    return ui.search(
+        lambda progress: _search.backtracking_search(graph, cost, config, progress=progress), config, default_cost
+    )
 
 
-def validate(step: Captured, default_runner: Runner, best: Strategy, compiled: Any, pairs: int,
-             simulated_ratio: float) -> Verdict:
+def validate(
+    step: Captured, default_runner: Runner, best: Strategy, compiled: Any, pairs: int, simulated_ratio: float
+) -> Verdict:
     """Compare the candidate's outputs with XLA's (bitwise when only all-reduces were regrouped:
     every element is then reduced in the same order), time both interleaved, and check that XLA
     kept the planned all-reduces. With several processes each compares its own output shards."""
@@ -203,25 +238,45 @@ def validate(step: Captured, default_runner: Runner, best: Strategy, compiled: A
     floor = None
     if not bitwise:
         nudged_args, nudged_kwargs = _validate.nudge((step.args, step.kwargs))
-        floor = _validate.sensitivity(reference, local(step.runner(step.default_compiled, nudged_args, nudged_kwargs)()))
+        floor = _validate.sensitivity(
+            reference, local(step.runner(step.default_compiled, nudged_args, nudged_kwargs)())
+        )
     comparison = _validate.compare_outputs(reference, local(plan_runner()), bitwise=bitwise, floor=floor)
     timing = _validate.time_interleaved(default_runner, plan_runner, pairs=pairs)
     if step.scope is not None:
         comparison = _validate.Comparison.merge(
-            _distributed.gather_json(f"{step.scope}/validation", dataclasses.asdict(comparison)))
-    measured = {"default_us": timing.default_us, "plan_us": timing.plan_us, "ratio": timing.ratio,
-                "ratio_iqr": [timing.ratio_low, timing.ratio_high], "pairs": timing.pairs,
-                "bitwise_required": bitwise, **dataclasses.asdict(comparison), "plan_counts": counts}
+            _distributed.gather_json(f"{step.scope}/validation", dataclasses.asdict(comparison))
+        )
+    measured = {
+        "default_us": timing.default_us,
+        "plan_us": timing.plan_us,
+        "ratio": timing.ratio,
+        "ratio_iqr": [timing.ratio_low, timing.ratio_high],
+        "pairs": timing.pairs,
+        "bitwise_required": bitwise,
+        **dataclasses.asdict(comparison),
+        "plan_counts": counts,
+    }
     if not comparison.within_tolerance:
-        return Verdict(True, f"rejected: outputs differ (max abs error {comparison.max_abs_error:.3g}"
-                             f"{', bitwise equality required' if bitwise else ''})", measured, counts)
+        return Verdict(
+            True,
+            f"rejected: outputs differ (max abs error {comparison.max_abs_error:.3g}"
+            f"{', bitwise equality required' if bitwise else ''})",
+            measured,
+            counts,
+        )
     if not timing.not_slower:
-        return Verdict(True, f"rejected: measured {timing.ratio:.3f}x the default step time "
-                             f"(noise {timing.noise:.3f})", measured, counts)
+        return Verdict(
+            True,
+            f"rejected: measured {timing.ratio:.3f}x the default step time (noise {timing.noise:.3f})",
+            measured,
+            counts,
+        )
     if counts["all-reduce"] != len(best.buckets):
         return Verdict(True, "rejected: XLA did not keep the planned all-reduces", measured, counts)
-    return Verdict(False, f"simulated {simulated_ratio:.3f}x, measured {timing.ratio:.3f}x the default step time",
-                   measured, counts)
+    return Verdict(
+        False, f"simulated {simulated_ratio:.3f}x, measured {timing.ratio:.3f}x the default step time", measured, counts
+    )
 
 
 def store(plan: _plan.Plan, timeline: dict, plan_dir: str | None) -> str | None:
@@ -260,9 +315,13 @@ def load(step: Captured, plan_dir: str | None, report: StepReport) -> _plan.Plan
     report.plan_path = str(path)
     if plan is None:
         if not path.exists():
-            warnings.warn(f"disco-jax: no plan for {graph.module.name} (fingerprint {graph.fingerprint}) "
-                          f"in {path.parent}; running the unmodified step. Run once with ENABLE_SEARCH=1 "
-                          "to make one.", _plan.PlanWarning, stacklevel=7)
+            warnings.warn(
+                f"disco-jax: no plan for {graph.module.name} (fingerprint {graph.fingerprint}) "
+                f"in {path.parent}; running the unmodified step. Run once with ENABLE_SEARCH=1 "
+                "to make one.",
+                _plan.PlanWarning,
+                stacklevel=7,
+            )
         report.reason = "no usable plan"
         return None
     report.plan = plan.to_json()
@@ -277,18 +336,27 @@ def apply(step: Captured, plan: _plan.Plan, report: StepReport, ui: Ui) -> Any:
         strategy = Strategy.from_json(graph, plan.strategy)
         compiled, status = compile_strategy(step.lowered, graph, strategy)
     except ValueError as e:
-        warnings.warn(f"disco-jax: plan {report.plan_path} cannot be applied ({e}); running the unmodified step",
-                      _plan.PlanWarning, stacklevel=7)
+        warnings.warn(
+            f"disco-jax: plan {report.plan_path} cannot be applied ({e}); running the unmodified step",
+            _plan.PlanWarning,
+            stacklevel=7,
+        )
         report.reason = f"plan not applicable: {e}"
         return step.default_compiled
     counts = compiled_stats(compiled.as_text())
     report.compile_status, report.plan_counts = status, counts
     if status == "fingerprint-mismatch" or counts["all-reduce"] != len(strategy.buckets):
-        warnings.warn(f"disco-jax: the compiled step has {counts['all-reduce']} all-reduces, the plan "
-                      f"{len(strategy.buckets)}; running the unmodified step", _plan.PlanWarning, stacklevel=7)
+        warnings.warn(
+            f"disco-jax: the compiled step has {counts['all-reduce']} all-reduces, the plan "
+            f"{len(strategy.buckets)}; running the unmodified step",
+            _plan.PlanWarning,
+            stacklevel=7,
+        )
         report.reason = "plan not enacted by XLA"
         return step.default_compiled
     report.applied, report.reason = True, plan.reason
-    ui.say(f"{graph.module.name}: applied plan {os.path.basename(report.plan_path)} "
-           f"({counts['all-reduce']} all-reduces, {counts['fusion']} fusions)")
+    ui.say(
+        f"{graph.module.name}: applied plan {os.path.basename(report.plan_path)} "
+        f"({counts['all-reduce']} all-reduces, {counts['fusion']} fusions)"
+    )
     return compiled

@@ -45,7 +45,8 @@ class MachineKey:
     @classmethod
     def current(cls, devices=None) -> MachineKey:
         devices = list(devices) if devices is not None else jax.devices()
-        from disco_jax._profile import device_kind_key
+        from disco_jax._profile_store import device_kind_key
+
         return cls(jax.default_backend(), device_kind_key(devices[0]), len(devices), jax.process_count())
 
 
@@ -129,8 +130,9 @@ def read_plan_file(path: str | os.PathLike) -> Plan:
     return Plan.from_json(data)
 
 
-def find_plan(fingerprint: str, machine: MachineKey,
-              plan_dir: str | os.PathLike | None = None) -> tuple[Plan | None, Path]:
+def find_plan(
+    fingerprint: str, machine: MachineKey, plan_dir: str | os.PathLike | None = None
+) -> tuple[Plan | None, Path]:
     """The stored plan for this program and machine, or None (with a PlanWarning when a file
     exists but cannot be used: corrupt, other format, stale versions or a foreign program)."""
     path = resolve_plan_dir(plan_dir) / plan_file_name(fingerprint, machine)
@@ -139,14 +141,16 @@ def find_plan(fingerprint: str, machine: MachineKey,
     try:
         plan = read_plan_file(path)
     except (OSError, ValueError) as e:
-        warnings.warn(f"disco-jax: ignoring plan {path}: {e}; running the unmodified step", PlanWarning,
-                      stacklevel=3)
+        warnings.warn(f"disco-jax: ignoring plan {path}: {e}; running the unmodified step", PlanWarning, stacklevel=3)
         return None, path
     problems = plan.mismatches(fingerprint, machine)
     if problems:
-        warnings.warn(f"disco-jax: plan {path} does not match this run ({'; '.join(problems)}); "
-                      "running the unmodified step. Run with ENABLE_SEARCH=1 to make a new plan.",
-                      PlanWarning, stacklevel=3)
+        warnings.warn(
+            f"disco-jax: plan {path} does not match this run ({'; '.join(problems)}); "
+            "running the unmodified step. Run with ENABLE_SEARCH=1 to make a new plan.",
+            PlanWarning,
+            stacklevel=3,
+        )
         return None, path
     return plan, path
 
@@ -161,6 +165,7 @@ def shared_plan(scope: str, plan: Plan | None) -> Plan | None:
     if differing:
         raise _distributed.PlanMismatchError(
             f"disco-jax: process(es) {differing} hold a different plan for this program than process 0 "
-            f"(plan digests {digests}); give every process the same plan directory, or remove the stale plans")
+            f"(plan digests {digests}); give every process the same plan directory, or remove the stale plans"
+        )
     shared = _distributed.broadcast_json(f"{scope}/plan", None if plan is None else plan.to_json())
     return None if shared is None else Plan.from_json(shared)

@@ -83,8 +83,9 @@ class Emitter:
                     progress = True
 
 
-def kernel_inputs(graph: Graph, members: frozenset[int], suffix: str,
-                  param_name: Callable[[int], str]) -> tuple[dict[int, str], list[int], list[_hlo.Instruction]]:
+def kernel_inputs(
+    graph: Graph, members: frozenset[int], suffix: str, param_name: Callable[[int], str]
+) -> tuple[dict[int, str], list[int], list[_hlo.Instruction]]:
     """What a kernel of `members` reads from outside it: small constants are cloned inside (as
     XLA does), every other value becomes a parameter. Returns (name inside the kernel by op id,
     parameter op ids in order, the cloned constant instructions)."""
@@ -105,8 +106,9 @@ def kernel_inputs(graph: Graph, members: frozenset[int], suffix: str,
     return inner, params, constants
 
 
-def fused_computation(graph: Graph, members: frozenset[int], exports: list[int], name: str,
-                      suffix: str) -> tuple[_hlo.Computation, list[int], str]:
+def fused_computation(
+    graph: Graph, members: frozenset[int], exports: list[int], name: str, suffix: str
+) -> tuple[_hlo.Computation, list[int], str]:
     """The fused computation of a kLoop fusion of `members` that outputs `exports` (a tuple, i.e.
     a multi-output fusion, when there are several). Small constants are cloned inside; every other
     value from outside becomes a parameter. Inner names get `.{suffix}`.
@@ -114,21 +116,28 @@ def fused_computation(graph: Graph, members: frozenset[int], exports: list[int],
     Returns (computation, op ids feeding its parameters in order, result shape text). Used by
     the rewrite and by the GNN's kernel measurements, so both see the same code."""
     inner, params, body = kernel_inputs(graph, members, suffix, lambda i: f"param_{i}.{suffix}")
-    param_insts = [_hlo.Instruction(inner[v], graph.ops[v].inst.shape, "parameter", [], str(i), [])
-                   for i, v in enumerate(params)]
+    param_insts = [
+        _hlo.Instruction(inner[v], graph.ops[v].inst.shape, "parameter", [], str(i), []) for i, v in enumerate(params)
+    ]
     for o in sorted(members):
         op = graph.ops[o]
         inner[o] = f"{op.name}.{suffix}"
         attrs = [(k, v) for k, v in op.inst.attrs if k not in ("metadata", "control-predecessors")]
-        body.append(dataclasses.replace(op.inst, name=inner[o], operands=[inner[v] for v in op.operands],
-                                        attrs=attrs, is_root=False))
+        body.append(
+            dataclasses.replace(
+                op.inst, name=inner[o], operands=[inner[v] for v in op.operands], attrs=attrs, is_root=False
+            )
+        )
     if len(exports) == 1:
         root_shape = graph.ops[exports[0]].inst.shape
         body = [dataclasses.replace(i, is_root=True) if i.name == inner[exports[0]] else i for i in body]
     else:
         root_shape = "(" + ", ".join(graph.ops[o].inst.shape for o in exports) + ")"
-        body.append(_hlo.Instruction(f"tuple.{suffix}", root_shape, "tuple", [inner[o] for o in exports],
-                                     None, [], is_root=True))
+        body.append(
+            _hlo.Instruction(
+                f"tuple.{suffix}", root_shape, "tuple", [inner[o] for o in exports], None, [], is_root=True
+            )
+        )
     header_params = ", ".join(f"{inner[v]}: {strip_layout(graph.ops[v].inst.shape)}" for v in params)
     header = f"%{name} ({header_params}) -> {strip_layout(root_shape)} {{"
     return _hlo.Computation(name, header, param_insts + body), params, root_shape

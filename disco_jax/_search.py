@@ -65,11 +65,15 @@ class SearchResult:
         return d
 
 
-def backtracking_search(graph: Graph, cost: Callable[[Strategy], float | None],
-                        config: SearchConfig = SearchConfig(), *,
-                        moves: Mapping[str, Move] = MOVES,
-                        starts: list[Strategy] | None = None,
-                        progress: Callable[[float, int, float], None] | None = None) -> SearchResult:
+def backtracking_search(
+    graph: Graph,
+    cost: Callable[[Strategy], float | None],
+    config: SearchConfig = SearchConfig(),
+    *,
+    moves: Mapping[str, Move] = MOVES,
+    starts: list[Strategy] | None = None,
+    progress: Callable[[float, int, float], None] | None = None,
+) -> SearchResult:
     """Search from `starts` (default: XLA's plan, the unfused graph and their variants).
 
     `cost(strategy)` returns the simulated iteration time, or None for an invalid strategy.
@@ -135,5 +139,6 @@ def backtracking_search(graph: Graph, cost: Callable[[Strategy], float | None],
             heapq.heapify(queue)
         if progress is not None:
             progress(best_cost, evaluated, time.perf_counter() - started)
-    return SearchResult(best, best_cost, start_costs, evaluated, invalid, duplicates, improvements,
-                        time.perf_counter() - started, stop)
+    return SearchResult(
+        best, best_cost, start_costs, evaluated, invalid, duplicates, improvements, time.perf_counter() - started, stop
+    )

@@ -21,14 +21,23 @@ def chrome_trace(timelines: dict[str, list]) -> dict:
         for tid, lane in enumerate(LANES):
             events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": lane}})
         for lane, label, start, end in schedule:
-            events.append({"ph": "X", "pid": pid, "tid": LANES.index(lane), "name": label,
-                           "ts": start, "dur": max(end - start, 0.0)})
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": LANES.index(lane),
+                    "name": label,
+                    "ts": start,
+                    "dur": max(end - start, 0.0),
+                }
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 def timeline_png(timelines: dict[str, list], path: str | Path, title: str = "") -> None:
     """One panel per schedule, compute and comm lanes, on a shared time axis."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

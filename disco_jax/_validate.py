@@ -46,10 +46,14 @@ class Comparison:
     def merge(cls, comparisons: list[dict]) -> Comparison:
         """One verdict from every process's comparison of its own output shards (as JSON)."""
         worst = max(comparisons, key=lambda c: c["max_abs_error"])
-        return cls(bitwise_equal=all(c["bitwise_equal"] for c in comparisons),
-                   within_tolerance=all(c["within_tolerance"] for c in comparisons),
-                   max_abs_error=worst["max_abs_error"], max_rel_error=max(c["max_rel_error"] for c in comparisons),
-                   num_outputs=worst["num_outputs"], worst_output=worst["worst_output"])
+        return cls(
+            bitwise_equal=all(c["bitwise_equal"] for c in comparisons),
+            within_tolerance=all(c["within_tolerance"] for c in comparisons),
+            max_abs_error=worst["max_abs_error"],
+            max_rel_error=max(c["max_rel_error"] for c in comparisons),
+            num_outputs=worst["num_outputs"],
+            worst_output=worst["worst_output"],
+        )
 
 
 SENSITIVITY_FACTOR = 10.0
@@ -57,10 +61,12 @@ SENSITIVITY_FACTOR = 10.0
 
 def nudge(args: Any) -> Any:
     """Every floating-point array moved up by one ulp, in its own sharding."""
+
     def up(x):
         if isinstance(x, jax.Array) and jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
             return jax.device_put(jax.numpy.nextafter(x, jax.numpy.array(np.inf, x.dtype)), x.sharding)
         return x
+
     return jax.tree.map(up, args)
 
 
@@ -76,8 +82,7 @@ def sensitivity(reference: Any, nudged: Any) -> list[float]:
     return out
 
 
-def compare_outputs(reference: Any, candidate: Any, *, bitwise: bool,
-                    floor: list[float] | None = None) -> Comparison:
+def compare_outputs(reference: Any, candidate: Any, *, bitwise: bool, floor: list[float] | None = None) -> Comparison:
     """Compare step outputs; `floor` is `sensitivity(...)` per output, if measured."""
     ref_leaves, ref_tree = jax.tree.flatten(reference)
     cand_leaves, cand_tree = jax.tree.flatten(candidate)
@@ -134,8 +139,9 @@ def _timed(fn: Callable[[], Any]) -> float:
     return (time.perf_counter() - start) * 1e6
 
 
-def time_interleaved(default: Callable[[], Any], plan: Callable[[], Any], *, pairs: int = 20,
-                     warmup: int = 3) -> Timing:
+def time_interleaved(
+    default: Callable[[], Any], plan: Callable[[], Any], *, pairs: int = 20, warmup: int = 3
+) -> Timing:
     """Median step times and the median plan/default ratio over interleaved pairs."""
     for _ in range(warmup):
         _timed(default), _timed(plan)
@@ -146,5 +152,11 @@ def time_interleaved(default: Callable[[], Any], plan: Callable[[], Any], *, pai
         else:
             d.append(_timed(default)), p.append(_timed(plan))
     ratios = np.array(p) / np.array(d)
-    return Timing(float(np.median(d)), float(np.median(p)), float(np.median(ratios)),
-                  float(np.percentile(ratios, 25)), float(np.percentile(ratios, 75)), pairs)
+    return Timing(
+        float(np.median(d)),
+        float(np.median(p)),
+        float(np.median(ratios)),
+        float(np.percentile(ratios, 25)),
+        float(np.percentile(ratios, 75)),
+        pairs,
+    )

@@ -72,8 +72,9 @@ def store_plan(step, args, plan_dir: str, use_default: bool) -> None:
     graph = _graph.build_graph(_capture.capture(step.lower(*args))[0], backends.CPU)
     machine = _plan.MachineKey.current(_compile.step_devices(args, {}))
     strategy = None if use_default else per_gradient(graph).to_json(graph)
-    _plan.save_plan(_plan.Plan(graph.fingerprint, graph.module.name, machine, use_default, strategy,
-                               "made by a test"), plan_dir)
+    _plan.save_plan(
+        _plan.Plan(graph.fingerprint, graph.module.name, machine, use_default, strategy, "made by a test"), plan_dir
+    )
 
 
 def outputs_digest(outputs) -> str:
@@ -109,8 +110,7 @@ def main() -> None:
         return dataclasses.replace(result, best=per_gradient(graph)) if args.pick_per_gradient else result
 
     _search.backtracking_search = counted_search
-    optimized = disco_jax.optimize_distributed(budget_s=2.0, validation_pairs=4, verbose=False,
-                                               plan_dir=plan_dir)(step)
+    optimized = disco_jax.optimize_distributed(budget_s=2.0, validation_pairs=4, verbose=False, plan_dir=plan_dir)(step)
     out = optimized(*step_args)  # first: the decorator runs before anything collective
     reference = step(*step_args)
     local = _distributed.addressable
@@ -121,20 +121,38 @@ def main() -> None:
     report = optimized.last_report
     plan = report.plan or {}
     strategy = plan.get("strategy")
-    print("RESULT " + json.dumps({
-        "process_index": jax.process_index(), "process_count": jax.process_count(),
-        "device_count": jax.device_count(), "searches": len(searches), "reports": len(optimized.reports),
-        "phase": report.phase, "search_ran": report.search_ran, "applied": report.applied,
-        "reason": report.reason, "plan_from_process": report.plan_from_process,
-        "gradients": report.graph["gradients"], "default_counts": report.default_counts,
-        "plan_counts": report.plan_counts,
-        "num_processes": plan.get("machine", {}).get("num_processes"), "plan_use_default": plan.get("use_default"),
-        "plan_digest": _distributed.digest(strategy), "plan_buckets": len(strategy["buckets"]) if strategy else None,
-        "measured": plan.get("measured") or {},
-        "bitwise_equal": comparison.bitwise_equal, "within_tolerance": comparison.within_tolerance,
-        "repeat_bitwise_equal": _validate.compare_outputs(local(out), local(again), bitwise=True).bitwise_equal,
-        "output_digest": outputs_digest(out), "reference_digest": outputs_digest(reference),
-    }, sort_keys=True), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "process_index": jax.process_index(),
+                "process_count": jax.process_count(),
+                "device_count": jax.device_count(),
+                "searches": len(searches),
+                "reports": len(optimized.reports),
+                "phase": report.phase,
+                "search_ran": report.search_ran,
+                "applied": report.applied,
+                "reason": report.reason,
+                "plan_from_process": report.plan_from_process,
+                "gradients": report.graph["gradients"],
+                "default_counts": report.default_counts,
+                "plan_counts": report.plan_counts,
+                "num_processes": plan.get("machine", {}).get("num_processes"),
+                "plan_use_default": plan.get("use_default"),
+                "plan_digest": _distributed.digest(strategy),
+                "plan_buckets": len(strategy["buckets"]) if strategy else None,
+                "measured": plan.get("measured") or {},
+                "bitwise_equal": comparison.bitwise_equal,
+                "within_tolerance": comparison.within_tolerance,
+                "repeat_bitwise_equal": _validate.compare_outputs(local(out), local(again), bitwise=True).bitwise_equal,
+                "output_digest": outputs_digest(out),
+                "reference_digest": outputs_digest(reference),
+            },
+            sort_keys=True,
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -29,5 +29,10 @@ step, args = make_step("jit", optimizer=optax.adam(1e-2))
 wrapped = optimize_distributed(budget_s=budget_s, validation_pairs=4, plan_dir=plan_dir, verbose=True)(step)
 jax.block_until_ready(wrapped(*args))
 report = wrapped.last_report
-print("RESULT " + json.dumps({key: report.to_json()[key] for key in ("phase", "search_ran", "applied", "plan_path",
-                                                             "fingerprint")}), flush=True)
+print(
+    "RESULT "
+    + json.dumps(
+        {key: report.to_json()[key] for key in ("phase", "search_ran", "applied", "plan_path", "fingerprint")}
+    ),
+    flush=True,
+)

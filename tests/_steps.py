@@ -40,13 +40,16 @@ def make_step(style: str, sizes=(16, 32, 32, 4), batch=64, optimizer=None):
     y = jax.device_put(jax.random.normal(jax.random.PRNGKey(2), (batch, sizes[-1])), sharded)
 
     if style == "jit":
+
         def step(params, opt_state, x, y):
             loss, grads = jax.value_and_grad(mlp_loss)(params, x, y)
             updates, opt_state = opt.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
     elif style == "shard_map":
-        @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
-                           out_specs=(P(), P(), P()))
+
+        @functools.partial(
+            jax.shard_map, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")), out_specs=(P(), P(), P())
+        )
         def step(params, opt_state, x, y):
             # check_vma: grads of replicated params come back summed over devices already.
             loss, grads = jax.value_and_grad(mlp_loss)(params, x, y)

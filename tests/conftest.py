@@ -4,7 +4,8 @@ import os
 
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    + ["--xla_force_host_platform_device_count=8"])
+    + ["--xla_force_host_platform_device_count=8"]
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.pop("ENABLE_SEARCH", None)
 os.environ.pop("DISCO_JAX_PLAN_DIR", None)

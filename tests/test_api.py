@@ -163,10 +163,12 @@ def test_search_parameter_overrides_enable_search(tmp_path, monkeypatch):
 
 def test_search_config_is_passed_through_and_keywords_replace_its_fields(tmp_path):
     config = _search.SearchConfig(alpha=1.2, beta=3, max_unchanged=50, budget_s=5.0, seed=7)
-    wrapped = optimize_distributed(search=True, config=config, budget_s=1.5, validation_pairs=4, verbose=False,
-                                   plan_dir=tmp_path)
+    wrapped = optimize_distributed(
+        search=True, config=config, budget_s=1.5, validation_pairs=4, verbose=False, plan_dir=tmp_path
+    )
     assert wrapped(jax.jit(lambda x: x)).options.search == _search.SearchConfig(
-        alpha=1.2, beta=3, max_unchanged=50, budget_s=1.5, seed=7)
+        alpha=1.2, beta=3, max_unchanged=50, budget_s=1.5, seed=7
+    )
     step, args = make_step("jit")
     searched = wrapped(step)
     searched(*args)

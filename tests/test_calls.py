@@ -24,9 +24,11 @@ class _Net(nn.Module):
 
 def _flax_step(params, opt_state, x, y, key, train=True):
     """A Flax linen step with AdamW; `train` (static) turns dropout on: two programs."""
+
     def loss_fn(p):
         out = _Net().apply(p, x, train, rngs={"dropout": key})
         return jnp.mean((out - y) ** 2)
+
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = _OPT.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
@@ -63,6 +65,7 @@ def test_static_argument_search_then_enact_one_plan_per_value(how, tmp_path, mon
 
         def call(f, state, train):
             return f(*state, train)
+
     state = _state()
     reference = {train: call(step, _copy(state), train) for train in (True, False)}
     assert not _validate.compare_outputs(reference[True], reference[False], bitwise=False).within_tolerance
@@ -98,8 +101,10 @@ def test_plain_function_is_jitted_with_the_given_options(tmp_path):
 
 
 def test_keyword_arguments_and_donation_in_both_phases(tmp_path, monkeypatch):
-    step = jax.jit(lambda params, opt_state, *, x, y, key: _flax_step(params, opt_state, x, y, key),
-                   donate_argnames=("params", "opt_state"))
+    step = jax.jit(
+        lambda params, opt_state, *, x, y, key: _flax_step(params, opt_state, x, y, key),
+        donate_argnames=("params", "opt_state"),
+    )
     params, opt_state, x, y, key = _state()
     reference = step(_copy(params), _copy(opt_state), x=x, y=y, key=key)
     for phase in ("1", "0"):

@@ -19,8 +19,7 @@ def lowered():
 def _reduced_elements(compiled_text: str) -> list[int]:
     """Elements carried by each all-reduce of the compiled module (sync or async)."""
     entry = _hlo.parse_module(compiled_text).entry
-    return sorted(i.outputs[-1].elements for i in entry.instructions
-                  if i.opcode in ("all-reduce", "all-reduce-start"))
+    return sorted(i.outputs[-1].elements for i in entry.instructions if i.opcode in ("all-reduce", "all-reduce-start"))
 
 
 def test_targets_give_compile_only_h100s():
@@ -37,8 +36,9 @@ def test_hook_edit_is_what_xla_gpu_compiles(lowered):
         module = _hlo.parse_module(text)
         entry = module.entry
         allreduces = [k for k, i in enumerate(entry.instructions) if i.opcode == "all-reduce"]
-        seen.append(([i.opcode for i in entry.instructions],
-                     [entry.instructions[k].outputs[0].elements for k in allreduces]))
+        seen.append(
+            ([i.opcode for i in entry.instructions], [entry.instructions[k].outputs[0].elements for k in allreduces])
+        )
         at = max(allreduces, key=lambda k: entry.instructions[k].outputs[0].elements)
         entry.instructions[at] = dataclasses.replace(entry.instructions[at], opcode="copy", attrs=[])
         return module.to_text()
@@ -46,7 +46,7 @@ def test_hook_edit_is_what_xla_gpu_compiles(lowered):
     plain = _capture.compile_with_hook(lowered, lambda text: None, platform="cuda").as_text()
     edited = _capture.compile_with_hook(lowered, drop_largest_allreduce, platform="cuda").as_text()
     # The hook saw XLA:GPU's module before fusion and before combining: one all-reduce per tensor.
-    (opcodes, sizes), = seen
+    ((opcodes, sizes),) = seen
     assert "fusion" not in opcodes and len(sizes) > 2
     # XLA:GPU combined what it was given into one flat buffer: every tensor, or all but the dropped one.
     assert _reduced_elements(plain) == [sum(sizes)]

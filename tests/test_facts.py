@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-CHECKS = sorted(p for p in (Path(__file__).resolve().parents[1] / "docs" / "checks").glob("*.py")
-                if not p.name.startswith("_"))
+CHECKS = sorted(
+    p for p in (Path(__file__).resolve().parents[1] / "docs" / "checks").glob("*.py") if not p.name.startswith("_")
+)
 
 
 def test_every_documented_fact_has_a_check():
@@ -20,8 +21,9 @@ def test_every_documented_fact_has_a_check():
 
 @pytest.mark.parametrize("script", CHECKS, ids=lambda p: p.stem)
 def test_fact_check_passes(script):
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                            cwd=script.parent)
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=script.parent
+    )
     verdicts = [line for line in result.stdout.splitlines() if line.startswith(("[", "jax "))]
     assert result.returncode == 0, "\n".join(verdicts) + "\n" + result.stderr[-3000:]
     assert any(line.startswith("[holds]") for line in verdicts)

@@ -26,8 +26,13 @@ FAST = dict(budget_s=1.0, validation_pairs=4, verbose=False)
 
 def _worker(plan_dir, budget_s, phase="1"):
     env = {**os.environ, "ENABLE_SEARCH": phase}
-    return subprocess.Popen([sys.executable, str(WORKER), str(plan_dir), str(budget_s)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), str(plan_dir), str(budget_s)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _result(proc, timeout=300):

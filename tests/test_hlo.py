@@ -57,8 +57,7 @@ def test_shapes_and_bytes():
 
 
 def test_parse_instruction_with_constant_literal_and_attributes():
-    inst = _hlo.parse_instruction(
-        '  %c = f32[2]{0} constant({1, 2}), metadata={op_name="x, y"}')
+    inst = _hlo.parse_instruction('  %c = f32[2]{0} constant({1, 2}), metadata={op_name="x, y"}')
     assert inst.opcode == "constant" and inst.operands == [] and inst.literal == "{1, 2}"
     assert inst.attr("metadata") == '{op_name="x, y"}'
     assert "metadata" not in inst.to_text(drop_metadata=True)

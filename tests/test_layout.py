@@ -41,8 +41,13 @@ def _platform_comparisons(path: Path) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Compare):
             literals = [c for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
-            literals += [e for c in node.comparators if isinstance(c, ast.Tuple | ast.List | ast.Set)
-                         for e in c.elts if isinstance(e, ast.Constant)]
+            literals += [
+                e
+                for c in node.comparators
+                if isinstance(c, ast.Tuple | ast.List | ast.Set)
+                for e in c.elts
+                if isinstance(e, ast.Constant)
+            ]
             if any(isinstance(c.value, str) and c.value in PLATFORM_NAMES for c in literals):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     return found
@@ -68,22 +73,38 @@ def test_no_writes_into_dict_and_no_private_names_across_modules():
     dict_writes, private = [], []
     for p in LIBRARY:
         text = p.read_text()
-        dict_writes += [f"{p.relative_to(ROOT)}:{m.start()}" for m in re.finditer(r"__dict__\s*(\[|\.setdefault)", text)]
+        dict_writes += [
+            f"{p.relative_to(ROOT)}:{m.start()}" for m in re.finditer(r"__dict__\s*(\[|\.setdefault)", text)
+        ]
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in (
-                    "disco_jax", "gnn_estimator"):
-                private += [f"{p.relative_to(ROOT)}: from {node.module} import {a.name}" for a in node.names
-                            if a.name.startswith("_") and not a.name.startswith("__")
-                            and not (ROOT / node.module.replace(".", "/") / f"{a.name}.py").exists()
-                            and not (ROOT / node.module.replace(".", "/") / a.name).is_dir()]
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.module.split(".")[0] in ("disco_jax", "gnn_estimator")
+            ):
+                private += [
+                    f"{p.relative_to(ROOT)}: from {node.module} import {a.name}"
+                    for a in node.names
+                    if a.name.startswith("_")
+                    and not a.name.startswith("__")
+                    and not (ROOT / node.module.replace(".", "/") / f"{a.name}.py").exists()
+                    and not (ROOT / node.module.replace(".", "/") / a.name).is_dir()
+                ]
     assert dict_writes == []
     assert private == []
 
 
 @pytest.mark.parametrize("module", ["disco_jax"])
 def test_import_does_not_load_the_evaluation_harness_or_plugins(module):
-    code = (f"import sys, {module}; bad = sorted(m for m in sys.modules if m.startswith(('disco_jax.eval', "
-            "'gnn_estimator', 'matplotlib'))); print(bad); sys.exit(1 if bad else 0)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    code = (
+        f"import sys, {module}; bad = sorted(m for m in sys.modules if m.startswith(('disco_jax.eval', "
+        "'gnn_estimator', 'matplotlib'))); print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -23,14 +23,20 @@ SYNC_TIMEOUT_S = 60
 def run_job(*worker_args, search: bool, num_processes: int = 2, devices_per_process: int = 2):
     """Run the worker as one job; returns (LaunchResult, {process: RESULT dict})."""
     env = dict(os.environ, ENABLE_SEARCH="1" if search else "0", DISCO_JAX_SYNC_TIMEOUT_S=str(SYNC_TIMEOUT_S))
-    result = _launch.launch([sys.executable, str(WORKER), *map(str, worker_args)], num_processes,
-                            devices_per_process=devices_per_process, timeout_s=JOB_TIMEOUT_S, env=env, cwd=str(REPO))
+    result = _launch.launch(
+        [sys.executable, str(WORKER), *map(str, worker_args)],
+        num_processes,
+        devices_per_process=devices_per_process,
+        timeout_s=JOB_TIMEOUT_S,
+        env=env,
+        cwd=str(REPO),
+    )
     assert not result.timed_out, "job timed out:\n" + "\n".join(result.outputs)
     reports = {}
     for i, output in enumerate(result.outputs):
         for line in output.splitlines():
             if line.startswith("RESULT "):
-                reports[i] = json.loads(line[len("RESULT "):])
+                reports[i] = json.loads(line[len("RESULT ") :])
     return result, reports
 
 
@@ -92,16 +98,19 @@ def test_enactment_without_a_shared_plan_dir_uses_process_0s_plan(tmp_path):
 
 
 def test_a_process_holding_another_plan_fails_every_process(tmp_path):
-    result, reports = run_job(tmp_path / "plans-{process}", "--handmade-plan", "--default-plan-on-process-1",
-                              search=False)
+    result, reports = run_job(
+        tmp_path / "plans-{process}", "--handmade-plan", "--default-plan-on-process-1", search=False
+    )
     assert result.exit_code != 0 and not reports
     for output in result.outputs:
         assert "PlanMismatchError" in output and "process(es) [1] hold a different plan" in output, output
 
 
 def test_launcher_gives_every_process_the_job_environment():
-    code = ("import os; print(os.environ['DISCO_JAX_COORDINATOR'], os.environ['DISCO_JAX_NUM_PROCESSES'], "
-            "os.environ['DISCO_JAX_PROCESS_ID'], os.environ['JAX_PLATFORMS'], os.environ['XLA_FLAGS'])")
+    code = (
+        "import os; print(os.environ['DISCO_JAX_COORDINATOR'], os.environ['DISCO_JAX_NUM_PROCESSES'], "
+        "os.environ['DISCO_JAX_PROCESS_ID'], os.environ['JAX_PLATFORMS'], os.environ['XLA_FLAGS'])"
+    )
     result = _launch.launch([sys.executable, "-c", code], 3, devices_per_process=2, timeout_s=60)
     assert result.exit_code == 0
     ports = set()
@@ -114,9 +123,7 @@ def test_launcher_gives_every_process_the_job_environment():
 
 
 def test_launcher_stops_the_others_when_one_process_fails():
-    code = ("import os, sys, time; pid = os.environ['DISCO_JAX_PROCESS_ID']\n"
-            "if pid == '1': sys.exit(3)\n"
-            "time.sleep(120)")
+    code = "import os, sys, time; pid = os.environ['DISCO_JAX_PROCESS_ID']\nif pid == '1': sys.exit(3)\ntime.sleep(120)"
     start = time.monotonic()
     result = _launch.launch([sys.executable, "-c", code], 2, timeout_s=60)
     assert time.monotonic() - start < 30
@@ -131,5 +138,6 @@ def test_launcher_times_out_and_stops_everything():
 
 def test_initialize_from_env_is_a_no_op_without_a_job(monkeypatch):
     from disco_jax import initialize_from_env
+
     monkeypatch.delenv("DISCO_JAX_COORDINATOR", raising=False)
     assert initialize_from_env() is False

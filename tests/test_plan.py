@@ -12,8 +12,16 @@ from disco_jax import _files, _plan
 
 def _plan_for(fingerprint="abc123", **machine):
     key = dataclasses.replace(_plan.MachineKey("cpu", "cpu", 8), **machine)
-    return _plan.Plan(fingerprint, "jit_step", key, False, {"groups": [], "buckets": [["g"]], "origin": "t"},
-                      "because", simulated={"default": {"iteration_us": 2.0}}, measured={"ratio": 0.9})
+    return _plan.Plan(
+        fingerprint,
+        "jit_step",
+        key,
+        False,
+        {"groups": [], "buckets": [["g"]], "origin": "t"},
+        "because",
+        simulated={"default": {"iteration_us": 2.0}},
+        measured={"ratio": 0.9},
+    )
 
 
 def test_round_trip(tmp_path):
@@ -45,8 +53,7 @@ def test_missing_plan_is_none_without_warning(tmp_path):
     assert plan is None
 
 
-@pytest.mark.parametrize("change", [dict(jax_version="0.0.1"), dict(jaxlib_version="0.0.1"),
-                                    dict(num_processes=2)])
+@pytest.mark.parametrize("change", [dict(jax_version="0.0.1"), dict(jaxlib_version="0.0.1"), dict(num_processes=2)])
 def test_stale_plan_is_refused_with_a_warning(tmp_path, change):
     stored = _plan_for(**change)
     path = tmp_path / _plan.plan_file_name("abc123", _plan.MachineKey("cpu", "cpu", 8))
@@ -64,8 +71,15 @@ def test_foreign_plan_under_our_name_is_refused(tmp_path):
     assert plan is None
 
 
-@pytest.mark.parametrize("content", ["{not json", "[1, 2]", json.dumps({"format_version": 99}),
-                                     json.dumps({"format_version": 1, "fingerprint": "abc123"})])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        "[1, 2]",
+        json.dumps({"format_version": 99}),
+        json.dumps({"format_version": 1, "fingerprint": "abc123"}),
+    ],
+)
 def test_corrupt_plan_is_refused_with_a_warning(tmp_path, content):
     key = _plan.MachineKey("cpu", "cpu", 8)
     (tmp_path / _plan.plan_file_name("abc123", key)).write_text(content)

@@ -49,9 +49,7 @@ def _assert_trees_close(actual, expected, rtol, atol_fraction, what):
     for (path, a), e in zip(flat_actual, flat_expected):
         a, e = np.asarray(a), np.asarray(e)
         atol = atol_fraction * float(np.max(np.abs(e))) if e.size else 0.0
-        np.testing.assert_allclose(
-            a, e, rtol=rtol, atol=atol, err_msg=f"{what} {jax.tree_util.keystr(path)}"
-        )
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=f"{what} {jax.tree_util.keystr(path)}")
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)

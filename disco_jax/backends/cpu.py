@@ -21,7 +21,8 @@ from disco_jax.backends.base import Backend
 
 # Ops XLA:CPU's elemental emitter generates inside a kLoop fusion.
 FUSIBLE = ELEMENTWISE | frozenset(
-    "broadcast reshape transpose copy slice concatenate pad reduce iota reverse bitcast".split())
+    "broadcast reshape transpose copy slice concatenate pad reduce iota reverse bitcast".split()
+)
 # A producer whose consumer is fused with it is recomputed per output element of the consumer:
 # XLA never fuses these as producers, and neither does the search.
 NO_PRODUCER_FUSION = frozenset({"reduce", "concatenate", "pad", "iota"})
@@ -85,8 +86,11 @@ class CpuRewriter:
         body = [dataclasses.replace(i, is_root=False) if i.is_root else i for i in em.entry]
         root = module.entry.root
         if len(graph.outputs) > 1:  # ROOT was a multi-output fusion: rebuild its tuple
-            body.append(_hlo.Instruction(root.name, root.shape, "tuple",
-                                         [em.names[o] for o in graph.outputs], None, [], is_root=True))
+            body.append(
+                _hlo.Instruction(
+                    root.name, root.shape, "tuple", [em.names[o] for o in graph.outputs], None, [], is_root=True
+                )
+            )
         else:
             # The output goes last (free ops are emitted as soon as their inputs exist).
             name = em.names[graph.outputs[0]]
@@ -112,8 +116,11 @@ class CpuRewriter:
             else:
                 for i, o in enumerate(outputs):
                     name = f"{inst.name}.out{i}"
-                    em.emit(_hlo.Instruction(name, graph.ops[o].inst.shape, "get-tuple-element",
-                                             [inst.name], None, [("index", str(i))]))
+                    em.emit(
+                        _hlo.Instruction(
+                            name, graph.ops[o].inst.shape, "get-tuple-element", [inst.name], None, [("index", str(i))]
+                        )
+                    )
                     em.names[o] = name
             return
         self._emit_new_fusion(em, members, exports)
@@ -132,15 +139,26 @@ class CpuRewriter:
         comp, params, root_shape = fused_computation(graph, members, exports, f"disco_fused_computation.{n}", f"d{n}")
         em.computations.append(comp)
         name = f"disco_fusion.{n}"
-        em.emit(_hlo.Instruction(name, root_shape, "fusion", em.operand_names(params), None,
-                                 [("kind", "kLoop"), ("calls", f"%{comp.name}")]))
+        em.emit(
+            _hlo.Instruction(
+                name,
+                root_shape,
+                "fusion",
+                em.operand_names(params),
+                None,
+                [("kind", "kLoop"), ("calls", f"%{comp.name}")],
+            )
+        )
         if len(exports) == 1:
             em.names[exports[0]] = name
         else:
             for i, o in enumerate(exports):
                 out = f"{name}.out{i}"
-                em.emit(_hlo.Instruction(out, graph.ops[o].inst.shape, "get-tuple-element", [name], None,
-                                         [("index", str(i))]))
+                em.emit(
+                    _hlo.Instruction(
+                        out, graph.ops[o].inst.shape, "get-tuple-element", [name], None, [("index", str(i))]
+                    )
+                )
                 em.names[o] = out
 
     def _emit_bucket(self, em: Emitter, gradient_ids: list[int]) -> None:
@@ -148,8 +166,9 @@ class CpuRewriter:
         grads = [graph.gradients[g] for g in gradient_ids]
         template = graph.allreduce_templates[grads[0].compat]
         em.channel += 1
-        attrs = [(k, v) for k, v in template.attrs
-                 if k not in ("metadata", "control-predecessors", "frontend_attributes")]
+        attrs = [
+            (k, v) for k, v in template.attrs if k not in ("metadata", "control-predecessors", "frontend_attributes")
+        ]
         attrs = [(k, str(em.channel) if k == "channel_id" else v) for k, v in attrs]
         operands = [em.names[g.producer] for g in grads]
         shapes = [graph.ops[g.producer].inst.shape for g in grads]
@@ -160,8 +179,7 @@ class CpuRewriter:
         name = f"disco_all-reduce.{em.channel}"
         em.emit(_hlo.Instruction(name, "(" + ", ".join(shapes) + ")", "all-reduce", operands, None, attrs))
         for i, g in enumerate(grads):
-            em.emit(_hlo.Instruction(g.result_name, shapes[i], "get-tuple-element", [name], None,
-                                     [("index", str(i))]))
+            em.emit(_hlo.Instruction(g.result_name, shapes[i], "get-tuple-element", [name], None, [("index", str(i))]))
             em.names[g.reduced] = g.result_name
 
 

@@ -34,12 +34,15 @@ def topology(name: str = "h100-sxm", devices: int = 8):
     from jax.experimental import topologies
 
     try:
-        return topologies.get_topology_desc(platform="cuda", target_config=target_config(name),
-                                            topology=f"1x1x{devices}")
+        return topologies.get_topology_desc(
+            platform="cuda", target_config=target_config(name), topology=f"1x1x{devices}"
+        )
     except Exception as e:  # the plugin is missing, or it refused to load (no CUDA libraries)
-        hint = (f"install the CUDA PJRT plugin matching jaxlib (pip install 'jax[cuda12-local]=={jax.__version__}')"
-                " and, on a machine without a GPU, set JAX_PLATFORMS=cpu before jax is imported (otherwise the"
-                " plugin looks for CUDA libraries at start-up and is not loaded)")
+        hint = (
+            f"install the CUDA PJRT plugin matching jaxlib (pip install 'jax[cuda12-local]=={jax.__version__}')"
+            " and, on a machine without a GPU, set JAX_PLATFORMS=cpu before jax is imported (otherwise the"
+            " plugin looks for CUDA libraries at start-up and is not loaded)"
+        )
         raise RuntimeError(f"cannot compile for GPU target {name!r}: {e}; {hint}") from e
 
 

@@ -95,9 +95,7 @@ def make_spec(config: str) -> ModelSpec:
         return model.init(rng, dummy, dummy, dummy[:, : cfg.num_predictions])["params"], {}
 
     def loss_fn(params, model_state, batch, axis_name=None):
-        logits = model.apply(
-            {"params": params}, batch["input_ids"], batch["segment_ids"], batch["masked_positions"]
-        )
+        logits = model.apply({"params": params}, batch["input_ids"], batch["segment_ids"], batch["masked_positions"])
         return mean_cross_entropy(logits, batch["masked_labels"]), model_state
 
     return ModelSpec(
@@ -108,7 +106,6 @@ def make_spec(config: str) -> ModelSpec:
         make_batch=partial(_make_batch, cfg),
         default_global_batch=cfg.global_batch,
         description=(
-            f"BERT {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
-            f"length {cfg.seq_len}"
+            f"BERT {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, length {cfg.seq_len}"
         ),
     )

@@ -183,12 +183,8 @@ def make_train_step(
     # RBG keys: XLA:CPU compiles threefry (one inlined copy per parameter) several times slower.
     init_rng, batch_rng = jax.random.split(jax.random.key(seed, impl="rbg"))
     # Build directly in their shardings so nothing global is ever held on one device.
-    state = jax.jit(
-        lambda rng: _init_state(spec, optimizer, rng), out_shardings=NamedSharding(mesh, P())
-    )(init_rng)
-    batch = jax.jit(
-        lambda rng: spec.make_batch(rng, size), out_shardings=NamedSharding(mesh, P(data_axis))
-    )(batch_rng)
+    state = jax.jit(lambda rng: _init_state(spec, optimizer, rng), out_shardings=NamedSharding(mesh, P()))(init_rng)
+    batch = jax.jit(lambda rng: spec.make_batch(rng, size), out_shardings=NamedSharding(mesh, P(data_axis)))(batch_rng)
     step = build_train_step(spec, optimizer, mesh, style, data_axis=data_axis, donate=donate)
     return step, state, batch
 

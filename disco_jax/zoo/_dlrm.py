@@ -68,9 +68,7 @@ class DLRM(nn.Module):
         for width in cfg.bottom_mlp:
             x = nn.relu(nn.Dense(width)(x))
         embedded = [
-            nn.Embed(rows, cfg.embedding_dim, embedding_init=_symmetric_uniform(1 / np.sqrt(rows)))(
-                sparse[:, table]
-            )
+            nn.Embed(rows, cfg.embedding_dim, embedding_init=_symmetric_uniform(1 / np.sqrt(rows)))(sparse[:, table])
             for table, rows in enumerate(cfg.table_sizes)
         ]
         features = jnp.stack([x, *embedded], axis=1)  # [batch, 1 + tables, dim]
@@ -89,9 +87,7 @@ def _make_batch(cfg: DLRMConfig, rng: jax.Array, global_batch_size: int):
     table_sizes = jnp.asarray(cfg.table_sizes, jnp.int32)
     return {
         "dense": jax.random.normal(dense_rng, (global_batch_size, NUM_DENSE_FEATURES), jnp.float32),
-        "sparse": jax.random.randint(
-            sparse_rng, (global_batch_size, len(cfg.table_sizes)), 0, table_sizes, jnp.int32
-        ),
+        "sparse": jax.random.randint(sparse_rng, (global_batch_size, len(cfg.table_sizes)), 0, table_sizes, jnp.int32),
         "labels": jax.random.bernoulli(label_rng, 0.25, (global_batch_size,)).astype(jnp.float32),
     }
 
@@ -116,7 +112,5 @@ def make_spec(config: str) -> ModelSpec:
         loss_fn=loss_fn,
         make_batch=partial(_make_batch, cfg),
         default_global_batch=cfg.global_batch,
-        description=(
-            f"DLRM, {len(cfg.table_sizes)} tables ({sum(cfg.table_sizes)} rows) of dim {cfg.embedding_dim}"
-        ),
+        description=(f"DLRM, {len(cfg.table_sizes)} tables ({sum(cfg.table_sizes)} rows) of dim {cfg.embedding_dim}"),
     )

@@ -82,7 +82,5 @@ def make_spec(config: str) -> ModelSpec:
         loss_fn=loss_fn,
         make_batch=partial(_make_batch, cfg),
         default_global_batch=cfg.global_batch,
-        description=(
-            f"RNNLM {cfg.num_layers}x LSTM {cfg.hidden_size}, vocab {cfg.vocab_size}, {cfg.seq_len} steps"
-        ),
+        description=(f"RNNLM {cfg.num_layers}x LSTM {cfg.hidden_size}, vocab {cfg.vocab_size}, {cfg.seq_len} steps"),
     )
