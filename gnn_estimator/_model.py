@@ -1,5 +1,6 @@
 """The Fused Op Estimator network (DisCo section 4.3): graph attention over a kernel's ops, a
-summed readout, a regression MLP. Written in Flax on `jax.ops.segment_sum` (no DGL, DESIGN 9).
+summed readout, a regression MLP. Written in Flax on `jax.ops.segment_sum` (no DGL: jax, flax and
+optax only).
 
 Data flow: a list of `KernelFeatures` -> `batch_graphs` packs them into one padded `GraphBatch`
 (nodes of all kernels concatenated, edges re-indexed, sizes rounded up to buckets so a few jitted
