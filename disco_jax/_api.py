@@ -179,8 +179,9 @@ def optimize_distributed(
 
     config: the search's parameters (`SearchConfig`); alpha, beta, seed, budget_s, max_unchanged may
     also be given one by one and replace the config's. validation_pairs: interleaved timing pairs
-    when validating a plan. verbose: progress and the summary on stderr (the `disco_jax` logger
-    gets them either way)."""
+    at the first look of the acceptance test (then twice and four times as many, until the plan is
+    faster or slower with 95% confidence; README "Never slower"). verbose: progress and the summary
+    on stderr (the `disco_jax` logger gets them either way)."""
     if search not in (None, True, False):
         raise TypeError(f"search must be None, True or False, got {search!r}")
     overrides = {k: kwargs.pop(k) for k in _SEARCH_PARAMETERS if k in kwargs}

@@ -24,6 +24,7 @@ import itertools
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -145,6 +146,19 @@ def gather_json(key: str, value: Any, timeout_s: float | None = None) -> list[An
     _set(f"{key}/{jax.process_index()}", value)
     deadline = time.monotonic() + timeout_s
     return [_get(f"{key}/{i}", deadline, i, timeout_s) for i in range(jax.process_count())]
+
+
+def slowest_pairs(key: str) -> Callable[[list[float]], list[float]]:
+    """A `merge` for `_validate.time_until_decided` in a multi-process job: every process's per-pair
+    plan/default ratios, gathered after each look, combined pair by pair by their maximum (the
+    plan is judged by the process on which it did worst), the same list on every process."""
+    looks = itertools.count()
+
+    def merge(ratios: list[float]) -> list[float]:
+        everyone = gather_json(f"{key}/{next(looks)}", ratios)
+        return [max(pair) for pair in zip(*everyone)]
+
+    return merge
 
 
 def agree(key: str, value: dict, timeout_s: float | None = None, what: str = "program") -> list[dict]:

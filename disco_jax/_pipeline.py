@@ -242,17 +242,18 @@ def validate(
             reference, local(step.runner(step.default_compiled, nudged_args, nudged_kwargs)())
         )
     comparison = _validate.compare_outputs(reference, local(plan_runner()), bitwise=bitwise, floor=floor)
-    timing = _validate.time_interleaved(default_runner, plan_runner, pairs=pairs)
+    timing = _validate.time_until_decided(
+        default_runner,
+        plan_runner,
+        looks=(pairs, 2 * pairs, 4 * pairs),
+        merge=None if step.scope is None else _distributed.slowest_pairs(f"{step.scope}/timing"),
+    )
     if step.scope is not None:
         comparison = _validate.Comparison.merge(
             _distributed.gather_json(f"{step.scope}/validation", dataclasses.asdict(comparison))
         )
     measured = {
-        "default_us": timing.default_us,
-        "plan_us": timing.plan_us,
-        "ratio": timing.ratio,
-        "ratio_iqr": [timing.ratio_low, timing.ratio_high],
-        "pairs": timing.pairs,
+        **timing.to_json(),
         "bitwise_required": bitwise,
         **dataclasses.asdict(comparison),
         "plan_counts": counts,
@@ -265,17 +266,24 @@ def validate(
             measured,
             counts,
         )
-    if not timing.not_slower:
+    if not timing.faster:
+        low, high = timing.ratio_ci95
         return Verdict(
             True,
-            f"rejected: measured {timing.ratio:.3f}x the default step time (noise {timing.noise:.3f})",
+            f"rejected: measured {timing.ratio:.3f}x the default step time, not faster with confidence "
+            f"({timing.verdict}: {timing.confidence:.1%} interval [{low:.3f}, {high:.3f}] over {timing.pairs} pairs)",
             measured,
             counts,
         )
     if counts["all-reduce"] != len(best.buckets):
         return Verdict(True, "rejected: XLA did not keep the planned all-reduces", measured, counts)
+    low, high = timing.ratio_ci95
     return Verdict(
-        False, f"simulated {simulated_ratio:.3f}x, measured {timing.ratio:.3f}x the default step time", measured, counts
+        False,
+        f"simulated {simulated_ratio:.3f}x, measured {timing.ratio:.3f}x the default step time "
+        f"({timing.confidence:.1%} interval [{low:.3f}, {high:.3f}] over {timing.pairs} pairs)",
+        measured,
+        counts,
     )
 
 

@@ -17,14 +17,17 @@ output array, the larger of
 Integer and boolean outputs must be equal.
 
 Timing runs the two executables in interleaved pairs and reports the median of per-pair ratios
-with its spread: shared machines are noisy, and on XLA:CPU the devices share the host's cores.
+with its spread and its confidence interval. A plan is used only when it is faster with confidence
+(`ACCEPTANCE_RULE`, `time_until_decided`): shared machines are noisy, and on XLA:CPU the devices
+share the host's cores, so a median alone lets slower plans through.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -115,22 +118,77 @@ def compare_outputs(reference: Any, candidate: Any, *, bitwise: bool, floor: lis
     return Comparison(equal, ok, max_abs, max_rel, len(ref_leaves), worst)
 
 
+CONFIDENCE = 0.95
+ACCEPTANCE_RULE = (
+    "interleaved pairs; the distribution-free confidence interval of the median per-pair plan/default "
+    "ratio (binomial order statistics, Bonferroni-adjusted over the looks of the sequential test) must "
+    "lie below 1.0; an interval above 1.0 or still holding 1.0 at the last look keeps XLA's executable"
+)
+
+
+def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """Distribution-free confidence interval of the median of independent values: the order
+    statistics (k, n - k + 1) with k the largest for which P(Binomial(n, 1/2) < k) <= (1 - confidence)/2.
+    (-inf, inf) when there are too few values for any interval at this confidence."""
+    s = sorted(values)
+    n = len(s)
+    tail = (1.0 - confidence) / 2
+    k, below = 0, 0.0  # below = P(B <= k - 1)
+    while k < n // 2:
+        nxt = below + math.comb(n, k) / 2**n  # P(B <= k)
+        if nxt > tail:
+            break
+        below, k = nxt, k + 1
+    if k == 0:
+        return -math.inf, math.inf
+    return s[k - 1], s[n - k]
+
+
 @dataclasses.dataclass
 class Timing:
-    default_us: float  # median step time of the unmodified executable
+    """Interleaved timing of a plan against the unmodified step.
+
+    default_us / plan_us: median step times; ratio: median of the per-pair plan/default ratios;
+    ratio_low / ratio_high: their 25th and 75th percentiles (the spread); ratio_ci95: the confidence
+    interval of the median ratio at `confidence` (per look of a sequential test, Bonferroni-adjusted
+    so that the whole test holds at least 95%); ratios: every pair's ratio."""
+
+    default_us: float
     plan_us: float
-    ratio: float  # median of per-pair plan/default ratios
-    ratio_low: float  # 25th percentile of the ratios
-    ratio_high: float  # 75th percentile
+    ratio: float
+    ratio_low: float
+    ratio_high: float
     pairs: int
+    ratio_ci95: tuple[float, float] = (-math.inf, math.inf)
+    ratios: list[float] = dataclasses.field(default_factory=list, repr=False)
+    confidence: float = CONFIDENCE
 
     @property
-    def noise(self) -> float:
-        return max(0.03, (self.ratio_high - self.ratio_low) / 2)
+    def faster(self) -> bool:
+        """The plan is faster with confidence: the whole interval is below 1."""
+        return self.ratio_ci95[1] < 1.0
 
     @property
-    def not_slower(self) -> bool:
-        return self.ratio <= 1.0 + self.noise
+    def slower(self) -> bool:
+        """The plan is slower with confidence: the whole interval is above 1."""
+        return self.ratio_ci95[0] > 1.0
+
+    @property
+    def verdict(self) -> str:
+        return "faster" if self.faster else "slower" if self.slower else "undecided"
+
+    def to_json(self) -> dict:
+        return {
+            "default_us": self.default_us,
+            "plan_us": self.plan_us,
+            "ratio": self.ratio,
+            "ratio_iqr": [self.ratio_low, self.ratio_high],
+            "ratio_ci95": list(self.ratio_ci95),
+            "confidence": self.confidence,
+            "pairs": self.pairs,
+            "verdict": self.verdict,
+            "rule": ACCEPTANCE_RULE,
+        }
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -139,24 +197,70 @@ def _timed(fn: Callable[[], Any]) -> float:
     return (time.perf_counter() - start) * 1e6
 
 
-def time_interleaved(
-    default: Callable[[], Any], plan: Callable[[], Any], *, pairs: int = 20, warmup: int = 3
-) -> Timing:
-    """Median step times and the median plan/default ratio over interleaved pairs."""
-    for _ in range(warmup):
-        _timed(default), _timed(plan)
+def _pairs(default: Callable[[], Any], plan: Callable[[], Any], pairs: int, start: int = 0) -> tuple[list, list]:
     d, p = [], []
-    for i in range(pairs):
+    for i in range(start, start + pairs):
         if i % 2:  # alternate which goes first
             p.append(_timed(plan)), d.append(_timed(default))
         else:
             d.append(_timed(default)), p.append(_timed(plan))
-    ratios = np.array(p) / np.array(d)
+    return d, p
+
+
+def summarize(
+    d: Sequence[float], p: Sequence[float], ratios: Sequence[float] | None = None, confidence: float = CONFIDENCE
+) -> Timing:
+    """A `Timing` from per-pair default and plan times (`ratios`: the per-pair ratios to judge by,
+    default p/d)."""
+    ratios = list(np.array(p) / np.array(d)) if ratios is None else list(ratios)
     return Timing(
         float(np.median(d)),
         float(np.median(p)),
         float(np.median(ratios)),
         float(np.percentile(ratios, 25)),
         float(np.percentile(ratios, 75)),
-        pairs,
+        len(ratios),
+        tuple(float(x) for x in median_interval(ratios, confidence)),
+        [float(r) for r in ratios],
+        confidence,
     )
+
+
+def time_interleaved(
+    default: Callable[[], Any], plan: Callable[[], Any], *, pairs: int = 20, warmup: int = 3
+) -> Timing:
+    """Median step times, the median plan/default ratio and its 95% interval over interleaved pairs."""
+    for _ in range(warmup):
+        _timed(default), _timed(plan)
+    return summarize(*_pairs(default, plan, pairs))
+
+
+def time_until_decided(
+    default: Callable[[], Any],
+    plan: Callable[[], Any],
+    *,
+    looks: Sequence[int] = (20, 40, 80),
+    warmup: int = 3,
+    merge: Callable[[list[float]], list[float]] | None = None,
+) -> Timing:
+    """A sequential test: time interleaved pairs until the plan is faster or slower with confidence,
+    looking after `looks[i]` pairs in all; undecided after the last look. Each look uses
+    confidence 1 - 0.05 / len(looks) (Bonferroni), so the decision holds at 95% overall.
+
+    `merge(ratios) -> ratios` combines this process's per-pair ratios with the other processes'
+    (multi-process jobs run the same pairs everywhere and must take the same decision)."""
+    confidence = 1.0 - (1.0 - CONFIDENCE) / len(looks)
+    for _ in range(warmup):
+        _timed(default), _timed(plan)
+    d: list[float] = []
+    p: list[float] = []
+    timing = None
+    for look in looks:
+        more_d, more_p = _pairs(default, plan, look - len(d), start=len(d))
+        d += more_d
+        p += more_p
+        ratios = list(np.array(p) / np.array(d))
+        timing = summarize(d, p, merge(ratios) if merge is not None else ratios, confidence)
+        if timing.faster or timing.slower:
+            break
+    return timing

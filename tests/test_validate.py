@@ -1,0 +1,96 @@
+"""The acceptance rule: a plan is used only when it is measured faster with confidence.
+
+Timings here are synthetic (a fake clock), so the rule is tested, not the machine."""
+
+import itertools
+import math
+
+import numpy as np
+import optax
+import pytest
+
+from disco_jax import _compile, _pipeline, _strategy, _validate, backends
+from disco_jax._compile import capture
+
+from _steps import make_step
+
+
+def test_median_interval_is_the_binomial_order_statistics():
+    # n = 20 at 95%: P(B <= 5) = 0.0207 <= 0.025 < P(B <= 6) = 0.0577, so (x_(6), x_(15)).
+    assert _validate.median_interval(range(1, 21), 0.95) == (6, 15)
+    # n = 5 cannot give a 95% interval (P(B = 0) = 1/32 > 0.025): no decision possible.
+    assert _validate.median_interval([1, 2, 3, 4, 5], 0.95) == (-math.inf, math.inf)
+
+
+def test_median_interval_covers_the_true_median_at_least_95_percent_of_the_time():
+    rng = np.random.default_rng(0)
+    trials = 2000
+    covered = 0
+    for _ in range(trials):
+        ratios = np.exp(rng.standard_t(3, size=30) * 0.1)  # heavy tails, true median exactly 1.0
+        low, high = _validate.median_interval(ratios, 0.95)
+        covered += low <= 1.0 <= high
+    assert covered / trials >= 0.95
+
+
+def _fake_clock(monkeypatch, default_us, plan_us):
+    """`_timed` returns the next synthetic duration of the function it is given."""
+    streams = {"default": iter(default_us), "plan": iter(plan_us)}
+    monkeypatch.setattr(_validate, "_timed", lambda fn: next(streams[fn()]))
+    return (lambda: "default"), (lambda: "plan")
+
+
+def test_clearly_faster_plan_is_accepted_at_the_first_look(monkeypatch):
+    rng = np.random.default_rng(1)
+    default, plan = _fake_clock(monkeypatch, 100 + rng.normal(0, 3, 1000), 85 + rng.normal(0, 3, 1000))
+    timing = _validate.time_until_decided(default, plan, looks=(20, 40, 80), warmup=0)
+    assert timing.faster and timing.verdict == "faster" and timing.pairs == 20
+    assert timing.ratio_ci95[1] < 1.0 and timing.confidence == pytest.approx(1 - 0.05 / 3)
+
+
+def test_slower_plan_is_rejected_and_an_undecided_one_is_not_accepted(monkeypatch):
+    rng = np.random.default_rng(2)
+    default, plan = _fake_clock(monkeypatch, 100 + rng.normal(0, 3, 1000), 112 + rng.normal(0, 3, 1000))
+    slower = _validate.time_until_decided(default, plan, looks=(20, 40, 80), warmup=0)
+    assert slower.slower and not slower.faster
+    # The user's case: median 1.0x-ish with a wide spread. The old rule (median <= 1 + IQR/2)
+    # accepted such plans; this one keeps timing to the last look and does not accept.
+    ratios = itertools.cycle([0.8, 1.25, 0.95, 1.12, 1.02])
+    default, plan = _fake_clock(monkeypatch, itertools.repeat(100.0), (100.0 * r for r in ratios))
+    undecided = _validate.time_until_decided(default, plan, looks=(20, 40, 80), warmup=0)
+    assert undecided.verdict == "undecided" and undecided.pairs == 80 and not undecided.faster
+    assert undecided.ratio_ci95[0] < 1.0 < undecided.ratio_ci95[1]
+
+
+def test_multi_process_merge_judges_each_pair_by_its_slowest_process(monkeypatch):
+    default, plan = _fake_clock(monkeypatch, itertools.repeat(100.0), itertools.repeat(80.0))
+    seen = []
+
+    def merge(ratios):  # another process on which the plan is 10% slower in every pair
+        seen.append(len(ratios))
+        return [max(r, 1.1) for r in ratios]
+
+    timing = _validate.time_until_decided(default, plan, looks=(20, 40), warmup=0, merge=merge)
+    assert seen == [20] and timing.slower and timing.ratio == pytest.approx(1.1)
+
+
+def test_pipeline_rejects_a_plan_that_is_not_faster_with_confidence(monkeypatch):
+    """The verdict wiring: a correct plan whose timing is undecided keeps XLA's executable, and
+    the measured section records the interval and the rule."""
+    step, args = make_step("jit", optimizer=optax.sgd(0.1))
+    captured = capture(step.lower(*args), backends.CPU, args, {})
+    graph = captured.graph
+    best = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "per-gradient")
+    compiled, _ = _compile.compile_strategy(captured.lowered, graph, best)
+    undecided = _validate.summarize([100.0] * 20, [100.0 * r for r in [0.9, 1.1] * 10])
+    monkeypatch.setattr(_validate, "time_until_decided", lambda *a, **k: undecided)
+    verdict = _pipeline.validate(captured, captured.runner(captured.default_compiled), best, compiled, 20, 0.9)
+    assert verdict.use_default and "not faster with confidence" in verdict.reason
+    assert verdict.measured["verdict"] == "undecided" and verdict.measured["rule"] == _validate.ACCEPTANCE_RULE
+    assert verdict.measured["ratio_ci95"][0] < 1.0 < verdict.measured["ratio_ci95"][1]
+    assert verdict.measured["bitwise_equal"]  # the plan itself was right: rejected on timing alone
+
+    faster = _validate.summarize([100.0] * 20, [90.0] * 20)
+    monkeypatch.setattr(_validate, "time_until_decided", lambda *a, **k: faster)
+    verdict = _pipeline.validate(captured, captured.runner(captured.default_compiled), best, compiled, 20, 0.9)
+    assert not verdict.use_default and verdict.plan_counts["all-reduce"] == len(graph.gradients)
