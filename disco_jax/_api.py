@@ -162,6 +162,7 @@ def optimize_distributed(
     config: SearchConfig | None = None,
     plan_dir: str | os.PathLike | None = None,
     validation_pairs: int = 20,
+    measured_candidates: int = 4,
     verbose: bool = True,
     **kwargs,
 ):
@@ -180,8 +181,10 @@ def optimize_distributed(
     config: the search's parameters (`SearchConfig`); alpha, beta, seed, budget_s, max_unchanged may
     also be given one by one and replace the config's. validation_pairs: interleaved timing pairs
     at the first look of the acceptance test (then twice and four times as many, until the plan is
-    faster or slower with 95% confidence; README "Never slower"). verbose: progress and the summary
-    on stderr (the `disco_jax` logger gets them either way)."""
+    faster or slower with 95% confidence; README "Never slower"). measured_candidates: per round of
+    the measured search, the best distinct candidates compiled and timed against the unmodified step
+    (the fastest goes to validation; 0: the search's best, unmeasured). verbose: progress and the
+    summary on stderr (the `disco_jax` logger gets them either way)."""
     if search not in (None, True, False):
         raise TypeError(f"search must be None, True or False, got {search!r}")
     overrides = {k: kwargs.pop(k) for k in _SEARCH_PARAMETERS if k in kwargs}
@@ -191,6 +194,7 @@ def optimize_distributed(
         plan_dir=None if plan_dir is None else str(plan_dir),
         validation_pairs=validation_pairs,
         verbose=verbose,
+        measured_candidates=measured_candidates,
     )
     jit_kwargs = kwargs
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from disco_jax import _distributed, _files, _plan, _profile_store, _search, _strategy, _validate, backends
+from disco_jax import _distributed, _files, _plan, _profile_store, _search, _strategy, _tuning, _validate, backends
 from disco_jax._compile import Captured, Runner, capture, compile_strategy, compiled_stats
 from disco_jax._console import Ui
 from disco_jax._profiling import calibrate, profile
@@ -44,12 +44,19 @@ def search_enabled() -> bool:
 class Options:
     """How a decorated step searches and validates. `search`: the search's parameters;
     `plan_dir`: where plans are stored (None: `$DISCO_JAX_PLAN_DIR` or the user cache);
-    `validation_pairs`: interleaved timing pairs when validating a plan; `verbose`: print to stderr."""
+    `validation_pairs`: interleaved timing pairs when validating a plan; `verbose`: print to stderr;
+    `measured_candidates`: distinct candidates per round the measured search (`_tuning`) compiles
+    and times against XLA's plan before one goes to validation (0: validate the search's best)."""
 
     search: _search.SearchConfig = _search.SearchConfig()
     plan_dir: str | None = None
     validation_pairs: int = 20
     verbose: bool = True
+    measured_candidates: int = 4
+
+    def __post_init__(self):
+        if not isinstance(self.measured_candidates, int) or self.measured_candidates < 0:
+            raise ValueError(f"measured_candidates must be a non-negative integer, got {self.measured_candidates!r}")
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -160,22 +167,30 @@ def search_phase(step: Captured, options: Options, report: StepReport, ui: Ui) -
     ).to_json()
     default = _strategy.xla_default(graph)
     sim_default = cost_model.simulate(graph, default, record=True)
-    best, search_info = default, {}
+    best, search_info, result, tuned = default, {}, None, None
     if leader:
         result = run_search(step, cost_model, options.search, sim_default.iteration_us, ui)
         best = result.best
         search_info = {**result.stats(), "options": options.to_json(), "cost_model": cost_model.sources}
+    if options.measured_candidates > 0:  # the search proposes, the devices decide (every process measures)
+        k, pairs = options.measured_candidates, options.validation_pairs
+        tuned = _tuning.tune(step, cost_model, result, default_runner, options.search, k, pairs, ui)
+        if tuned is not None:
+            best = tuned.best
+            search_info.update(tuned.to_json())
     if step.scope is not None:
         found = None if best.key() == default.key() else best.to_json(graph)
         found = _distributed.broadcast_json(
             f"{step.scope}/strategy", found, timeout_s=_distributed.sync_timeout_s() + options.search.budget_s
         )
         best = default if found is None else Strategy.from_json(graph, found)
+    sim_default = cost_model.simulate(graph, default, record=True)  # the measured loop may have recalibrated
     sim_best = cost_model.simulate(graph, best, record=True)
     simulated = {"default": sim_default.to_json(), "plan": sim_best.to_json()}
     compiled = None
     if best.key() == default.key():
-        verdict = Verdict(True, "the search found nothing better than XLA's plan in simulation", {})
+        reason = "the search found nothing better than XLA's plan in simulation"
+        verdict = Verdict(True, tuned.reason or reason, tuned.evidence) if tuned else Verdict(True, reason, {})
     else:
         compiled, _ = compile_strategy(step.lowered, graph, best)
         verdict = validate(

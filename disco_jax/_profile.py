@@ -5,8 +5,9 @@ Two measurements feed the simulator:
 - `measure_kernel_times` runs a compiled step under `jax.profiler.trace`, reads the XSpace
   (`*.xplane.pb`) back with `jax.profiler.ProfileData`, and returns the mean time of every HLO
   instruction of the step's module, keyed by instruction name (the names in `compiled.as_text()`).
-- `measure_allreduce_cost` times float32 all-reduces of several sizes on a mesh and fits DisCo's
-  line T(bytes) = C * bytes + D (`disco_jax.cost.AllReduceCostModel`, `fit_allreduce_cost`).
+- `measure_allreduce_cost` times float32 all-reduces of several sizes on a mesh, several times
+  each, and fits DisCo's line T(bytes) = C * bytes + D robustly (`disco_jax.cost.AllReduceCostModel`,
+  `fit_allreduce_samples`), with how far the fit moves over the repetitions.
 - `disco_jax._profile_store` keeps what was measured (`Profile`, `ProfileDatabase`).
 
 Data flow: compiled step -> trace -> {instruction name: us} -> (the caller turns names into kernel
@@ -31,10 +32,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from disco_jax.cost.allreduce import AllReduceCostModel, fit_allreduce_cost
+from disco_jax.cost.allreduce import AllReduceCostModel, fit_allreduce_samples
 
-# 8 sizes, log-spaced from 4 KiB to 16 MiB (rounded to KiB): the range gradient buckets live in.
-DEFAULT_ALLREDUCE_SIZES: tuple[int, ...] = (4096, 13312, 44032, 144384, 475136, 1558528, 5112832, 16777216)
+# 13 sizes, log-spaced by factors of 2 from 4 KiB to 16 MiB: the range gradient buckets live in.
+DEFAULT_ALLREDUCE_SIZES: tuple[int, ...] = tuple(4096 << i for i in range(13))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -45,73 +46,111 @@ def measure_allreduce_cost(
     mesh: jax.sharding.Mesh,
     *,
     sizes_bytes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES,
-    repeats: int = 5,
+    repeats: int = 9,
     warmup: int = 2,
     chain: int = 4,
+    rounds: int = 3,
+    tensors: int = 8,
 ) -> tuple[AllReduceCostModel, list[tuple[int, float]]]:
     """Time float32 all-reduces (psum over every axis of `mesh`) and fit `AllReduceCostModel`.
 
     For each size, two programs are compiled: one that all-reduces a per-device buffer of that size
-    `chain` times in a row, and a baseline that is the same program without the all-reduces. Both
-    are timed by wall clock (block_until_ready), interleaved, `repeats` times after `warmup` calls;
-    the all-reduce time is (median(chained) - median(baseline)) / chain. Why not the profiler
-    trace: on CPU, tracing slows large collectives 2-4x; and why the baseline: it cancels the
-    dispatch and output handling that a single jitted psum would put into the latency D.
+    `chain` times in a row (up to 8 times more below 1 MiB, `_links`), and a baseline that is the
+    same program without the all-reduces. Both are timed by wall clock (block_until_ready) in
+    interleaved pairs after `warmup` calls, and each pair gives one sample (chained - baseline) /
+    all-reduces. Why not the profiler trace: on CPU,
+    tracing slows large collectives 2-4x; and why the baseline: it cancels the dispatch and
+    output handling that a single jitted psum would put into the latency D. The `repeats` pairs
+    of a size are taken in `rounds` passes over all sizes (so a burst of load on a shared machine
+    hits a few samples of every size, not every sample of one), and the fit is to each size's
+    median sample (`fit_allreduce_samples`: robust line, with its spread in the model's JSON).
 
-    Sizes are rounded down to whole float32 elements per device. Returns the fit and the raw
-    (bytes per device, microseconds) points. Every process of a multi-process mesh must call this
-    with the same arguments (the programs are collectives); each gets its own (similar) fit.
+    With `tensors` > 1, one more pair of programs all-reduces `tensors` buffers of the smallest
+    size in one variadic all-reduce: what it costs beyond the line for their total bytes, per
+    tensor after the first, is the model's `per_tensor_us` (XLA:CPU all-reduces the operands of
+    a variadic all-reduce one at a time, so combining saves it no latency).
+
+    Sizes are rounded down to whole float32 elements per device. Returns the fit and the
+    (bytes per device, median microseconds) point of each size. Every process of a multi-process
+    mesh must call this with the same arguments (the programs are collectives); each gets its own
+    (similar) fit.
     """
-    if repeats < 1 or chain < 1:
-        raise ValueError(f"repeats and chain must be >= 1, got repeats={repeats}, chain={chain}")
-    points: list[tuple[int, float]] = []
-    for nbytes in sizes_bytes:
-        elements = max(1, int(nbytes) // 4)
-        chained = _AllReduceChain(mesh, elements, links=chain)
-        baseline = _AllReduceChain(mesh, elements, links=0)
+    if repeats < 1 or chain < 1 or rounds < 1 or tensors < 1:
+        raise ValueError(
+            f"repeats, chain, rounds and tensors must be >= 1, got {repeats}, {chain}, {rounds}, {tensors}"
+        )
+    programs = []
+    smallest = max(1, int(min(sizes_bytes)) // 4)
+    shapes = [(max(1, int(b) // 4), 1) for b in sizes_bytes] + ([(smallest, tensors)] if tensors > 1 else [])
+    for elements, count in shapes:
+        chained = _AllReduceChain(mesh, elements, links=_links(chain, 4 * elements), tensors=count)
+        baseline = _AllReduceChain(mesh, elements, links=0, tensors=count)
         for _ in range(warmup):
             baseline.call_us()
             chained.call_us()
-        baseline_us, chained_us = [], []
-        for _ in range(repeats):  # interleaved, so drift in machine load hits both alike
-            baseline_us.append(baseline.call_us())
-            chained_us.append(chained.call_us())
-        per_allreduce = (statistics.median(chained_us) - statistics.median(baseline_us)) / chain
-        points.append((4 * elements, max(0.0, per_allreduce)))
-    return fit_allreduce_cost(points), points
+        programs.append(((4 * elements, count), chained, baseline))
+    samples: dict[tuple[int, int], list[float]] = {key: [] for key, _, _ in programs}
+    per_round = [repeats // rounds + (1 if r < repeats % rounds else 0) for r in range(rounds)]
+    for n in per_round:
+        for key, chained, baseline in programs:
+            for i in range(n):  # interleaved, alternating which goes first
+                if i % 2:
+                    c, b = chained.call_us(), baseline.call_us()
+                else:
+                    b, c = baseline.call_us(), chained.call_us()
+                samples[key].append((c - b) / chained.links)
+    model = fit_allreduce_samples({b: v for (b, count), v in samples.items() if count == 1})
+    if tensors > 1:
+        variadic = samples[(4 * smallest, tensors)]
+        extra = statistics.median(variadic) - model.time_us(4 * smallest * tensors)
+        spread = {**model.spread, "variadic": {"tensors": tensors, "bytes_each": 4 * smallest, "samples_us": variadic}}
+        model = dataclasses.replace(model, per_tensor_us=max(0.0, extra / (tensors - 1)), spread=spread)
+    points = [(b, max(0.0, statistics.median(v))) for (b, count), v in sorted(samples.items()) if count == 1]
+    return model, points
+
+
+def _links(chain: int, nbytes: int) -> int:
+    """All-reduces per call for a size: `chain`, times up to 8 for sizes below 1 MiB, so that a
+    small all-reduce's time stands out of the call's own jitter (over gloo, about a millisecond)."""
+    return chain * max(1, min(8, (1 << 20) // max(1, nbytes)))
 
 
 class _AllReduceChain:
-    """A compiled program: `links` dependent psums of a float32[elements] buffer on every device.
+    """A compiled program: `links` dependent psums of `tensors` float32[elements] buffers on every
+    device (XLA combines the psums of one link into one variadic all-reduce).
 
     Each link is psum, then overwrite element 0 with a device-varying value. The overwrite keeps
     XLA from proving the next psum's input replicated (it would turn that psum into a multiply)
-    and costs O(1). The buffer is donated and fed back, so calls reuse memory as a step would.
+    and costs O(1). The buffers are donated and fed back, so calls reuse memory as a step would.
     """
 
-    def __init__(self, mesh: jax.sharding.Mesh, elements: int, links: int):
+    def __init__(self, mesh: jax.sharding.Mesh, elements: int, links: int, tensors: int = 1):
         axes = tuple(mesh.axis_names)
         spec = PartitionSpec(axes)
+        self.links = links
 
-        def allreduce_chain(x):
-            seed = jnp.minimum(x[:1], 0.0)
+        def allreduce_chain(xs):
+            seed = jnp.minimum(xs[0][:1], 0.0)
             for _ in range(links):
-                x = lax.psum(x, axes)
-                x = lax.dynamic_update_slice(x, seed, (0,))
-            return x
+                xs = lax.psum(xs, axes)
+                xs = tuple(lax.dynamic_update_slice(x, seed, (0,)) for x in xs)
+            return xs
 
-        allreduce_chain.__name__ = f"disco_allreduce_chain_{links}x{4 * elements}b"
+        allreduce_chain.__name__ = f"disco_allreduce_chain_{links}x{tensors}x{4 * elements}b"
         program = jax.shard_map(allreduce_chain, mesh=mesh, in_specs=spec, out_specs=spec)
         sharding = NamedSharding(mesh, spec)
-        self.buffer = jax.make_array_from_callback(
-            (mesh.size * elements,), sharding, lambda index: np.zeros((elements,), np.float32)
+        self.buffer = tuple(
+            jax.make_array_from_callback(
+                (mesh.size * elements,), sharding, lambda index: np.zeros((elements,), np.float32)
+            )
+            for _ in range(tensors)
         )
         self.compiled = jax.jit(program, donate_argnums=0).lower(self.buffer).compile()
 
     def call_us(self) -> float:
         start = time.perf_counter()
         self.buffer = self.compiled(self.buffer)
-        self.buffer.block_until_ready()
+        jax.block_until_ready(self.buffer)
         return (time.perf_counter() - start) * 1e6
 
 

@@ -4,8 +4,9 @@
 the all-reduce cost, stores them in the profile database, and builds the `disco_jax.cost.CostModel`:
 a chain of kernel estimators (measured table, then each estimator plugin that has one for the
 device kind, calibrated, then the calibrated analytical estimator) and the all-reduce fit.
-`calibrate` then fits the simulator's two device parameters to two measured strategies, so that
-simulated step times are in the units of measured ones.
+`calibrate` then fits the simulator's device parameters (`disco_jax.cost.SimulatorParams`) to the
+measured step times of several strategies (`calibration_strategies`), so that simulated step times
+are in the units of measured ones, and reports how well they fit (the misfit).
 """
 
 from __future__ import annotations
@@ -23,17 +24,26 @@ from disco_jax._console import Ui
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """The fitted simulator parameters and the two measured step times they were fitted to."""
+    """The fitted simulator parameters, how well they reproduce the measured configurations
+    (`misfit`: median relative error; `points`: per configuration, measured and simulated), and
+    the measured step times of XLA's plan and of one all-reduce per gradient."""
 
     params: cost.SimulatorParams
     measured_default_us: float
     measured_per_gradient_us: float
+    misfit: float = 0.0
+    points: tuple[cost.CalibrationPoint, ...] = ()
+    free: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         return {
             **self.params.to_json(),
             "measured_default_us": self.measured_default_us,
             "measured_per_gradient_us": self.measured_per_gradient_us,
+            "misfit": self.misfit,
+            "max_error": max((abs(p.error) for p in self.points), default=0.0),
+            "free": list(self.free),
+            "points": [p.to_json() for p in self.points],
         }
 
 
@@ -58,6 +68,8 @@ def profile(
     # fit is measured over the real one (gloo, NCCL) every time, and not stored.
     multiprocess = _distributed.is_multiprocess()
     allreduce = stored.allreduce if stored is not None and not multiprocess else None
+    if allreduce is not None and allreduce.spread is None:
+        allreduce = None  # fitted by an older disco-jax: one sample per size, no per-tensor cost
     if allreduce is None:
         where = f" in {jax.process_count()} processes" if multiprocess else ""
         ui.say(f"measuring all-reduce cost on {len(devices)} devices{where}")
@@ -100,34 +112,80 @@ def profile(
     )
 
 
+def calibration_strategies(graph) -> dict[str, _strategy.Strategy]:
+    """The configurations the simulator is fitted to, by label: XLA's plan; its fusions with one
+    all-reduce per gradient (how much an all-reduce costs the step, and how much of it hides);
+    no op fusion with XLA's all-reduces (what a kernel costs beyond its traced time: many more,
+    smaller kernels); and no op fusion with one all-reduce per gradient. Configurations that
+    coincide on this graph (one gradient, nothing fused) are measured once."""
+    default = _strategy.xla_default(graph)
+    per_gradient = [(g.id,) for g in graph.gradients]
+    unfused = _strategy.unfused(graph)
+    candidates = {
+        "default": default,
+        "per-gradient": _strategy.with_buckets(default, per_gradient, "per-gradient"),
+        "unfused": _strategy.with_buckets(unfused, default.buckets, "unfused-ops"),
+        "unfused-per-gradient": unfused,
+    }
+    out, seen = {}, set()
+    for label, s in candidates.items():
+        if s.key() not in seen:
+            seen.add(s.key())
+            out[label] = s
+    return out
+
+
 def calibrate(
     cost_model: cost.CostModel, captured: Captured, default_runner: Runner, pairs: int, ui: Ui
 ) -> Calibration:
-    """Fit the simulator's compute scale and all-reduce blocking to two measured strategies:
-    XLA's plan and the same fusions with one all-reduce per gradient. Sets `cost_model.params`."""
+    """Fit the simulator's parameters (`cost.calibrate`) to the measured step times of the
+    `calibration_strategies`, each timed in interleaved pairs against XLA's executable (its time:
+    the median ratio to XLA's times the median of XLA's own times). Sets `cost_model.params`."""
     graph = captured.graph
-    default = _strategy.xla_default(graph)
-    split = _strategy.with_buckets(default, [(g.id,) for g in graph.gradients], "per-gradient")
-    if len(split.buckets) == len(default.buckets):
-        timing_default = _validate.time_interleaved(default_runner, default_runner, pairs=5)
-        measured = (timing_default.default_us, timing_default.default_us)
-        params = cost.SimulatorParams(measured[0] / cost_model.simulate(graph, default).iteration_us, 0.0)
+    strategies = calibration_strategies(graph)
+    pairs = max(6, pairs)
+    ratios, default_samples = {"default": 1.0}, []
+    for label, s in strategies.items():
+        if label == "default":
+            continue
+        compiled, _ = compile_strategy(captured.lowered, graph, s)
+        timing = _validate.time_interleaved(default_runner, captured.runner(compiled), pairs=pairs)
+        ratios[label] = timing.ratio
+        default_samples.append(timing.default_us)
+    if not default_samples:
+        default_samples.append(_validate.time_interleaved(default_runner, default_runner, pairs=5).default_us)
+    default_us = float(np.median(default_samples))
+    labels = list(strategies)
+    measured = [ratios[label] * default_us for label in labels]
+
+    dags = {label: _strategy.kernel_dag(graph, s) for label, s in strategies.items()}
+
+    def simulate_at(p: cost.SimulatorParams) -> list[float]:
+        return [
+            cost.simulate(graph, strategies[x], cost_model.estimator, cost_model.allreduce, p, dag=dags[x]).iteration_us
+            for x in labels
+        ]
+
+    if len(labels) == 1:  # nothing to vary on this graph: the compute scale alone
+        scale = measured[0] / cost_model.simulate(graph, strategies["default"]).iteration_us
+        params = cost.SimulatorParams(compute_scale=scale)
+        point = cost.CalibrationPoint(measured[0], simulate_at(params)[0], "default")
+        fitted = cost.Calibrated(params, abs(point.error), (point,), ("compute_scale",))
     else:
-        compiled, _ = compile_strategy(captured.lowered, graph, split)
-        timing = _validate.time_interleaved(default_runner, captured.runner(compiled), pairs=max(6, pairs))
-        measured = (timing.default_us, timing.plan_us)
-
-        def simulate_at(p):
-            return (
-                cost_model.simulate(graph, default, params=p).iteration_us,
-                cost_model.simulate(graph, split, params=p).iteration_us,
-            )
-
-        params = cost.calibrate(simulate_at, measured)
+        fitted = cost.calibrate(simulate_at, measured, labels=labels)
+    params = fitted.params
     cost_model.params = params
     ui.say(
-        f"simulator calibrated: compute x{params.compute_scale:.2f}, all-reduces hold compute "
-        f"{params.comm_blocking:.0%} of their time (measured {measured[0]:.0f} us default, "
-        f"{measured[1]:.0f} us with one all-reduce per gradient)"
+        f"simulator calibrated on {len(labels)} configurations: compute x{params.compute_scale:.2f}, "
+        f"{params.kernel_overhead_us:.1f} us per kernel, {params.step_overhead_us:.0f} us per step, all-reduces "
+        f"hold compute {params.comm_blocking:.0%} of their time; misfit {fitted.misfit:.1%} "
+        f"(measured {default_us:.0f} us default)"
     )
-    return Calibration(params, measured[0], measured[1])
+    return Calibration(
+        params,
+        default_us,
+        measured[labels.index("per-gradient")] if "per-gradient" in labels else default_us,
+        fitted.misfit,
+        fitted.points,
+        fitted.free,
+    )

@@ -5,6 +5,10 @@ applies every move a random number of times in 0..beta, and keeps the result as 
 is cheaper, re-enqueueing it when its cost is within alpha of the best. The search ends when the
 queue is empty, the best has not changed for `max_unchanged` candidates, or the time budget is
 spent. Candidates already seen are not simulated twice.
+
+`SearchResult.top(k)` keeps the cheapest distinct candidates the search costed (`KEEP` of them), so
+the measured search (`disco_jax._tuning`) can time the best few for real without simulating them
+again, and a later round can start from a measured candidate (`starts=`).
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ import heapq
 import itertools
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from disco_jax._graph import Graph
 from disco_jax._strategy import MOVES, Move, Strategy, start_candidates
+
+KEEP = 64  # distinct candidates a SearchResult keeps for `top`, cheapest first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +59,30 @@ class SearchResult:
     improvements: int
     seconds: float
     stop_reason: str
+    # The cheapest distinct valid candidates costed (starts included), as (cost, strategy), cheapest first.
+    candidates: list[tuple[float, Strategy]] = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def candidates_per_second(self) -> float:
         return self.evaluated / self.seconds if self.seconds > 0 else 0.0
 
+    def top(self, k: int, exclude: Collection = ()) -> list[tuple[Strategy, float]]:
+        """The `k` cheapest distinct candidates (by `Strategy.key()`) the search costed, with their
+        costs, cheapest first, leaving out those whose key is in `exclude`. Nothing is simulated:
+        the costs are those the search computed (at most `KEEP` candidates are kept)."""
+        out: list[tuple[Strategy, float]] = []
+        taken = set(exclude)
+        for c, s in self.candidates:
+            if len(out) >= k:
+                break
+            key = s.key()
+            if key not in taken:
+                taken.add(key)
+                out.append((s, c))
+        return out
+
     def stats(self) -> dict:
-        d = dataclasses.asdict(self)
-        d.pop("best")
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("best", "candidates")}
         d["candidates_per_second"] = round(self.candidates_per_second, 1)
         return d
 
@@ -74,7 +96,8 @@ def backtracking_search(
     starts: list[Strategy] | None = None,
     progress: Callable[[float, int, float], None] | None = None,
 ) -> SearchResult:
-    """Search from `starts` (default: XLA's plan, the unfused graph and their variants).
+    """Search from `starts` (default: XLA's plan, the unfused graph and their variants; a later
+    round of the measured search starts from its best measured candidate).
 
     `cost(strategy)` returns the simulated iteration time, or None for an invalid strategy.
     `progress(best_cost, evaluated, elapsed_s)` is called after every step."""
@@ -83,14 +106,27 @@ def backtracking_search(
     tie = itertools.count()
     seen: set = set()
     queue: list = []
+    kept: list = []  # the KEEP cheapest candidates as (-cost, -n, strategy): the dearest on top
     start_costs: dict[str, float] = {}
     best, best_cost = None, float("inf")
+
+    def keep(c: float, s: Strategy) -> None:
+        entry = (-c, -next(tie), s)
+        if len(kept) < KEEP:
+            heapq.heappush(kept, entry)
+        elif entry > kept[0]:
+            heapq.heapreplace(kept, entry)
+
     for s in starts if starts is not None else start_candidates(graph):
+        key = s.key()
+        new = key not in seen
         c = cost(s)
-        seen.add(s.key())
+        seen.add(key)
         if c is None:
             continue
         start_costs[s.origin] = c
+        if new:
+            keep(c, s)
         heapq.heappush(queue, (c, next(tie), s))
         if c < best_cost:
             best, best_cost = s, c
@@ -126,6 +162,7 @@ def backtracking_search(
                 invalid += 1
                 continue
             candidate = dataclasses.replace(candidate, origin=f"search({candidate.origin.split('(')[-1].rstrip(')')})")
+            keep(c, candidate)
             if c < best_cost:
                 best, best_cost = candidate, c
                 improvements += 1
@@ -140,5 +177,14 @@ def backtracking_search(
         if progress is not None:
             progress(best_cost, evaluated, time.perf_counter() - started)
     return SearchResult(
-        best, best_cost, start_costs, evaluated, invalid, duplicates, improvements, time.perf_counter() - started, stop
+        best,
+        best_cost,
+        start_costs,
+        evaluated,
+        invalid,
+        duplicates,
+        improvements,
+        time.perf_counter() - started,
+        stop,
+        [(-negative, s) for negative, _, s in sorted(kept, reverse=True)],
     )

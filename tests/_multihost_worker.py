@@ -110,7 +110,12 @@ def main() -> None:
         return dataclasses.replace(result, best=per_gradient(graph)) if args.pick_per_gradient else result
 
     _search.backtracking_search = counted_search
-    optimized = disco_jax.optimize_distributed(budget_s=2.0, validation_pairs=4, verbose=False, plan_dir=plan_dir)(step)
+    # --pick-per-gradient forces a candidate into validation; the measured search would time it
+    # first and keep XLA's plan if gloo makes it slower, so that check runs without the loop.
+    measured = 0 if args.pick_per_gradient else 4
+    optimized = disco_jax.optimize_distributed(
+        budget_s=2.0, validation_pairs=4, verbose=False, plan_dir=plan_dir, measured_candidates=measured
+    )(step)
     out = optimized(*step_args)  # first: the decorator runs before anything collective
     reference = step(*step_args)
     local = _distributed.addressable

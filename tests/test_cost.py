@@ -98,6 +98,17 @@ def test_fusing_the_gradients_delays_the_first_allreduce(graph):
     assert r.num_fusions == 1
 
 
+def test_a_bucket_pays_the_per_tensor_latency_of_each_tensor_after_the_first(graph):
+    s = _strategy.with_buckets(_strategy.unfused(graph), [(0, 1)], "combined")
+    per_tensor = AllReduceCostModel(per_byte_us=0.0, latency_us=5.0, per_tensor_us=4.0)
+    assert per_tensor.bucket_time_us([16, 16]) == pytest.approx(9.0)
+    assert cost.allreduce.bucket_time_us(ALLREDUCE, [16, 16]) == pytest.approx(5.0)  # no per-tensor term
+    r = cost.simulate(graph, s, FixedEstimator(), per_tensor)
+    # g1, g2 [0,20]; ar (5 + 4) [20,29]; u1 [29,30]; u2 [30,31].
+    assert r.iteration_us == pytest.approx(31.0) and r.comm_us == pytest.approx(9.0)
+    assert AllReduceCostModel.from_json(per_tensor.to_json()).per_tensor_us == 4.0
+
+
 def test_blocking_allreduces_do_not_overlap(graph):
     s = _strategy.unfused(graph)
     params = cost.SimulatorParams(compute_scale=1.0, comm_blocking=1.0)
@@ -105,7 +116,17 @@ def test_blocking_allreduces_do_not_overlap(graph):
     assert r.iteration_us == pytest.approx(r.compute_us + r.comm_us)  # 32: fully serialized
 
 
-def test_calibration_recovers_known_parameters(graph):
+def test_kernel_and_step_overheads(graph):
+    s = _strategy.unfused(graph)
+    params = cost.SimulatorParams(kernel_overhead_us=1.0, step_overhead_us=3.0)
+    r = cost.simulate(graph, s, FixedEstimator(), ALLREDUCE, params)
+    # g1 [0,11]; ar1 [11,16]; g2 [11,22]; ar2 [22,27]; u1 [22,24]; u2 [27,29]; + 3 for the step.
+    assert r.iteration_us == pytest.approx(32.0)
+    assert r.compute_us == pytest.approx(26.0) and r.full_overlap_us == pytest.approx(29.0)
+    assert set(params.to_json()) == {"compute_scale", "comm_blocking", "kernel_overhead_us", "step_overhead_us"}
+
+
+def test_two_point_calibration_recovers_known_parameters(graph):
     one, two = _strategy.with_buckets(_strategy.unfused(graph), [(0, 1)], "one"), _strategy.unfused(graph)
     truth = cost.SimulatorParams(compute_scale=2.0, comm_blocking=0.5)
 
@@ -113,8 +134,77 @@ def test_calibration_recovers_known_parameters(graph):
         return tuple(cost.simulate(graph, s, FixedEstimator(), ALLREDUCE, p).iteration_us for s in (one, two))
 
     fitted = cost.calibrate(simulate_at, simulate_at(truth))
-    assert fitted.compute_scale == pytest.approx(2.0)
-    assert fitted.comm_blocking == pytest.approx(0.5)
+    assert fitted.free == ("compute_scale", "comm_blocking") and fitted.dof == 0
+    assert fitted.params.compute_scale == pytest.approx(2.0)
+    assert fitted.params.comm_blocking == pytest.approx(0.5)
+    assert fitted.misfit == pytest.approx(0.0, abs=1e-9)
+    assert [p.measured_us for p in fitted.points] == pytest.approx(list(simulate_at(truth)))
+
+
+def _synthetic_configurations(n, seed=0):
+    """n configurations of a step: estimated kernel time, kernel count, all-reduce count and time."""
+    rng = np.random.default_rng(seed)
+    kernel_sum = rng.uniform(500, 3000, n)
+    kernels = rng.integers(20, 400, n).astype(float)
+    allreduces = rng.integers(1, 40, n).astype(float)
+    comm = allreduces * 30.0 + rng.uniform(100, 800, n)
+    return kernel_sum, kernels, allreduces, comm
+
+
+def _synthetic_simulator(configs):
+    """A simulator in the simulator's own terms: compute (scaled kernels plus their overheads and
+    the blocked share of the all-reduces) or communication, whichever is longer, plus the step."""
+    kernel_sum, kernels, _, comm = configs
+
+    def simulate_at(p):
+        compute = p.compute_scale * kernel_sum + p.kernel_overhead_us * kernels + p.comm_blocking * comm
+        return list(np.maximum(compute, comm + 0.2 * kernel_sum) + p.step_overhead_us)
+
+    return simulate_at
+
+
+def test_many_point_calibration_recovers_parameters_from_noisy_measurements():
+    configs = _synthetic_configurations(16)
+    simulate_at = _synthetic_simulator(configs)
+    truth = cost.SimulatorParams(compute_scale=4.0, comm_blocking=0.3, kernel_overhead_us=6.0, step_overhead_us=900.0)
+    noise = np.random.default_rng(1).normal(1.0, 0.02, 16)
+    fitted = cost.calibrate(simulate_at, np.array(simulate_at(truth)) * noise, labels=[f"c{i}" for i in range(16)])
+    assert fitted.free == ("compute_scale", "comm_blocking", "step_overhead_us", "kernel_overhead_us")
+    assert fitted.dof == 12 and len(fitted.points) == 16 and fitted.points[3].label == "c3"
+    p = fitted.params
+    assert p.compute_scale == pytest.approx(4.0, rel=0.1)
+    assert p.kernel_overhead_us == pytest.approx(6.0, rel=0.2)
+    assert p.step_overhead_us == pytest.approx(900.0, rel=0.3)
+    assert p.comm_blocking == pytest.approx(0.3, abs=0.1)
+    assert fitted.misfit < 0.03  # the noise, no more
+    assert fitted.to_json()["params"] == p.to_json() and fitted.to_json()["misfit"] == fitted.misfit
+
+
+def test_calibration_reports_a_large_misfit_when_the_model_is_wrong():
+    configs = _synthetic_configurations(12, seed=2)
+    simulate_at = _synthetic_simulator(configs)
+    kernel_sum, kernels, _, _ = configs
+    # Measured times the simulator cannot express: they fall as its kernel work grows.
+    measured = 2e7 / (kernel_sum + 10.0 * kernels)
+    fitted = cost.calibrate(simulate_at, measured)
+    assert fitted.misfit > 0.2 and fitted.max_error > fitted.misfit
+    # ... and where it can (the same configurations, a true parameter set), none.
+    exact = cost.calibrate(simulate_at, simulate_at(cost.SimulatorParams(2.0, 0.0, 3.0, 100.0)))
+    assert exact.misfit < 1e-3
+
+
+def test_calibration_keeps_fixed_parameters_and_refuses_one_point():
+    configs = _synthetic_configurations(5)
+    simulate_at = _synthetic_simulator(configs)
+    start = cost.SimulatorParams(kernel_overhead_us=2.0)
+    fitted = cost.calibrate(
+        simulate_at, simulate_at(cost.SimulatorParams(3.0, 0.0, 2.0)), free=["compute_scale"], start=start
+    )
+    assert fitted.params == cost.SimulatorParams(pytest.approx(3.0), 0.0, 2.0, 0.0)
+    with pytest.raises(ValueError, match="at least two"):
+        cost.calibrate(simulate_at, [1.0])
+    with pytest.raises(ValueError, match="unknown"):
+        cost.calibrate(simulate_at, [1.0, 2.0], free=["speed"])
 
 
 def test_invalid_strategy_simulates_to_none(graph):

@@ -8,6 +8,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -22,7 +23,7 @@ from disco_jax._profile_store import (
     device_kind_key,
     sanitize_device_kind,
 )
-from disco_jax.cost import AllReduceCostModel, fit_allreduce_cost
+from disco_jax.cost import AllReduceCostModel, fit_allreduce_cost, fit_allreduce_samples
 
 _INSTRUCTION_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(?:\([^=]*?\)|\S+)\s+([\w\-]+)\(", re.M)
 
@@ -118,6 +119,11 @@ def test_measure_allreduce_cost_fits_a_nonnegative_line():
     assert all(t >= 0 for _, t in points) and max(t for _, t in points) > 0, points
     assert model.per_byte_us >= 0 and model.latency_us >= 0
     assert model.time_us(1 << 20) >= model.time_us(4096)
+    spread = model.to_json()["spread"]  # how far the fit moves over the repetitions
+    assert [s["bytes"] for s in spread["per_size"]] == [4096, 65536, 262144]
+    assert all(s["n"] == 3 for s in spread["per_size"])
+    assert spread["latency_us"][0] <= spread["latency_us"][1]
+    assert AllReduceCostModel.from_json(model.to_json()) == model
 
 
 def test_fit_allreduce_cost_recovers_a_line_and_clips_negative_coefficients():
@@ -129,6 +135,26 @@ def test_fit_allreduce_cost_recovers_a_line_and_clips_negative_coefficients():
     through_origin = fit_allreduce_cost([(1000, 1.0), (2000, 4.0), (3000, 9.0)])
     assert through_origin.latency_us == 0.0 and through_origin.per_byte_us > 0
     assert fit_allreduce_cost([(4096, 12.0)]) == AllReduceCostModel(0.0, 12.0)
+
+
+def test_fit_allreduce_samples_is_robust_to_a_disturbed_size_and_reports_its_spread():
+    rng = np.random.default_rng(0)
+    sizes = [4096 << i for i in range(13)]
+    truth = AllReduceCostModel(per_byte_us=1e-3, latency_us=800.0)
+    samples = {b: list(truth.time_us(b) * rng.lognormal(0.0, 0.05, 9)) for b in sizes}
+    samples[sizes[1]] = [5.0 * truth.time_us(sizes[1])] * 9  # one size hit by a burst of load
+    samples[sizes[-3]] = [0.3 * truth.time_us(sizes[-3])] * 9  # and one by a lucky quiet spell
+    model = fit_allreduce_samples(samples)
+    assert model.latency_us == pytest.approx(800.0, rel=0.1)
+    assert model.per_byte_us == pytest.approx(1e-3, rel=0.1)
+    spread = model.spread
+    assert spread["latency_us"][0] < 800.0 * 1.1 and spread["latency_us"][1] > 800.0 * 0.9
+    assert len(spread["per_size"]) == 13 and spread["per_size"][0]["n"] == 9
+    assert 0 < spread["per_size"][0]["iqr_rel"] < 0.2
+    # Repeated points of one size count as their median.
+    assert fit_allreduce_cost([(1000, 6.0), (1000, 6.0), (1000, 60.0), (2000, 7.0)]) == AllReduceCostModel(
+        pytest.approx(1e-3), pytest.approx(5.0)
+    )
 
 
 def _profile(**fields):
@@ -250,7 +276,7 @@ def test_profile_builds_its_estimator_chain_from_the_plugin_registry(tmp_path):
     captured = _compile.capture(jax.jit(step).lower(params, x), backends.CPU, (params, x), {})
     database = ProfileDatabase(user_dir=tmp_path / "user", shipped_dir=tmp_path / "shipped")
     # A stored all-reduce fit for these devices, so the phase does not measure one.
-    database.save(Profile.for_devices(captured.devices, allreduce=AllReduceCostModel(1e-4, 20.0)))
+    database.save(Profile.for_devices(captured.devices, allreduce=AllReduceCostModel(1e-4, 20.0, spread={})))
     cost.register_estimator("probe", _ProbeEstimator)
     try:
         model = _profiling.profile(
@@ -265,3 +291,32 @@ def test_profile_builds_its_estimator_chain_from_the_plugin_registry(tmp_path):
     # A kernel nobody measured (every fusible op in one) is answered by the calibrated probe.
     [(t, source)] = model.estimator.estimate_with_source(graph, [frozenset(graph.fusible_ops)])
     assert source == "calibrated-probe" and t > 0
+
+
+def test_calibrate_fits_the_simulator_to_every_calibration_configuration(tmp_path):
+    """The calibrate phase measures each of `calibration_strategies` and fits the simulator to all
+    of them: the record holds the fitted parameters, one point per configuration and the misfit."""
+    mesh = jax.make_mesh((8,), ("data",))
+    params = jax.device_put([jnp.full((32, 32), 0.01), jnp.full((32, 32), 0.02)], NamedSharding(mesh, P()))
+    x = jax.device_put(jnp.ones((32, 32)), NamedSharding(mesh, P("data")))
+
+    def step(params, x):
+        grads = jax.grad(lambda p: jnp.mean(jnp.tanh(jnp.tanh(x @ p[0]) @ p[1]) ** 2))(params)
+        return [p - 0.1 * g for p, g in zip(params, grads)]
+
+    captured = _compile.capture(jax.jit(step).lower(params, x), backends.CPU, (params, x), {})
+    database = ProfileDatabase(user_dir=tmp_path / "user", shipped_dir=tmp_path / "shipped")
+    database.save(Profile.for_devices(captured.devices, allreduce=AllReduceCostModel(1e-4, 20.0, spread={})))
+    runner = captured.runner(captured.default_compiled)
+    ui = _console.Ui(verbose=False)
+    model = _profiling.profile(captured, runner, database, ui)
+    labels = list(_profiling.calibration_strategies(captured.graph))
+    assert labels[:2] == ["default", "per-gradient"] and len(labels) >= 3
+    calibration = _profiling.calibrate(model, captured, runner, 6, ui)
+    assert model.params == calibration.params and calibration.params.compute_scale > 0
+    assert [p.label for p in calibration.points] == labels
+    assert all(p.measured_us > 0 and p.simulated_us > 0 for p in calibration.points)
+    assert calibration.misfit == pytest.approx(np.median([abs(p.error) for p in calibration.points]))
+    record = json.loads(json.dumps(calibration.to_json()))
+    assert record["measured_default_us"] == calibration.points[0].measured_us
+    assert len(record["points"]) == len(labels) and record["kernel_overhead_us"] >= 0

@@ -61,3 +61,26 @@ def test_search_improves_on_a_bad_start(problem):
 def test_bad_search_parameters_are_refused(bad):
     with pytest.raises(ValueError):
         _search.SearchConfig(**bad)
+
+
+def test_search_result_keeps_its_cheapest_distinct_candidates(problem):
+    """`top(k)`: what the measured search times, from the costs the search computed."""
+    graph, cost = problem
+    result = _search.backtracking_search(graph, cost, _search.SearchConfig(budget_s=2, max_unchanged=200))
+    top = result.top(5)
+    keys = [s.key() for s, _ in top]
+    assert len(top) == 5 and len(set(keys)) == 5
+    assert [c for _, c in top] == sorted(c for _, c in top)
+    assert keys[0] == result.best.key() and top[0][1] == result.best_cost
+    assert [c for _, c in top] == pytest.approx([cost(s) for s, _ in top])
+    rest = result.top(4, exclude={keys[0], keys[2]})
+    assert [s.key() for s, _ in rest] == [keys[1], keys[3], keys[4]] + [s.key() for s, _ in result.top(6)[5:6]]
+    assert "candidates" not in result.stats() and len(result.candidates) <= _search.KEEP
+
+
+def test_a_later_round_starts_from_a_given_strategy(problem):
+    graph, cost = problem
+    start = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "measured")
+    result = _search.backtracking_search(graph, cost, _search.SearchConfig(budget_s=1, seed=5), starts=[start])
+    assert result.start_costs == {"measured": cost(start)}
+    assert result.best_cost <= cost(start) and result.top(1)[0][1] == result.best_cost

@@ -6,13 +6,14 @@
   measured table, analytical roofline, calibrated wrapper, `chain`; plus the registry of
   estimator plugins (entry-point group ``disco_jax.estimators``; the GNN is one).
 * `allreduce`: the `AllReduceCost` protocol and the measured line `AllReduceCostModel`.
-* `simulator`: `simulate`, `SimulatorParams` and their `calibrate`, and `CostModel`.
+* `simulator`: `simulate`, `SimulatorParams` and their multi-point `calibrate` (-> `Calibrated`:
+  the parameters, the misfit and each point), and `CostModel`.
 
 Data flow: profile table + plugins + analytical fit -> `chain(...)` -> `CostModel` (with the
 all-reduce cost) -> `simulate(graph, strategy)` for every candidate of the search.
 """
 
-from disco_jax.cost.allreduce import AllReduceCost, AllReduceCostModel, fit_allreduce_cost
+from disco_jax.cost.allreduce import AllReduceCost, AllReduceCostModel, fit_allreduce_cost, fit_allreduce_samples
 from disco_jax.cost.estimators import (
     ENTRY_POINT_GROUP,
     AnalyticalEstimator,
@@ -30,7 +31,15 @@ from disco_jax.cost.estimators import (
     unregister_estimator,
     with_op_times,
 )
-from disco_jax.cost.simulator import CostModel, SimulatedStep, SimulatorParams, calibrate, simulate
+from disco_jax.cost.simulator import (
+    Calibrated,
+    CalibrationPoint,
+    CostModel,
+    SimulatedStep,
+    SimulatorParams,
+    calibrate,
+    simulate,
+)
 from disco_jax.cost.work import (
     ANALYTICAL_FEATURES,
     ELEMENTWISE,
@@ -52,7 +61,9 @@ __all__ = [
     "AllReduceCost",
     "AllReduceCostModel",
     "AnalyticalEstimator",
+    "Calibrated",
     "CalibratedEstimator",
+    "CalibrationPoint",
     "ChainEstimator",
     "CostModel",
     "Estimator",
@@ -67,6 +78,7 @@ __all__ = [
     "chain",
     "estimator_factories",
     "fit_allreduce_cost",
+    "fit_allreduce_samples",
     "kernel_features",
     "kernel_io_bytes",
     "kernel_work",

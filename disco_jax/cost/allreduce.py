@@ -4,8 +4,10 @@
 all-reduce of a tensor of `nbytes` bytes per device (the bytes of the all-reduce's HLO shape, not
 the total over devices), and `to_json()` for the plan file and reports. Two implementations:
 
-* `AllReduceCostModel`: DisCo's line T(bytes) = C * bytes + D, fitted (`fit_allreduce_cost`) to
-  all-reduces timed on the real devices (`disco_jax._profile.measure_allreduce_cost`);
+* `AllReduceCostModel`: DisCo's line T(bytes) = C * bytes + D, fitted robustly
+  (`fit_allreduce_cost`: medians per size, Huber-weighted relative residuals) to all-reduces
+  timed on the real devices (`disco_jax._profile.measure_allreduce_cost`), with the spread of the
+  fit over its repetitions (`fit_allreduce_samples`);
 * `disco_jax.eval.clusters.ClusterAllReduce`: NCCL's ring / hierarchical model of a simulated
   GPU cluster.
 """
@@ -28,43 +30,98 @@ class AllReduceCost(Protocol):
     def to_json(self) -> dict: ...
 
 
+def bucket_time_us(cost: AllReduceCost, tensor_bytes: Sequence[int | float]) -> float:
+    """One all-reduce of several tensors: the cost's own `bucket_time_us` where it has one (a cost
+    that depends on how many tensors are combined), else `time_us` of their total bytes."""
+    own = getattr(cost, "bucket_time_us", None)
+    return float(own(tensor_bytes)) if own is not None else float(cost.time_us(sum(tensor_bytes)))
+
+
 @dataclasses.dataclass(frozen=True)
 class AllReduceCostModel:
     """T(bytes) = per_byte_us * bytes + latency_us (DisCo's T = C*x + D), in microseconds.
 
     `bytes` is the size of the all-reduced tensor on one device (the bytes of the all-reduce's
-    HLO shape), not the total over devices.
+    HLO shape), not the total over devices. `per_tensor_us`: what each tensor after the first adds
+    to a variadic all-reduce of several (`bucket_time_us`; 0 where combining tensors saves the
+    whole latency, as NCCL's does on a flat buffer; about D on XLA:CPU, which all-reduces the
+    operands one at a time). `spread`, when the fit had repeated measurements: how far the fit
+    moves over them (`fit_allreduce_samples`); not part of the model's identity.
     """
 
     per_byte_us: float
     latency_us: float
+    spread: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False, hash=False)
+    per_tensor_us: float = 0.0
 
     def time_us(self, nbytes: int | float) -> float:
         return self.per_byte_us * float(nbytes) + self.latency_us
 
-    def to_json(self) -> dict[str, float]:
-        return {"per_byte_us": float(self.per_byte_us), "latency_us": float(self.latency_us)}
+    def bucket_time_us(self, tensor_bytes: Sequence[int | float]) -> float:
+        """One all-reduce of several tensors (bytes of each, per device)."""
+        return self.time_us(sum(tensor_bytes)) + self.per_tensor_us * max(0, len(tensor_bytes) - 1)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"per_byte_us": float(self.per_byte_us), "latency_us": float(self.latency_us)}
+        if self.per_tensor_us:
+            out["per_tensor_us"] = float(self.per_tensor_us)
+        if self.spread is not None:
+            out["spread"] = dict(self.spread)
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> AllReduceCostModel:
-        return cls(per_byte_us=float(d["per_byte_us"]), latency_us=float(d["latency_us"]))
+        return cls(
+            per_byte_us=float(d["per_byte_us"]),
+            latency_us=float(d["latency_us"]),
+            spread=d.get("spread"),
+            per_tensor_us=float(d.get("per_tensor_us", 0.0)),
+        )
 
 
 def fit_allreduce_cost(points: Sequence[tuple[int, float]]) -> AllReduceCostModel:
-    """Least-squares line through (bytes, microseconds) points, both coefficients >= 0.
+    """A line through (bytes, microseconds) points, both coefficients >= 0, robust to outliers.
 
     Residuals are relative (each point weighted by 1/time): sizes span four orders of magnitude,
     and an unweighted fit lets the largest size decide everything and leaves the latency D, which
-    is what makes tensor fusion pay off, as noise. A negative coefficient is clipped to zero and
-    the other one refitted alone.
+    is what makes tensor fusion pay off, as noise. Several points of one size are first reduced
+    to their median (clipped at 0: a size too small to measure). The line is then fitted by
+    iteratively reweighted least squares with Huber's weights on the relative residuals (a size
+    whose median is off the line by more than ~1.5 robust standard deviations counts less), so
+    one disturbed size cannot tilt the line. A
+    negative coefficient is clipped to zero and the other one refitted alone.
     """
     if not points:
         raise ValueError("fit_allreduce_cost needs at least one (bytes, us) point")
-    x = np.array([float(b) for b, _ in points])
-    t = np.array([float(us) for _, us in points])
-    w = 1.0 / np.maximum(t, max(float(t.max()) * 1e-6, 1e-9))
-    if len(set(x.tolist())) < 2:
-        return AllReduceCostModel(per_byte_us=0.0, latency_us=max(0.0, float(np.average(t, weights=w**2))))
+    by_size: dict[float, list[float]] = {}
+    for b, us in points:
+        by_size.setdefault(float(b), []).append(float(us))
+    x = np.array(sorted(by_size))
+    t = np.array([max(0.0, float(np.median(by_size[b]))) for b in x])
+    base = 1.0 / np.maximum(t, max(float(t.max()) * 1e-6, 1e-9))
+    if len(x) < 2:
+        return AllReduceCostModel(per_byte_us=0.0, latency_us=max(0.0, float(t[0])))
+    robust = np.ones_like(t)
+    per_byte, latency = _weighted_line(x, t, base)
+    for _ in range(20 if len(x) > 2 else 0):
+        relative = (per_byte * x + latency - t) * base
+        sigma = 1.4826 * float(np.median(np.abs(relative - np.median(relative))))
+        if sigma <= 1e-12:
+            break
+        cut = HUBER_K * sigma
+        new = np.minimum(1.0, cut / np.maximum(np.abs(relative), 1e-300))
+        if np.allclose(new, robust):
+            break
+        robust = new
+        per_byte, latency = _weighted_line(x, t, base * np.sqrt(robust))
+    return AllReduceCostModel(per_byte_us=per_byte, latency_us=latency)
+
+
+HUBER_K = 1.345  # Huber's constant: 95% efficiency on Gaussian noise
+
+
+def _weighted_line(x: np.ndarray, t: np.ndarray, w: np.ndarray) -> tuple[float, float]:
+    """min sum (w (C x + D - t))^2 over C, D >= 0."""
     design = np.stack([x, np.ones_like(x)], axis=1) * w[:, None]
     (per_byte, latency), *_ = np.linalg.lstsq(design, t * w, rcond=None)
     if per_byte < 0:
@@ -72,4 +129,46 @@ def fit_allreduce_cost(points: Sequence[tuple[int, float]]) -> AllReduceCostMode
     if latency < 0:
         latency = 0.0
         per_byte = float(np.sum(w**2 * x * t) / np.sum(w**2 * x * x))
-    return AllReduceCostModel(per_byte_us=max(0.0, float(per_byte)), latency_us=max(0.0, float(latency)))
+    return max(0.0, float(per_byte)), max(0.0, float(latency))
+
+
+def fit_allreduce_samples(
+    samples: Mapping[int, Sequence[float]], *, resamples: int = 200, seed: int = 0
+) -> AllReduceCostModel:
+    """`fit_allreduce_cost` over repeated measurements per size ({bytes: [us, ...]}), with its spread.
+
+    The fit is to each size's median. `spread` (in the model's JSON) says how much it is worth:
+    `latency_us` and `per_byte_us` as [10th, 90th] percentiles of the fit over bootstrap
+    resamples of the repetitions (each size's repetitions drawn with replacement), and per size
+    its median and the interquartile range of its repetitions relative to the median."""
+    sizes = sorted(samples)
+    if not sizes or any(len(samples[b]) == 0 for b in sizes):
+        raise ValueError("fit_allreduce_samples needs at least one measurement per size")
+    model = fit_allreduce_cost([(b, us) for b in sizes for us in samples[b]])
+    rng = np.random.default_rng(seed)
+    latencies, per_bytes = [], []
+    for _ in range(resamples):
+        drawn = [(b, float(np.median(rng.choice(samples[b], len(samples[b]))))) for b in sizes]
+        fit = fit_allreduce_cost(drawn)
+        latencies.append(fit.latency_us)
+        per_bytes.append(fit.per_byte_us)
+    per_size = []
+    for b in sizes:
+        values = np.asarray(samples[b], dtype=float)
+        median = float(np.median(values))
+        q1, q3 = np.percentile(values, [25, 75])
+        per_size.append(
+            {
+                "bytes": int(b),
+                "median_us": median,
+                "iqr_rel": float((q3 - q1) / median) if median > 0 else None,
+                "n": len(values),
+            }
+        )
+    spread = {
+        "latency_us": [float(np.percentile(latencies, 10)), float(np.percentile(latencies, 90))],
+        "per_byte_us": [float(np.percentile(per_bytes, 10)), float(np.percentile(per_bytes, 90))],
+        "resamples": resamples,
+        "per_size": per_size,
+    }
+    return dataclasses.replace(model, spread=spread)

@@ -2,9 +2,14 @@
 
 `simulate` runs a strategy's kernel graph on one compute stream and one communication channel
 and reports iteration time, compute and comm time, overlap and the full-overlap bound
-(`SimulatedStep`). `SimulatorParams` are the two device parameters beyond kernel and all-reduce
-costs, fitted to measured runs by `calibrate`. `CostModel` bundles what one search simulates
-with: a kernel estimator, an all-reduce cost and the parameters.
+(`SimulatedStep`). A bucket's all-reduce costs what the all-reduce cost says for its tensors
+(`cost.allreduce.bucket_time_us`: on XLA:CPU every tensor of a variadic all-reduce pays the
+latency again). `SimulatorParams` are the device parameters beyond kernel and all-reduce costs
+(compute scale, the share of an all-reduce that blocks compute, a per-kernel and a per-step
+overhead), fitted to any number of measured runs by `calibrate`, which reports how well they fit
+(`Calibrated`: the misfit and every point). `CostModel` bundles what one search simulates with:
+a kernel estimator, an all-reduce cost and the parameters. docs/simulator-fidelity.md says why
+the model is what it is on XLA:CPU.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import heapq
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from disco_jax._strategy import BUCKET, GROUP, KernelDag, Strategy, kernel_dag
-from disco_jax.cost.allreduce import AllReduceCost
+from disco_jax.cost.allreduce import AllReduceCost, bucket_time_us
 from disco_jax.cost.estimators import ChainEstimator, Estimator
 
 if TYPE_CHECKING:
@@ -47,47 +54,226 @@ class SimulatedStep:
 class SimulatorParams:
     """How the device executes, beyond kernel and all-reduce costs.
 
-    compute_scale: measured step time per simulated compute time (dispatch, contention between
-    devices sharing cores). comm_blocking: fraction of an all-reduce's time during which it also
-    holds the compute stream (0 for a GPU's separate communication stream; XLA:CPU runs
-    collectives on the executor's own threads, so they block compute). Both are fitted per step by
-    `calibrate` from measured runs of two strategies."""
+    compute_scale: step time per estimated kernel time (the estimates are one device's kernels as
+    the trace times them; XLA:CPU's virtual devices share the host's cores, so the step waits for
+    every device's kernels: about devices / cores).
+    comm_blocking: fraction of an all-reduce's time during which it also holds the compute stream
+    (0 for a GPU's separate communication stream; XLA:CPU runs collectives on the executor's own
+    threads, so they block compute). kernel_overhead_us: added to every compute kernel (the
+    executor's dispatch of one thunk, which the kernel trace does not show). step_overhead_us:
+    added once per step (launching the executable, handing over arguments and results).
+    All four are fitted per step by `calibrate` from measured runs of several strategies; the
+    defaults are the bare simulator of DisCo. JSON: the field names (plans record them; nothing
+    reads them back, so plans written before the overheads existed stay loadable)."""
 
     compute_scale: float = 1.0
     comm_blocking: float = 0.0
+    kernel_overhead_us: float = 0.0
+    step_overhead_us: float = 0.0
+
+    def kernel_us(self, estimated_us: float) -> float:
+        """The simulated time of a compute kernel whose estimator says `estimated_us`."""
+        return float(estimated_us) * self.compute_scale + self.kernel_overhead_us
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def calibrate(
-    simulate_at: Callable[[SimulatorParams], tuple[float, float]],
-    measured: tuple[float, float],
-    blocking_grid: Sequence[float] = tuple(i / 20 for i in range(21)),
-) -> SimulatorParams:
-    """Fit SimulatorParams so two strategies simulate at their measured step times.
+PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SimulatorParams))
+# What `calibrate` fits by default, by how many measured configurations there are: always the
+# compute scale and the blocking (the two-point calibration); the overheads only with enough
+# points left over to tell a wrong model (a misfit) from noise.
+DEFAULT_FREE: tuple[str, ...] = ("compute_scale", "comm_blocking", "step_overhead_us", "kernel_overhead_us")
+BLOCKING_GRID: tuple[float, ...] = tuple(i / 10 for i in range(11))
 
-    `simulate_at(params)` returns the simulated (first, second) iteration times; `measured` the
-    measured ones. For each blocking fraction, the compute scale makes the first match exactly;
-    the fraction whose second ratio is closest wins."""
-    best, best_err = SimulatorParams(), float("inf")
-    for b in blocking_grid:
-        scale = 1.0
-        for _ in range(60):  # simulated time grows with the scale, but not in proportion (comm)
-            first, _ = simulate_at(SimulatorParams(scale, b))
-            if first <= 0:
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationPoint:
+    """One measured configuration of a calibration: its measured and (fitted) simulated time."""
+
+    measured_us: float
+    simulated_us: float
+    label: str | None = None
+
+    @property
+    def error(self) -> float:
+        """Relative error of the simulation, (simulated - measured) / measured."""
+        return (self.simulated_us - self.measured_us) / self.measured_us
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "error": self.error}
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibrated:
+    """What `calibrate` fitted: the parameters, how well the fitted simulator reproduces the
+    measured configurations (`misfit`: the median of |simulated - measured| / measured over the
+    points; `max_error`: the largest), each point, and which parameters were free. With as many
+    free parameters as points the fit is exact whatever the model, so the misfit says something
+    only when `dof` (points - free parameters) is positive."""
+
+    params: SimulatorParams
+    misfit: float
+    points: tuple[CalibrationPoint, ...]
+    free: tuple[str, ...]
+
+    @property
+    def max_error(self) -> float:
+        return max((abs(p.error) for p in self.points), default=0.0)
+
+    @property
+    def dof(self) -> int:
+        return len(self.points) - len(self.free)
+
+    def to_json(self) -> dict:
+        return {
+            "params": self.params.to_json(),
+            "misfit": self.misfit,
+            "max_error": self.max_error,
+            "dof": self.dof,
+            "free": list(self.free),
+            "points": [p.to_json() for p in self.points],
+        }
+
+
+def default_free(num_points: int) -> tuple[str, ...]:
+    """The parameters `calibrate` fits to `num_points` configurations: scale and blocking for two
+    (exact, the old two-point calibration); then one overhead per further point while at least
+    one point is left over to measure the misfit with."""
+    if num_points < 2:
+        raise ValueError(f"calibrate needs at least two measured configurations, got {num_points}")
+    return DEFAULT_FREE[: max(2, min(len(DEFAULT_FREE), num_points - 1))]
+
+
+def calibrate(
+    simulate_at: Callable[[SimulatorParams], Sequence[float]],
+    measured: Sequence[float],
+    *,
+    free: Sequence[str] | None = None,
+    start: SimulatorParams = SimulatorParams(),
+    labels: Sequence[str] | None = None,
+    blocking_grid: Sequence[float] = BLOCKING_GRID,
+) -> Calibrated:
+    """Fit `SimulatorParams` so that simulated step times match measured ones, over any number
+    (>= 2) of configurations.
+
+    `simulate_at(params)` returns the simulated iteration time of every configuration, in the
+    order of `measured`. `free` names the parameters to fit (default `default_free(len(measured))`);
+    the others keep their value in `start`. The fit minimizes the squared relative errors: for
+    each blocking fraction of `blocking_grid` (when `comm_blocking` is free), the other free
+    parameters by Gauss-Newton with non-negative parameters (simulated times are piecewise linear
+    in the scale and the overheads: exact in a few steps); the fraction with the least error wins.
+    Two configurations and the default `free` (scale and blocking) is DisCo's two-point
+    calibration: exact whenever some blocking fraction can be exact."""
+    measured = [float(m) for m in measured]
+    if len(measured) < 2:
+        raise ValueError(f"calibrate needs at least two measured configurations, got {len(measured)}")
+    if any(m <= 0 for m in measured):
+        raise ValueError(f"measured times must be positive, got {measured}")
+    free = tuple(default_free(len(measured)) if free is None else free)
+    unknown = set(free) - set(PARAM_NAMES)
+    if unknown:
+        raise ValueError(f"unknown simulator parameters {sorted(unknown)}; known: {PARAM_NAMES}")
+    target = np.array(measured)
+    linear = [n for n in PARAM_NAMES if n in free and n != "comm_blocking"]
+    grid = list(blocking_grid) if "comm_blocking" in free else [start.comm_blocking]
+
+    def loss(sim: np.ndarray) -> float:
+        return float(np.sum(((sim - target) / target) ** 2))
+
+    best, best_sim, best_loss = start, None, float("inf")
+    current = start
+    for b in grid:
+        p, sim = _fit_linear(dataclasses.replace(current, comm_blocking=float(b)), linear, target, simulate_at)
+        if loss(sim) < best_loss - 1e-15:
+            best, best_sim, best_loss = p, sim, loss(sim)
+        current = p  # warm start for the next fraction
+    if "comm_blocking" in free and len(grid) > 1:  # refine the blocking between grid points
+        step = min(abs(a - b) for a, b in zip(grid, grid[1:]) if a != b) / 2
+        for _ in range(2):
+            for b in (best.comm_blocking - step, best.comm_blocking + step):
+                if 0.0 <= b <= 1.0:
+                    p, sim = _fit_linear(dataclasses.replace(best, comm_blocking=b), linear, target, simulate_at)
+                    if loss(sim) < best_loss - 1e-15:
+                        best, best_sim, best_loss = p, sim, loss(sim)
+            step /= 2
+    points = tuple(
+        CalibrationPoint(m, float(s), None if labels is None else labels[i])
+        for i, (m, s) in enumerate(zip(measured, best_sim))
+    )
+    misfit = float(np.median([abs(p.error) for p in points]))
+    return Calibrated(best, misfit, points, free)
+
+
+def _fit_linear(
+    params: SimulatorParams,
+    names: list[str],
+    target: np.ndarray,
+    simulate_at: Callable[[SimulatorParams], Sequence[float]],
+    iterations: int = 8,
+) -> tuple[SimulatorParams, np.ndarray]:
+    """Gauss-Newton on relative errors over the parameters `names` (each >= 0; the compute scale
+    > 0), from `params`; returns the parameters and their simulated times. The Jacobian is taken
+    by secants of a tenth of each parameter's size, except the step overhead's, which is 1 (the
+    simulator adds it to every iteration)."""
+
+    def sim(p: SimulatorParams) -> np.ndarray:
+        out = np.array([float(t) for t in simulate_at(p)])
+        if out.shape != target.shape:
+            raise ValueError(f"simulate_at returned {out.shape[0]} times for {target.shape[0]} measurements")
+        return out
+
+    current = sim(params)
+    if not names:
+        return params, current
+    weights = 1.0 / target
+
+    def err(s: np.ndarray) -> float:
+        return float(np.sum(((s - target) * weights) ** 2))
+
+    for _ in range(iterations):
+        x = np.array([getattr(params, n) for n in names])
+        jac = np.ones((len(target), len(names)))
+        for j, n in enumerate(names):
+            if n != "step_overhead_us":
+                h = max(abs(x[j]) * 0.1, 1e-2)
+                jac[:, j] = (sim(dataclasses.replace(params, **{n: x[j] + h})) - current) / h
+        # Linear model s(x') = current + jac (x' - x): least squares for x' >= 0.
+        new_x = _nonnegative_lstsq(jac * weights[:, None], (target - current + jac @ x) * weights)
+        if "compute_scale" in names:
+            i = names.index("compute_scale")
+            new_x[i] = max(new_x[i], 1e-6)
+        before, t = err(current), 1.0
+        while True:  # damped: piecewise linear, so a full step can overshoot a kink
+            candidate = dataclasses.replace(params, **{n: float(v) for n, v in zip(names, x + t * (new_x - x))})
+            s = sim(candidate)
+            if err(s) <= before or t < 1e-3:
                 break
-            step = measured[0] / first
-            scale *= step
-            if abs(step - 1.0) < 1e-9:
-                break
-        params = SimulatorParams(scale, b)
-        sim_first, sim_second = simulate_at(params)
-        if sim_first <= 0:
+            t /= 4
+        if err(s) > before:
+            break
+        converged = err(s) >= before * (1 - 1e-6) or err(s) < 1e-24
+        params, current = candidate, s
+        if converged:
+            break
+    return params, current
+
+
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """min |a x - b| over x >= 0, for a few columns: the best unconstrained solution over every
+    subset of columns that comes out non-negative (the optimum is one of them)."""
+    n = a.shape[1]
+    best, best_err = np.zeros(n), float(np.sum(b**2))
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        sol, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+        if np.any(sol < 0):
             continue
-        err = abs(sim_second / sim_first - measured[1] / measured[0])
-        if err < best_err - 1e-12:
-            best, best_err = params, err
+        x = np.zeros(n)
+        x[cols] = sol
+        e = float(np.sum((a @ x - b) ** 2))
+        if e < best_err - 1e-15:
+            best, best_err = x, e
     return best
 
 
@@ -104,7 +290,9 @@ def simulate(
     """DisCo's simulator: a ready queue of compute kernels on one stream in dependency order;
     all-reduces on one channel in the order their gradients are produced, each starting when its
     last gradient is ready and the channel is free (and holding the compute stream for
-    `params.comm_blocking` of its time). None if the strategy is invalid."""
+    `params.comm_blocking` of its time). A compute kernel costs `params.kernel_us` of its
+    estimate; the step's fixed cost `params.step_overhead_us` is added to the iteration time (and
+    to the full-overlap bound; not to compute time). None if the strategy is invalid."""
     dag = dag or kernel_dag(graph, strategy)
     if dag is None:
         return None
@@ -113,10 +301,11 @@ def simulate(
     costs = [0.0] * n
     times = estimator.estimate(graph, [dag.members[k] for k in compute])
     for k, t in zip(compute, times):
-        costs[k] = float(t or 0.0) * params.compute_scale
+        costs[k] = params.kernel_us(t or 0.0)
     for k in range(n):
         if dag.kinds[k] == BUCKET:
-            costs[k] = allreduce.time_us(sum(graph.gradients[g].nbytes for g in dag.members[k]))
+            tensors = [graph.gradients[g].nbytes for g in sorted(dag.members[k])]
+            costs[k] = bucket_time_us(allreduce, tensors)
     position = {k: i for i, k in enumerate(dag.order)}
     users: list[list[int]] = [[] for _ in range(n)]
     waiting = [len(d) for d in dag.deps]
@@ -170,11 +359,11 @@ def simulate(
     iteration = max(stream_free, channel_free)
     hidden = max(0.0, compute_us + comm_us - iteration) if comm_us else 0.0
     return SimulatedStep(
-        iteration_us=iteration,
+        iteration_us=iteration + params.step_overhead_us,
         compute_us=compute_us,
         comm_us=comm_us,
         overlap_ratio=min(1.0, hidden / comm_us) if comm_us else 1.0,
-        full_overlap_us=max(compute_us, comm_us),
+        full_overlap_us=max(compute_us, comm_us) + params.step_overhead_us,
         num_fusions=sum(1 for k in range(n) if dag.kinds[k] == GROUP and len(dag.members[k]) > 1),
         num_allreduces=sum(1 for k in range(n) if dag.kinds[k] == BUCKET),
         events=events,

@@ -1,0 +1,492 @@
+"""Measured search: the search proposes, the devices decide.
+
+A search that trusts its model finds the model's errors (the winner's curse). As TVM's Ansor and
+XLA's autotuner do, the best few distinct candidates of the search are compiled through the
+rewriter and timed for real against XLA's plan, and what was measured flows back into the model
+before the search goes on:
+
+    search ── top k ── compile, time against XLA's plan (interleaved pairs), trace kernels ──┐
+      ↑                                                                                       │
+      └─ measured kernels into the table; simulator recalibrated over every measured ─────────┘
+         configuration; measured candidates cost what was measured; the next round
+         starts from the best measured candidate
+
+The loop ends when its budget (`TuningConfig`), its rounds or new candidates run out. The
+candidate measured fastest goes to validation (the acceptance rule, `_pipeline.validate`); when
+no candidate measured faster than XLA's plan, XLA's plan is kept with that evidence.
+
+Multi-process jobs: timing and tracing run the step (collectives), so every process measures the
+same candidates in the same order. Process 0 alone searches and picks; it broadcasts each
+candidate before it is measured (None ends the loop), and per-pair ratios count with their
+slowest process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from disco_jax import _distributed, _hlo, _profile, _search, _validate, cost
+from disco_jax._compile import Captured, Runner, compile_strategy, compiled_stats
+from disco_jax._console import Ui
+from disco_jax._graph import Graph
+from disco_jax._profiling import calibration_strategies
+from disco_jax._strategy import Strategy, group_exports, kernel_dag, prune, xla_default
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+    """candidates: distinct candidates timed per round (k). pairs: interleaved timing pairs per
+    candidate. max_rounds: rounds of search and measurement (the first round's search is the
+    search phase's own). budget_s: wall-clock limit of the loop; None: `budget_share` of the
+    search's `budget_s`. The first candidate is measured whatever the budget. research_share: the
+    search budget of each later round, as a share of the search's (at most half the time left).
+    kernel_steps: traced steps per candidate for its kernel times."""
+
+    candidates: int = 4
+    pairs: int = 8
+    max_rounds: int = 3
+    budget_s: float | None = None
+    budget_share: float = 0.5
+    research_share: float = 0.25
+    kernel_steps: int = 3
+
+    def loop_budget_s(self, search: _search.SearchConfig) -> float:
+        return self.budget_s if self.budget_s is not None else self.budget_share * search.budget_s
+
+
+@dataclasses.dataclass
+class Measurement:
+    """One candidate on the devices: its interleaved timing against XLA's plan, its kernels' times
+    by their ops (the kernels the simulator costs), and the all-reduces XLA kept (None: unknown)."""
+
+    timing: _validate.Timing
+    kernel_times: dict[frozenset[int], float] = dataclasses.field(default_factory=dict)
+    allreduces: int | None = None
+
+
+Measure = Callable[[Strategy], Measurement]
+
+
+@dataclasses.dataclass
+class Record:
+    """A measured candidate: its round, what the model predicted when it was picked (time and
+    ratio to XLA's plan, both simulated), and what was measured (None: it failed, see `error`)."""
+
+    round: int
+    strategy: Strategy
+    predicted_us: float
+    predicted_ratio: float
+    measurement: Measurement | None
+    error: str | None = None
+    kernels_added: int = 0
+
+    @property
+    def eligible(self) -> bool:
+        """Measured, and XLA kept the planned all-reduces (else another program was timed)."""
+        m = self.measurement
+        return m is not None and m.allreduces in (None, len(self.strategy.buckets))
+
+    @property
+    def measured_ratio(self) -> float:
+        return self.measurement.timing.ratio if self.measurement is not None else math.inf
+
+    def to_json(self) -> dict:
+        t = None if self.measurement is None else self.measurement.timing
+        out = {
+            "round": self.round,
+            "origin": self.strategy.origin,
+            "predicted_us": self.predicted_us,
+            "predicted_ratio": self.predicted_ratio,
+            "measured_us": None if t is None else t.plan_us,
+            "measured_ratio": None if t is None else t.ratio,
+            "ratio_iqr": None if t is None else [t.ratio_low, t.ratio_high],
+            "pairs": 0 if t is None else t.pairs,
+            "default_us": None if t is None else t.default_us,
+            "allreduces": {
+                "planned": len(self.strategy.buckets),
+                "compiled": None if self.measurement is None else self.measurement.allreduces,
+            },
+            "kernels_added": self.kernels_added,
+        }
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+@dataclasses.dataclass
+class Tuned:
+    """The loop's outcome. best: the candidate measured fastest when it measured faster than XLA's
+    plan, else XLA's plan; reason and evidence: why XLA's plan is kept (the fastest candidate's
+    timing), None / {} when a candidate goes to validation or nothing could be measured."""
+
+    best: Strategy
+    records: list[Record]
+    recalibration: dict | None
+    rounds: list[dict]
+    stop_reason: str
+    seconds: dict[str, float]  # total, and measuring / learning / searching
+    reason: str | None = None
+    evidence: dict = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """The plan's `search` entries: every measured candidate, the last recalibration, the loop."""
+        return {
+            "measured_candidates": [r.to_json() for r in self.records],
+            "recalibration": self.recalibration,
+            "tuning": {"rounds": self.rounds, "stop_reason": self.stop_reason, "seconds": self.seconds},
+        }
+
+
+def measured_table(cost_model: cost.CostModel) -> cost.TableEstimator:
+    """The measured table of the cost model's estimator chain (put first when there is none)."""
+    for estimator in cost_model.estimator.estimators:
+        if isinstance(estimator, cost.TableEstimator):
+            return estimator
+    table = cost.TableEstimator({})
+    cost_model.estimator = cost.chain(table, *cost_model.estimator.estimators)
+    return table
+
+
+def recalibrate(
+    graph: Graph, cost_model: cost.CostModel, points: Sequence[tuple[Strategy, float, str]]
+) -> cost.Calibrated | None:
+    """Fit the simulator's parameters (`disco_jax.cost.calibrate`) to every measured configuration
+    given as (strategy, measured us, label), distinct by key; sets `cost_model.params`. Returns
+    what `calibrate` fitted, None with fewer than two configurations."""
+    unique: dict = {}
+    for s, us, label in points:
+        dag = kernel_dag(graph, s)
+        if dag is not None and us > 0:
+            unique.setdefault(s.key(), (s, dag, float(us), label))
+    if len(unique) < 2:
+        return None
+    strategies, dags, measured, labels = zip(*unique.values())
+
+    def simulate_at(params: cost.SimulatorParams) -> list[float]:
+        return [
+            cost.simulate(graph, s, cost_model.estimator, cost_model.allreduce, params, dag=d).iteration_us
+            for s, d in zip(strategies, dags)
+        ]
+
+    fitted = cost.calibrate(simulate_at, measured, start=cost_model.params, labels=labels)
+    cost_model.params = fitted.params
+    return fitted
+
+
+class MeasuredSearch:
+    """Process 0's side of the loop: which candidate to time next (`next`), what was measured
+    (`record`), what the model learns from it (`learn`), and the outcome (`finish`).
+
+    `first` is the search phase's own search (round 0). `points` are configurations measured
+    before the loop, as (strategy, measured ratio to XLA's plan, label)."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        cost_model: cost.CostModel,
+        first: _search.SearchResult,
+        search: _search.SearchConfig,
+        tuning: TuningConfig,
+        points: Sequence[tuple[Strategy, float, str]] = (),
+        ui: Ui | None = None,
+    ):
+        self.graph, self.cost_model, self.search, self.tuning = graph, cost_model, search, tuning
+        self.points, self.ui = list(points), ui or Ui(False)
+        self.default = xla_default(graph)
+        self.started = time.perf_counter()
+        self.budget_s = tuning.loop_budget_s(search)
+        self.records: list[Record] = []
+        self.measured: dict = {}  # key -> Record
+        self.fresh: list[Record] = []  # measured since the model last learned
+        self.rounds: list[dict] = []
+        self.round = 0
+        self.recalibration: dict | None = None
+        self.stop_reason: str | None = None
+        self.pending: tuple | None = None
+        self.seconds = {"measuring": 0.0, "learning": 0.0, "searching": 0.0}
+        self.default_us = self.simulate(self.default)
+        self.queue = self.pick(first)
+
+    def simulate(self, s: Strategy) -> float | None:
+        r = self.cost_model.simulate(self.graph, s)
+        return None if r is None else r.iteration_us
+
+    def cost(self, s: Strategy) -> float | None:
+        """A strategy's cost for the search: what it measured (its ratio to XLA's plan, in simulated
+        units), for a candidate measured already; None for one that failed; else simulated."""
+        r = self.measured.get(s.key())
+        if r is not None and r.measurement is None:
+            return None
+        if r is not None and r.eligible:
+            return r.measured_ratio * self.default_us
+        return self.simulate(s)
+
+    def pick(self, result: _search.SearchResult) -> list[tuple[Strategy, float, float]]:
+        """The next round's candidates: the search's best, then its cheapest others, distinct, never
+        XLA's plan nor one measured already; with predicted time and ratio to XLA's plan."""
+        exclude = set(self.measured) | {self.default.key()}
+        costs = {s.key(): c for c, s in result.candidates}
+        k = self.tuning.candidates
+        picked = []
+        for s in [result.best] + [s for s, _ in result.top(k + 1, exclude)]:
+            if len(picked) == k or s.key() in exclude:
+                continue
+            exclude.add(s.key())
+            c = costs.get(s.key())
+            c = self.cost(s) if c is None else c
+            if c is not None:
+                picked.append((s, c, c / self.default_us))
+        return picked
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def next(self) -> Strategy | None:
+        """The candidate to measure next, or None when the loop is over."""
+        while self.stop_reason is None:
+            if self.queue and (not self.records or self.elapsed() < self.budget_s):
+                self.pending = self.queue.pop(0)
+                return self.pending[0]
+            if self.fresh:
+                self.learn()
+            if not self.records:
+                self.stop_reason = "no candidate besides XLA's plan"
+            elif self.elapsed() >= self.budget_s:
+                self.stop_reason = f"time budget of {self.budget_s:g} s spent"
+            elif self.round + 1 >= self.tuning.max_rounds:
+                self.stop_reason = f"{self.tuning.max_rounds} rounds"
+            else:
+                self.research()
+                if not self.queue:
+                    self.stop_reason = "no new candidate"
+        return None
+
+    def record(self, measurement: Measurement | None, error: str | None = None, seconds: float = 0.0) -> Record:
+        """What measuring the pending candidate gave (in `seconds`)."""
+        self.seconds["measuring"] += seconds
+        s, predicted_us, predicted_ratio = self.pending
+        r = Record(self.round, s, predicted_us, predicted_ratio, measurement, error)
+        self.records.append(r)
+        self.measured[s.key()] = r
+        self.fresh.append(r)
+        if measurement is None:
+            self.ui.say(f"candidate {len(self.records)} ({s.origin}) could not be measured: {error}")
+        else:
+            t = measurement.timing
+            self.ui.say(
+                f"candidate {len(self.records)} (round {self.round}, {s.origin}): simulated "
+                f"{predicted_ratio:.3f}x, measured {t.ratio:.3f}x [{t.ratio_low:.3f}-{t.ratio_high:.3f}] "
+                f"over {t.pairs} pairs"
+            )
+        return r
+
+    def learn(self) -> None:
+        """Measured kernel times into the table (kernels it lacks), and the simulator recalibrated
+        over every configuration measured: XLA's plan, those measured before the loop, and each
+        candidate at its measured ratio times XLA's median measured step."""
+        started = time.perf_counter()
+        graph, table = self.graph, measured_table(self.cost_model)
+        for r in self.fresh:
+            for members, t in (r.measurement.kernel_times if r.measurement is not None else {}).items():
+                signature = graph.kernel_signature(members)
+                if signature not in table.times_us:
+                    table.times_us[signature] = float(t)
+                    r.kernels_added += 1
+        self.fresh = []
+        self.cost_model.estimator = cost.chain(*self.cost_model.estimator.estimators)  # forget cached estimates
+        measured = [r for r in self.records if r.eligible]
+        if measured:
+            reference = float(np.median([r.measurement.timing.default_us for r in measured]))
+            points = [(self.default, reference, "xla")] + [
+                (s, ratio * reference, label) for s, ratio, label in self.points
+            ]
+            points += [(r.strategy, r.measured_ratio * reference, r.strategy.origin) for r in measured]
+            try:
+                fitted = recalibrate(graph, self.cost_model, points)
+            except ValueError as e:  # keep the parameters the search ran with
+                self.recalibration = {"error": str(e)}
+            else:
+                if fitted is not None:
+                    self.recalibration = fitted.to_json()
+        self.default_us = self.simulate(self.default)
+        self.seconds["learning"] += time.perf_counter() - started
+        added = sum(r.kernels_added for r in self.records)
+        fit = self.recalibration or {}
+        self.ui.say(
+            f"model updated from {len(self.records)} measured candidates: {added} kernel times added"
+            + (f"; simulator recalibrated, misfit {fit['misfit']:.1%}" if "misfit" in fit else "")
+        )
+
+    def research(self) -> None:
+        """A new round of the search, from the best measured candidate and XLA's plan, costed by
+        the updated model (measured candidates at their measured cost)."""
+        self.round += 1
+        measured = [r for r in self.records if r.eligible]
+        starts = [min(measured, key=lambda r: r.measured_ratio).strategy] if measured else []
+        starts.append(self.default)
+        left = self.budget_s - self.elapsed()
+        budget = max(0.05, min(self.tuning.research_share * self.search.budget_s, left / 2))
+        config = dataclasses.replace(self.search, budget_s=budget, seed=self.search.seed + self.round)
+        result = _search.backtracking_search(self.graph, self.cost, config, starts=starts)
+        self.queue = self.pick(result)
+        self.seconds["searching"] += result.seconds
+        self.rounds.append(
+            {
+                "round": self.round,
+                "start": starts[0].origin,
+                "evaluated": result.evaluated,
+                "seconds": result.seconds,
+                "best_ratio": result.best_cost / self.default_us,
+                "candidates": len(self.queue),
+            }
+        )
+
+    def finish(self) -> Tuned:
+        if self.fresh:
+            self.learn()
+        stop = self.stop_reason or "ended"
+        measured = [r for r in self.records if r.eligible]
+        fastest = min(measured, key=lambda r: r.measured_ratio, default=None)
+        seconds = {"total": self.elapsed(), **self.seconds}
+        tuned = Tuned(self.default, self.records, self.recalibration, self.rounds, stop, seconds)
+        if fastest is not None and fastest.measured_ratio < 1.0:
+            tuned.best = fastest.strategy
+        elif fastest is not None:
+            t = fastest.measurement.timing
+            tuned.reason = (
+                f"no measured candidate was faster than XLA's plan: the fastest of {len(self.records)}, "
+                f"{fastest.strategy.origin}, measured {t.ratio:.3f}x the default step time over {t.pairs} pairs "
+                f"(simulated {fastest.predicted_ratio:.3f}x)"
+            )
+            tuned.evidence = {**t.to_json(), "candidate": fastest.strategy.origin, "source": "measured candidates"}
+        elif self.records:
+            tuned.reason = f"none of the {len(self.records)} candidates could be measured"
+        return tuned
+
+
+def measured_search(
+    graph: Graph,
+    cost_model: cost.CostModel,
+    first: _search.SearchResult | None,
+    search: _search.SearchConfig,
+    tuning: TuningConfig,
+    measure: Measure,
+    *,
+    scope: str | None = None,
+    points: Sequence[tuple[Strategy, float, str]] = (),
+    ui: Ui | None = None,
+) -> Tuned | None:
+    """Run the loop with `measure` (`device_measure` on the devices; tests pass their own).
+    Process 0 is the one given `first` (its search phase's search): it picks, learns and gets the
+    `Tuned`; in a multi-process job (`scope`) the others measure what it broadcasts and get None."""
+    loop = MeasuredSearch(graph, cost_model, first, search, tuning, points, ui) if first is not None else None
+    timeout_s = _distributed.sync_timeout_s() + tuning.loop_budget_s(search) + search.budget_s
+    for index in itertools.count():
+        strategy = loop.next() if loop is not None else None
+        if scope is not None:
+            data = None if strategy is None else strategy.to_json(graph)
+            data = _distributed.broadcast_json(f"{scope}/tuning/{index}", data, timeout_s=timeout_s)
+            strategy = None if data is None else Strategy.from_json(graph, data)
+        if strategy is None:
+            break
+        started = time.perf_counter()
+        try:
+            measurement, error = measure(strategy), None
+        except Exception as e:  # a candidate XLA cannot compile or run is recorded, not fatal
+            measurement, error = None, f"{type(e).__name__}: {e}"
+        if loop is not None:
+            loop.record(measurement, error, time.perf_counter() - started)
+    return loop.finish() if loop is not None else None
+
+
+# ------------------------------------------------------------------------------- on the devices
+
+
+def kernel_members(graph: Graph, strategy: Strategy, module_text: str) -> dict[str, frozenset[int]]:
+    """Entry instruction name -> the ops of its kernel as the simulator costs it, in a module the
+    backend's rewriter wrote for `strategy`: XLA's fusions it kept (by name), ops left unfused and
+    opaque ops (by name), and new fusions (their fused computations name each op `<op>.<suffix>`,
+    `disco_jax._rewrite.fused_computation`), each mapped back to the strategy's group."""
+    module = _hlo.parse_module(module_text)
+    op_ids = {op.name: op.id for op in graph.ops if op.kind in ("fusible", "opaque")}
+    xla = dict(zip(graph.xla_kernel_names, graph.xla_groups))
+    exports = group_exports(graph, strategy)
+    groups = {prune(graph, g, exports[gi]): g for gi, g in enumerate(strategy.groups) if exports[gi]}
+    out: dict[str, frozenset[int]] = {}
+    for inst in module.entry.instructions:
+        if inst.name in xla:
+            out[inst.name] = xla[inst.name]
+        elif inst.name in op_ids:
+            out[inst.name] = frozenset([op_ids[inst.name]])
+        elif inst.opcode == "fusion":
+            body = module.computation((inst.attr("calls") or "").lstrip("%")).instructions
+            ops = frozenset(op_ids[n] for n in (i.name.rsplit(".", 1)[0] for i in body) if n in op_ids)
+            if ops and all(graph.ops[o].kind == "fusible" for o in ops):
+                out[inst.name] = groups.get(ops, ops)
+    return out
+
+
+def device_measure(step: Captured, default_runner: Runner, tuning: TuningConfig) -> Measure:
+    """The real `measure`: compile the candidate through the rewriter, time it against XLA's
+    executable in interleaved pairs, and trace its kernels. Every process of a job calls it for
+    the same candidates in the same order (the runs are collectives)."""
+    graph, count = step.graph, itertools.count()
+
+    def measure(strategy: Strategy) -> Measurement:
+        index = next(count)
+        compiled, _ = compile_strategy(step.lowered, graph, strategy)
+        runner = step.runner(compiled)
+        timing = _validate.time_interleaved(default_runner, runner, pairs=tuning.pairs)
+        if step.scope is not None:  # judged by the slowest process, as validation does
+            ratios = _distributed.slowest_pairs(f"{step.scope}/tuning/{index}/timing")(timing.ratios)
+            timing = _validate.summarize([timing.default_us], [timing.plan_us], ratios)
+        times = _profile.measure_kernel_times(
+            runner, (), steps=tuning.kernel_steps, warmup=1, module_name=step.module_name
+        )
+        names = kernel_members(graph, strategy, graph.backend.rewriter.rewrite(graph, strategy))
+        kernels = {names[n]: t for n, t in times.items() if n in names}
+        return Measurement(timing, kernels, compiled_stats(compiled.as_text())["all-reduce"])
+
+    return measure
+
+
+def calibration_points(graph: Graph, sources: dict) -> list[tuple[Strategy, float, str]]:
+    """What the calibrate phase measured besides XLA's plan (`_profiling.calibration_strategies`,
+    its points by label), as (strategy, measured ratio to XLA's plan, label)."""
+    found = sources.get("calibration") or {}
+    measured = {p.get("label"): p.get("measured_us") for p in found.get("points") or []}
+    default_us = measured.get("default") or found.get("measured_default_us")
+    if not default_us:
+        return []
+    strategies = calibration_strategies(graph)
+    return [
+        (strategies[label], us / default_us, label)
+        for label, us in measured.items()
+        if label in strategies and label != "default" and us
+    ]
+
+
+def tune(
+    step: Captured,
+    cost_model: cost.CostModel,
+    first: _search.SearchResult | None,
+    default_runner: Runner,
+    search: _search.SearchConfig,
+    candidates: int,
+    validation_pairs: int,
+    ui: Ui,
+) -> Tuned | None:
+    """The search phase's measured loop on the devices: `candidates` per round, timed with half
+    the validation's first look of pairs (at least 6)."""
+    tuning = TuningConfig(candidates=candidates, pairs=max(6, validation_pairs // 2))
+    points = calibration_points(step.graph, cost_model.sources)
+    measure = device_measure(step, default_runner, tuning)
+    return measured_search(
+        step.graph, cost_model, first, search, tuning, measure, scope=step.scope, points=points, ui=ui
+    )

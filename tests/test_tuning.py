@@ -1,0 +1,209 @@
+"""The measured search (`disco_jax._tuning`): the search proposes, the devices decide.
+
+The loop's logic runs on a fake `measure` (synthetic timings: what the loop does with a
+measurement is tested, not the machine); the end-to-end tests run it on the devices through
+`optimize_distributed`, in one process and in a two-process job. No timing figure is asserted."""
+
+import itertools
+import json
+import random
+import types
+
+import pytest
+from test_multihost import run_job
+
+from disco_jax import (
+    _capture,
+    _compile,
+    _graph,
+    _pipeline,
+    _plan,
+    _search,
+    _strategy,
+    _tuning,
+    _validate,
+    backends,
+    cost,
+    optimize_distributed,
+)
+
+from _steps import make_step
+
+SEARCH = _search.SearchConfig(budget_s=1.0, max_unchanged=200, seed=1)
+
+
+@pytest.fixture(scope="module")
+def graph():
+    step, args = make_step("jit", sizes=(16, 64, 64, 64, 4))
+    return _graph.build_graph(_capture.capture(step.lower(*args))[0], backends.CPU)
+
+
+def cost_model() -> cost.CostModel:
+    return cost.CostModel(
+        cost.chain(cost.TableEstimator({}), cost.AnalyticalEstimator()),
+        cost.AllReduceCostModel(per_byte_us=1e-3, latency_us=20.0),
+        {},
+    )
+
+
+def first_search(graph, model) -> _search.SearchResult:
+    def simulated(s):
+        r = model.simulate(graph, s)
+        return None if r is None else r.iteration_us
+
+    return _search.backtracking_search(graph, simulated, SEARCH)
+
+
+def timing(ratio: float, pairs: int = 8) -> _validate.Timing:
+    return _validate.summarize([100.0] * pairs, [100.0 * ratio] * pairs)
+
+
+def test_a_candidate_measured_slower_than_predicted_loses_its_rank(graph):
+    model = cost_model()
+    loop = _tuning.MeasuredSearch(
+        graph, model, first_search(graph, model), SEARCH, _tuning.TuningConfig(candidates=3, budget_s=60, max_rounds=2)
+    )
+    ratios = itertools.chain([1.5], itertools.repeat(0.9))  # the model's favourite measures slow
+    while (s := loop.next()) is not None:
+        loop.record(_tuning.Measurement(timing(next(ratios)), {}, len(s.buckets)))
+    tuned = loop.finish()
+    favourite, runner_up = tuned.records[0], tuned.records[1]
+    assert favourite.round == runner_up.round == 0
+    assert favourite.predicted_us <= runner_up.predicted_us  # ranked first by the model
+    assert loop.cost(favourite.strategy) > loop.cost(runner_up.strategy)  # ranked below it once measured
+    assert tuned.best.key() == runner_up.strategy.key() and tuned.reason is None
+    # The second round searched from the best measured candidate, with the recalibrated model.
+    assert tuned.rounds and tuned.rounds[0]["start"] == runner_up.strategy.origin
+    assert {r.round for r in tuned.records} == {0, 1} and len({r.strategy.key() for r in tuned.records}) == len(
+        tuned.records
+    )
+    assert tuned.recalibration is not None and len(tuned.recalibration["points"]) == len(tuned.records) + 1
+    assert model.params == tuned_params(tuned.recalibration)
+
+
+def tuned_params(recalibration: dict) -> cost.SimulatorParams:
+    return cost.SimulatorParams(**recalibration["params"])
+
+
+def test_measured_kernel_times_enter_the_table_and_cost_the_next_round(graph):
+    model = cost_model()
+    table = _tuning.measured_table(model)
+    measured: dict[frozenset[int], float] = {}
+    sources_when_measured, sources_in_round_1 = [], []
+    calls = itertools.count()
+
+    def measure(s):
+        if next(calls) == 2:  # the first candidate of round 1: what does the model say of round 0's kernels?
+            sources_in_round_1.extend(model.estimator.estimate_with_source(graph, list(measured)))
+        signatures = {graph.kernel_signature(g) for g in measured}
+        new = {}
+        for g in s.fused_groups:
+            signature = graph.kernel_signature(g)
+            if signature not in table.times_us and signature not in signatures:
+                signatures.add(signature)
+                new[g] = 1000.0 + len(measured) + len(new)
+        sources_when_measured.extend(source for _, source in model.estimator.estimate_with_source(graph, list(new)))
+        measured.update(new)
+        return _tuning.Measurement(timing(0.95), new, len(s.buckets))
+
+    tuning = _tuning.TuningConfig(candidates=2, budget_s=60, max_rounds=2)
+    tuned = _tuning.measured_search(graph, model, first_search(graph, model), SEARCH, tuning, measure)
+    assert measured, "no candidate formed a kernel the table lacked"
+    assert "profile" not in sources_when_measured  # costed by the analytical model before
+    # Round 1 searched with round 0's kernels costed from the table, at their measured times.
+    assert sources_in_round_1 and all(source == "profile" for _, source in sources_in_round_1)
+    assert [r.round for r in tuned.records].count(1) > 0
+    kernels = list(measured)
+    assert model.estimator.estimate_with_source(graph, kernels) == [(measured[k], "profile") for k in kernels]
+    assert sum(r.kernels_added for r in tuned.records) == len(measured)
+
+
+def test_no_candidate_faster_keeps_xla_with_the_evidence(graph):
+    model = cost_model()
+    tuning = _tuning.TuningConfig(candidates=2, budget_s=60, max_rounds=1)
+
+    def measure(s):
+        return _tuning.Measurement(timing(1.1), {}, len(s.buckets))
+
+    tuned = _tuning.measured_search(graph, model, first_search(graph, model), SEARCH, tuning, measure)
+    assert tuned.best.key() == _strategy.xla_default(graph).key()
+    assert "no measured candidate was faster" in tuned.reason
+    assert tuned.evidence["ratio"] == pytest.approx(1.1) and tuned.evidence["source"] == "measured candidates"
+    a, b = records = json.loads(json.dumps(tuned.to_json()))["measured_candidates"]  # as the plan stores it
+    assert all(r["measured_ratio"] == pytest.approx(1.1) and r["pairs"] == 8 for r in records)
+    assert a["predicted_us"] <= b["predicted_us"]  # the model's order
+    assert a["predicted_ratio"] * b["predicted_us"] == pytest.approx(b["predicted_ratio"] * a["predicted_us"])
+
+
+def test_kernel_names_of_a_rewritten_module_map_to_the_strategy_groups(graph):
+    rng, s = random.Random(0), _strategy.xla_default(graph)
+    for _ in range(1000):  # split XLA's fusions until the strategy holds a fusion XLA did not form
+        if set(s.fused_groups) - set(graph.xla_groups):
+            break
+        nxt = _strategy.split_group(graph, s, rng)
+        s = nxt if nxt is not None and _strategy.kernel_dag(graph, nxt) is not None else s
+    names = _tuning.kernel_members(graph, s, graph.backend.rewriter.rewrite(graph, s))
+    new = {n: m for n, m in names.items() if n.startswith("disco_fusion.")}
+    assert new and set(new.values()) <= set(s.groups)
+    assert set(s.fused_groups) <= set(names.values())  # every fused kernel is named
+    assert all(frozenset([o]) in names.values() for o in graph.opaque_ops)
+
+
+def test_optimize_distributed_compiles_times_and_records_its_candidates(tmp_path, monkeypatch):
+    compiled = []
+    real = _tuning.compile_strategy
+
+    def spy(lowered, graph, strategy):
+        out = real(lowered, graph, strategy)
+        compiled.append((strategy, _compile.compiled_stats(out[0].as_text())))
+        return out
+
+    monkeypatch.setattr(_tuning, "compile_strategy", spy)
+    step, args = make_step("jit")
+    options = dict(budget_s=3.0, validation_pairs=4, verbose=False, plan_dir=tmp_path, measured_candidates=2)
+    wrapped = optimize_distributed(search=True, **options)(step)
+    wrapped(*args)
+    report = wrapped.last_report
+    records = report.search["measured_candidates"]
+    assert records and len(records) == len(compiled)
+    for r, (s, counts) in zip(records, compiled):
+        assert counts["all-reduce"] == len(s.buckets) == r["allreduces"]["planned"] == r["allreduces"]["compiled"]
+        assert r["origin"] == s.origin and r["pairs"] == 6
+        assert r["predicted_us"] > 0 and r["measured_us"] > 0 and r["predicted_ratio"] > 0 and r["measured_ratio"] > 0
+    assert report.search["recalibration"]
+    assert _plan.read_plan_file(report.plan_path).search["measured_candidates"] == records
+    fastest = min(records, key=lambda r: r["measured_ratio"])
+    if fastest["measured_ratio"] >= 1.0:
+        assert not report.applied and report.reason.startswith("no measured candidate was faster")
+    else:  # the fastest candidate went to validation
+        assert "bitwise_required" in report.measured
+        assert report.plan_counts["all-reduce"] == fastest["allreduces"]["planned"]
+
+
+def test_measured_candidates_0_measures_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(_tuning, "tune", lambda *a, **k: pytest.fail("a candidate was measured"))
+    # The measured phases before the search are not what this test is about: a model stands in.
+    monkeypatch.setattr(_pipeline, "profile", lambda *a, **k: cost_model())
+    monkeypatch.setattr(_pipeline, "calibrate", lambda *a, **k: types.SimpleNamespace(to_json=dict))
+    step, args = make_step("jit")
+    options = dict(budget_s=1.0, validation_pairs=4, verbose=False, plan_dir=tmp_path, measured_candidates=0)
+    wrapped = optimize_distributed(search=True, **options)(step)
+    wrapped(*args)
+    assert wrapped.last_report.search_ran and "measured_candidates" not in wrapped.last_report.search
+    with pytest.raises(ValueError, match="measured_candidates"):
+        optimize_distributed(measured_candidates=-1)
+
+
+def test_every_process_measures_the_candidates_process_0_picks(tmp_path):
+    """Two processes: process 0 searches and picks, both compile and time the same candidates
+    (collectives: a mismatch would hang or fail the job), and both end with process 0's plan."""
+    plan_dir = tmp_path / "plans"
+    result, reports = run_job(plan_dir, search=True)
+    assert result.exit_code == 0, "\n".join(result.outputs)
+    p0, p1 = reports[0], reports[1]
+    assert p0["searches"] >= 1 and p1["searches"] == 0
+    for key in ("plan_digest", "applied", "reason", "plan_use_default", "output_digest"):
+        assert p0[key] == p1[key], key
+    (plan,) = [p for p in plan_dir.glob("*.json") if not p.name.endswith(".timeline.json")]
+    records = json.loads(plan.read_text())["search"]["measured_candidates"]
+    assert records and all(r["pairs"] > 0 and r["allreduces"]["compiled"] is not None for r in records)
