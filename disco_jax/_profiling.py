@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from disco_jax import _distributed, _profile, _profile_store, _strategy, _validate, cost
@@ -117,7 +120,8 @@ def calibration_strategies(graph) -> dict[str, _strategy.Strategy]:
     all-reduce per gradient (how much an all-reduce costs the step, and how much of it hides);
     no op fusion with XLA's all-reduces (what a kernel costs beyond its traced time: many more,
     smaller kernels); and no op fusion with one all-reduce per gradient. Configurations that
-    coincide on this graph (one gradient, nothing fused) are measured once."""
+    coincide on this graph (one gradient, nothing fused) are measured once; one the backend could
+    not emit is left out."""
     default = _strategy.xla_default(graph)
     per_gradient = [(g.id,) for g in graph.gradients]
     unfused = _strategy.unfused(graph)
@@ -129,18 +133,39 @@ def calibration_strategies(graph) -> dict[str, _strategy.Strategy]:
     }
     out, seen = {}, set()
     for label, s in candidates.items():
-        if s.key() not in seen:
+        if s.key() not in seen and (label == "default" or _strategy.is_valid(graph, s)):
             seen.add(s.key())
             out[label] = s
     return out
 
 
+def null_program(captured: Captured) -> Callable[[], Any]:
+    """A program with the step's arguments and results that computes nothing (it fills its results
+    with zeros): what launching the step costs on these devices, whatever the step computes. On
+    XLA:CPU's virtual devices that is a large, fixed share of the step: each device's launch
+    handles every argument and result buffer (docs/simulator-fidelity.md)."""
+    out_info = captured.lowered.out_info
+
+    def zeros(args, kwargs):
+        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), out_info)
+
+    program = jax.jit(zeros, out_shardings=captured.default_compiled.output_shardings)
+    compiled = program.lower(captured.args, captured.kwargs).compile()
+    return lambda: compiled(captured.args, captured.kwargs)
+
+
+CALIBRATED = ("compute_scale", "comm_blocking", "kernel_overhead_us")  # the step's fixed cost is measured
+
+
 def calibrate(
     cost_model: cost.CostModel, captured: Captured, default_runner: Runner, pairs: int, ui: Ui
 ) -> Calibration:
-    """Fit the simulator's parameters (`cost.calibrate`) to the measured step times of the
-    `calibration_strategies`, each timed in interleaved pairs against XLA's executable (its time:
-    the median ratio to XLA's times the median of XLA's own times). Sets `cost_model.params`."""
+    """Fit the simulator's parameters to the step as measured: its fixed cost (`step_overhead_us`)
+    is the `null_program`'s time; the compute scale, the all-reduces' blocking and the per-kernel
+    overhead are fitted (`cost.calibrate`) to the measured step times of the
+    `calibration_strategies`. Every program is timed in interleaved pairs against XLA's executable
+    (its time: the median ratio to XLA's, times the median of XLA's own times). Sets
+    `cost_model.params`."""
     graph = captured.graph
     strategies = calibration_strategies(graph)
     pairs = max(6, pairs)
@@ -152,12 +177,12 @@ def calibrate(
         timing = _validate.time_interleaved(default_runner, captured.runner(compiled), pairs=pairs)
         ratios[label] = timing.ratio
         default_samples.append(timing.default_us)
-    if not default_samples:
-        default_samples.append(_validate.time_interleaved(default_runner, default_runner, pairs=5).default_us)
+    null = _validate.time_interleaved(default_runner, null_program(captured), pairs=pairs)
+    default_samples.append(null.default_us)
     default_us = float(np.median(default_samples))
     labels = list(strategies)
     measured = [ratios[label] * default_us for label in labels]
-
+    start = cost.SimulatorParams(step_overhead_us=null.ratio * default_us)
     dags = {label: _strategy.kernel_dag(graph, s) for label, s in strategies.items()}
 
     def simulate_at(p: cost.SimulatorParams) -> list[float]:
@@ -166,19 +191,20 @@ def calibrate(
             for x in labels
         ]
 
-    if len(labels) == 1:  # nothing to vary on this graph: the compute scale alone
-        scale = measured[0] / cost_model.simulate(graph, strategies["default"]).iteration_us
-        params = cost.SimulatorParams(compute_scale=scale)
-        point = cost.CalibrationPoint(measured[0], simulate_at(params)[0], "default")
-        fitted = cost.Calibrated(params, abs(point.error), (point,), ("compute_scale",))
+    if len(labels) == 1:  # nothing to vary on this graph: the compute scale alone (the point twice)
+        fitted = cost.calibrate(
+            lambda p: simulate_at(p) * 2, measured * 2, free=("compute_scale",), start=start, labels=labels * 2
+        )
+        fitted = dataclasses.replace(fitted, points=fitted.points[:1], misfit=abs(fitted.points[0].error))
     else:
-        fitted = cost.calibrate(simulate_at, measured, labels=labels)
+        free = CALIBRATED[: max(1, min(len(CALIBRATED), len(labels) - 1))]
+        fitted = cost.calibrate(simulate_at, measured, free=free, start=start, labels=labels)
     params = fitted.params
     cost_model.params = params
     ui.say(
-        f"simulator calibrated on {len(labels)} configurations: compute x{params.compute_scale:.2f}, "
-        f"{params.kernel_overhead_us:.1f} us per kernel, {params.step_overhead_us:.0f} us per step, all-reduces "
-        f"hold compute {params.comm_blocking:.0%} of their time; misfit {fitted.misfit:.1%} "
+        f"simulator calibrated on {len(labels)} configurations: {params.step_overhead_us:.0f} us per step "
+        f"(measured), compute x{params.compute_scale:.2f}, {params.kernel_overhead_us:.1f} us per kernel, "
+        f"all-reduces hold compute {params.comm_blocking:.0%} of their time; misfit {fitted.misfit:.1%} "
         f"(measured {default_us:.0f} us default)"
     )
     return Calibration(

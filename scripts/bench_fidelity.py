@@ -18,16 +18,25 @@ itself, so its spread is the machine's noise). Then per platform: the median rel
 correlation over them (pooled), and the mean of the per-model Spearman correlations (how well the
 simulator ranks one model's configurations, which is what the search relies on).
 
+The error of each configuration's ratio to JAX default is printed too: it is free of the drift
+of a shared machine's speed between calibration and measurement, which absolute errors are not.
+
 Platforms: ``cpu8``: 8 CPU devices in one process; ``gloo2``: 2 processes x 1 CPU device,
 collectives over gloo on loopback (`disco_jax._launch`).
 
     python scripts/bench_fidelity.py [--models mlp transformer rnnlm dlrm] [--platforms cpu8 gloo2]
         [--pairs 15] [--budget 5] [--json out.json]
+
+With ``--gap`` it prints instead where the step time of JAX default goes on each platform (the
+measurements behind docs/simulator-fidelity.md): wall time, the null program's time, and from a
+profiler trace the time per device inside the module's thunks, the all-reduces' share, the thunk
+count and the span of the step; and one variadic all-reduce of 16 tensors against 16 separate ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -40,6 +49,7 @@ PLATFORMS = {"cpu8": (1, 8), "gloo2": (2, 1)}  # name -> (processes, devices per
 CONFIGS = ("JAX default", "per-gradient AR", "no fusion", "search plan")
 DEFAULT_MODELS = ("mlp", "transformer", "rnnlm", "dlrm")
 RESULT_PREFIX = "FIDELITY "
+GAP_ENV = "DISCO_JAX_FIDELITY_GAP"  # set by --gap for the job
 
 
 # --------------------------------------------------------------------------- in the job
@@ -55,7 +65,7 @@ def measure_model(name: str, pairs: int, budget_s: float) -> dict | None:
     from disco_jax._compile import capture, compile_strategy, compiled_stats
     from disco_jax._console import Ui
     from disco_jax._profile_store import ProfileDatabase
-    from disco_jax._profiling import calibrate, profile
+    from disco_jax._profiling import calibrate, calibration_strategies, profile
 
     started = time.perf_counter()
     spec = zoo.get_model(name, "tiny")
@@ -96,9 +106,12 @@ def measure_model(name: str, pairs: int, budget_s: float) -> dict | None:
         return None
     default_us = float(np.median([t.default_us for t in timings.values()]))
     bare = cost_model.simulate(graph, default, params=cost.SimulatorParams())
+    calibrated_on = {s.key() for s in calibration_strategies(graph).values()}
     rows = []
     for label, (strategy, compiled) in configurations.items():
         t = timings[label]
+        if label == "JAX default":  # paired with itself: its ratios are the machine's noise
+            t = dataclasses.replace(t, ratio=1.0)
         counts = compiled_stats(compiled.as_text())
         rows.append(
             {
@@ -112,6 +125,7 @@ def measure_model(name: str, pairs: int, budget_s: float) -> dict | None:
                 "allreduces": counts["all-reduce"],
                 "multi_op_fusions": counts["multi_op_loop_fusions"],
                 "kernels": len(strategy.groups) + len(graph.opaque_ops),
+                "in_calibration": strategy.key() in calibrated_on,
             }
         )
     return {
@@ -126,11 +140,95 @@ def measure_model(name: str, pairs: int, budget_s: float) -> dict | None:
     }
 
 
+def gap_model(name: str, steps: int = 5) -> dict | None:
+    """Where one model's step time goes: wall time; the null program's (the step's arguments and
+    results, no computation: `_profiling.null_program`); and from a profiler trace, per device
+    and step, the time inside the module's thunks, the all-reduces' share of it and the thunk
+    count, and the span from the first thunk's start to the last one's end over all devices."""
+    import tempfile
+    from pathlib import Path
+
+    import jax
+    import optax
+
+    from disco_jax import _profile, _profiling, _validate, backends, zoo
+    from disco_jax._compile import capture
+
+    spec = zoo.get_model(name, "tiny")
+    step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(), "jit")
+    captured = capture(step.lower(state, batch), backends.CPU, (state, batch), {})
+    runner = captured.runner(captured.default_compiled)
+    null = _validate.time_interleaved(runner, _profiling.null_program(captured), pairs=20)
+    with tempfile.TemporaryDirectory(prefix="disco-jax-gap-") as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(steps):
+                jax.block_until_ready(runner())
+        traces = [jax.profiler.ProfileData.from_file(str(p)) for p in Path(trace_dir).rglob("*.xplane.pb")]
+    events = _profile._module_op_events(traces, captured.module_name)
+    if jax.process_index() != 0:
+        return None
+    executions: dict = {}
+    for e in events:
+        executions.setdefault((e.device, e.run), []).append(e)
+    busy, allreduce, thunks, spans = [], [], [], {}
+    for (_, run), es in executions.items():
+        busy.append(_profile._union_length([(e.start_ns, e.end_ns) for e in es]))
+        allreduce.append(_profile._union_length([(e.start_ns, e.end_ns) for e in es if "all-reduce" in e.op]))
+        thunks.append(len({e.op for e in es}))
+        first, last = min(e.start_ns for e in es), max(e.end_ns for e in es)
+        spans[run] = (min(first, spans.get(run, (first, last))[0]), max(last, spans.get(run, (first, last))[1]))
+    return {
+        "model": name,
+        "devices": jax.device_count(),
+        "wall_us": null.default_us,
+        "null_us": null.ratio * null.default_us,
+        "thunk_time_us": float(np.mean(busy)) / 1e3,
+        "allreduce_us": float(np.mean(allreduce)) / 1e3,
+        "thunks": float(np.mean(thunks)),
+        "span_us": float(np.mean([b - a for a, b in spans.values()])) / 1e3,
+        "gradients": len(captured.graph.gradients),
+    }
+
+
+def variadic_allreduce(tensors: int = 16, elements: int = 256, pairs: int = 15) -> dict:
+    """One all-reduce of `tensors` small tensors (XLA's combiner on, its default) against as many
+    separate all-reduces (combiner off), timed in interleaved pairs."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from disco_jax import _validate
+
+    mesh = jax.make_mesh((jax.device_count(),), ("d",))
+    spec = PartitionSpec("d")
+    xs = [
+        jax.device_put(jnp.full((mesh.size * elements,), i, jnp.float32), NamedSharding(mesh, spec))
+        for i in range(tensors)
+    ]
+
+    def body(xs):
+        return [y.at[0].set(0.0) for y in jax.lax.psum(tuple(x * 1.5 for x in xs), "d")]
+
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)).lower(xs)
+    combined = program.compile()
+    separate = program.compile(compiler_options={"xla_disable_hlo_passes": "cpu-all-reduce-combiner"})
+    t = _validate.time_interleaved(lambda: combined(xs), lambda: separate(xs), pairs=pairs)
+    return {"tensors": tensors, "bytes_each": 4 * elements, "combined_us": t.default_us, "separate_us": t.plan_us}
+
+
 def run_job(models: list[str], pairs: int, budget_s: float) -> None:
     """The job's body: every process runs every model; process 0 prints one result line each."""
     from disco_jax import initialize_from_env
 
     initialize_from_env()  # before anything starts a JAX backend (does nothing in one process)
+    if os.environ.get(GAP_ENV):
+        import jax
+
+        rows = [gap_model(name) for name in models]
+        variadic = variadic_allreduce()
+        if jax.process_index() == 0:
+            print(RESULT_PREFIX + json.dumps({"gap": rows, "variadic": variadic}), flush=True)
+        return
     for name in models:
         row = measure_model(name, pairs, budget_s)
         if row is not None:
@@ -162,20 +260,37 @@ def spearman(x: list[float], y: list[float]) -> float | None:
 
 
 def summarize(results: list[dict]) -> dict:
-    """Median relative error and Spearman correlations over every (model, configuration)."""
-    measured, simulated, errors, within = [], [], [], []
+    """Median relative error and Spearman correlations over every (model, configuration); the
+    same for the ratio to JAX default (simulated ratio against measured ratio: free of the drift
+    of the machine's speed between calibration and measurement), and over the configurations
+    the simulator was not calibrated on."""
+    measured, simulated, errors, ratio_errors, held_out, within = [], [], [], [], [], []
     for r in results:
-        pts = [(x["measured_us"], x["simulated_us"]) for x in r["rows"] if x["simulated_us"] is not None]
-        measured += [m for m, _ in pts]
-        simulated += [s for _, s in pts]
-        errors += [abs(s - m) / m for m, s in pts]
-        rho = spearman([m for m, _ in pts], [s for _, s in pts])
+        rows = [x for x in r["rows"] if x["simulated_us"] is not None]
+        sim_default = next((x["simulated_us"] for x in rows if x["config"] == "JAX default"), None)
+        for x in rows:
+            m, sim = x["measured_us"], x["simulated_us"]
+            measured.append(m)
+            simulated.append(sim)
+            errors.append(abs(sim - m) / m)
+            if not x["in_calibration"]:
+                held_out.append(abs(sim - m) / m)
+            if sim_default and x["config"] != "JAX default":
+                ratio_errors.append(abs(sim / sim_default - x["ratio"]) / x["ratio"])
+        rho = spearman([x["measured_us"] for x in rows], [x["simulated_us"] for x in rows])
         if rho is not None:
             within.append(rho)
+
+    def median(v):
+        return float(np.median(v)) if v else None
+
     return {
         "points": len(errors),
-        "median_error": float(np.median(errors)) if errors else None,
+        "median_error": median(errors),
         "p90_error": float(np.percentile(errors, 90)) if errors else None,
+        "median_error_held_out": median(held_out),
+        "held_out": len(held_out),
+        "median_ratio_error": median(ratio_errors),
         "spearman_pooled": spearman(measured, simulated),
         "spearman_within_model_mean": float(np.mean(within)) if within else None,
     }
@@ -184,44 +299,84 @@ def summarize(results: list[dict]) -> dict:
 # --------------------------------------------------------------------------- printing
 
 
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
 def print_platform(platform: str, results: list[dict]) -> None:
     processes, devices = PLATFORMS[platform]
     print(f"\n## {platform}: {processes} process(es) x {devices} CPU device(s), times in ms per step\n")
-    print("| model | configuration | measured [IQR] | simulated | error | AR | fusions |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print(
+        "| model | configuration | measured [IQR] | simulated | error | ratio to default: measured / simulated "
+        "| AR | fusions |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
+        sim_default = next((x["simulated_us"] for x in r["rows"] if x["config"] == "JAX default"), None)
         for x in r["rows"]:
             sim = x["simulated_us"]
             err = "-" if sim is None else f"{(sim - x['measured_us']) / x['measured_us']:+.1%}"
             low, high = x["measured_iqr_us"]
+            sim_ratio = "-" if sim is None or not sim_default else f"{sim / sim_default:.3f}"
+            mark = "" if x["in_calibration"] else " *"
             print(
-                f"| {r['model']} | {x['config']} | {x['measured_us'] / 1e3:.2f} [{low / 1e3:.2f}-{high / 1e3:.2f}] "
-                f"| {'-' if sim is None else f'{sim / 1e3:.2f}'} | {err} | {x['allreduces']} "
-                f"| {x['multi_op_fusions']} |"
+                f"| {r['model']} | {x['config']}{mark} | {x['measured_us'] / 1e3:.2f} "
+                f"[{low / 1e3:.2f}-{high / 1e3:.2f}] "
+                f"| {'-' if sim is None else f'{sim / 1e3:.2f}'} | {err} | {x['ratio']:.3f} / {sim_ratio} "
+                f"| {x['allreduces']} | {x['multi_op_fusions']} |"
             )
-    print("\nCalibration per model (fitted on the pipeline's calibration configurations):\n")
+    print("\n`*`: not one of the configurations the simulator was calibrated on (`_profiling.calibration_strategies`).")
+    print("\nCalibration per model (4 configurations; the step's fixed cost measured with a null program):\n")
     for r in results:
         c, fit = r["calibration"], r["allreduce"]
         print(
-            f"- {r['model']}: compute x{c['compute_scale']:.2f}, {c['kernel_overhead_us']:.1f} us/kernel, "
-            f"{c['step_overhead_us']:.0f} us/step, blocking {c['comm_blocking']:.0%}; misfit {c['misfit']:.1%} "
-            f"over {len(c['points'])} points; traced kernels {r['traced_kernel_sum_us'] / 1e3:.2f} ms per device; "
-            f"all-reduce D {fit['latency_us']:.0f} us, C {fit['per_byte_us'] * 1e6:.0f} us/MB; {r['elapsed_s']:.0f} s"
+            f"- {r['model']}: {c['step_overhead_us'] / 1e3:.2f} ms/step, compute x{c['compute_scale']:.2f}, "
+            f"{c['kernel_overhead_us']:.1f} us/kernel, blocking {c['comm_blocking']:.0%}; misfit {c['misfit']:.1%} "
+            f"over {len(c['points'])} points; JAX default {c['measured_default_us'] / 1e3:.2f} ms at calibration; "
+            f"traced kernels {r['traced_kernel_sum_us'] / 1e3:.2f} ms per device; all-reduce D "
+            f"{fit['latency_us']:.0f} us, C {fit['per_byte_us'] * 1e6:.0f} us/MB, "
+            f"{fit.get('per_tensor_us', 0.0):.0f} us per extra tensor; {r['elapsed_s']:.0f} s"
         )
     s = summarize(results)
     pooled, within = s["spearman_pooled"], s["spearman_within_model_mean"]
     print(
-        f"\n{platform}: median error {s['median_error']:.1%} (90th percentile {s['p90_error']:.1%}) over "
-        f"{s['points']} configurations; Spearman {'-' if pooled is None else f'{pooled:.2f}'} pooled, "
-        f"{'-' if within is None else f'{within:.2f}'} within a model (mean). Targets: median error <= 10%, "
-        "Spearman >= 0.8."
+        f"\n{platform}: median error {_pct(s['median_error'])} (90th percentile {_pct(s['p90_error'])}) over "
+        f"{s['points']} configurations, {_pct(s['median_error_held_out'])} over the {s['held_out']} not calibrated "
+        f"on; median error of the ratio to JAX default {_pct(s['median_ratio_error'])}; Spearman "
+        f"{'-' if pooled is None else f'{pooled:.2f}'} pooled, {'-' if within is None else f'{within:.2f}'} within "
+        "a model (mean). Targets: median error <= 10%, Spearman >= 0.8."
+    )
+
+
+def print_gap(platform: str, result: dict) -> None:
+    processes, devices = PLATFORMS[platform]
+    print(f"\n## {platform}: where the step time goes ({processes} process(es) x {devices} device(s), ms)\n")
+    print(
+        "| model | step (wall) | null program | thunks per device | time in thunks | of it all-reduce "
+        "| other thunks | span |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for g in result["gap"]:
+        if g is None:
+            continue
+        print(
+            f"| {g['model']} | {g['wall_us'] / 1e3:.2f} | {g['null_us'] / 1e3:.2f} | {g['thunks']:.0f} "
+            f"| {g['thunk_time_us'] / 1e3:.2f} | {g['allreduce_us'] / 1e3:.2f} "
+            f"| {(g['thunk_time_us'] - g['allreduce_us']) / 1e3:.2f} | {g['span_us'] / 1e3:.2f} |"
+        )
+    v = result["variadic"]
+    print(
+        f"\nOne all-reduce of {v['tensors']} tensors of {v['bytes_each']} bytes: {v['combined_us'] / 1e3:.2f} ms; "
+        f"{v['tensors']} separate all-reduces: {v['separate_us'] / 1e3:.2f} ms."
     )
 
 
 # --------------------------------------------------------------------------- driver
 
 
-def run_platform(platform: str, models: list[str], pairs: int, budget_s: float, timeout_s: float) -> list[dict]:
+def run_platform(
+    platform: str, models: list[str], pairs: int, budget_s: float, timeout_s: float, gap: bool = False
+) -> list[dict]:
     from disco_jax import _launch
 
     processes, devices = PLATFORMS[platform]
@@ -232,13 +387,13 @@ def run_platform(platform: str, models: list[str], pairs: int, budget_s: float, 
     def on_line(process_id: int, line: str) -> None:
         if line.startswith(RESULT_PREFIX):
             results.append(json.loads(line[len(RESULT_PREFIX) :]))
-            print(f"[fidelity] {platform}: {results[-1]['model']} done", file=sys.stderr, flush=True)
+            print(f"[fidelity] {platform}: {results[-1].get('model', 'gap')} done", file=sys.stderr, flush=True)
         elif "[Gloo]" not in line:
             sys.stderr.write(f"[{platform} p{process_id}] {line}")
 
     started = time.perf_counter()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", **({GAP_ENV: "1"} if gap else {})}
     if processes == 1:  # one process: no distributed job, just the devices
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
@@ -246,7 +401,9 @@ def run_platform(platform: str, models: list[str], pairs: int, budget_s: float, 
         if proc.wait(timeout=timeout_s):
             print(f"[fidelity] {platform}: the job failed (exit status {proc.returncode})", file=sys.stderr)
     else:
-        result = _launch.launch(command, processes, devices_per_process=devices, timeout_s=timeout_s, on_line=on_line)
+        result = _launch.launch(
+            command, processes, devices_per_process=devices, timeout_s=timeout_s, on_line=on_line, env=env
+        )
         if result.exit_code:
             print(f"[fidelity] {platform}: the job failed ({result.returncodes})", file=sys.stderr)
     print(f"[fidelity] {platform}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
@@ -261,6 +418,7 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=float, default=5.0, help="search budget per model, seconds")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per platform before it is stopped")
     parser.add_argument("--json", default=None, help="also write every result here")
+    parser.add_argument("--gap", action="store_true", help="instead: where the step time goes (trace, null program)")
     parser.add_argument("--in-job", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.in_job:
@@ -268,7 +426,13 @@ def main(argv=None) -> None:
         return
     everything = {}
     for platform in args.platforms:
-        everything[platform] = run_platform(platform, args.models, args.pairs, args.budget, args.timeout)
+        everything[platform] = run_platform(platform, args.models, args.pairs, args.budget, args.timeout, args.gap)
+    if args.gap:
+        print("# Where the step time goes (zoo `tiny` configs, JAX default)")
+        for platform, results in everything.items():
+            if results:
+                print_gap(platform, results[0])
+        return
     print("# Simulator fidelity: simulated against measured step times (zoo `tiny` configs)")
     for platform, results in everything.items():
         if results:

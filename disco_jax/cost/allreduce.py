@@ -85,10 +85,11 @@ def fit_allreduce_cost(points: Sequence[tuple[int, float]]) -> AllReduceCostMode
     Residuals are relative (each point weighted by 1/time): sizes span four orders of magnitude,
     and an unweighted fit lets the largest size decide everything and leaves the latency D, which
     is what makes tensor fusion pay off, as noise. Several points of one size are first reduced
-    to their median (clipped at 0: a size too small to measure). The line is then fitted by
-    iteratively reweighted least squares with Huber's weights on the relative residuals (a size
-    whose median is off the line by more than ~1.5 robust standard deviations counts less), so
-    one disturbed size cannot tilt the line. A
+    to their median (clipped at 0: a size too small to measure). With four sizes or more, the
+    line is then refitted by iteratively reweighted least squares on the relative residuals,
+    first with Huber's weights, then with Tukey's bisquare weights (a size whose median is off
+    the line by more than ~4.7 robust standard deviations counts not at all), so one disturbed
+    size cannot tilt the line. A
     negative coefficient is clipped to zero and the other one refitted alone.
     """
     if not points:
@@ -101,23 +102,43 @@ def fit_allreduce_cost(points: Sequence[tuple[int, float]]) -> AllReduceCostMode
     base = 1.0 / np.maximum(t, max(float(t.max()) * 1e-6, 1e-9))
     if len(x) < 2:
         return AllReduceCostModel(per_byte_us=0.0, latency_us=max(0.0, float(t[0])))
-    robust = np.ones_like(t)
     per_byte, latency = _weighted_line(x, t, base)
-    for _ in range(20 if len(x) > 2 else 0):
-        relative = (per_byte * x + latency - t) * base
-        sigma = 1.4826 * float(np.median(np.abs(relative - np.median(relative))))
-        if sigma <= 1e-12:
-            break
-        cut = HUBER_K * sigma
-        new = np.minimum(1.0, cut / np.maximum(np.abs(relative), 1e-300))
-        if np.allclose(new, robust):
-            break
-        robust = new
-        per_byte, latency = _weighted_line(x, t, base * np.sqrt(robust))
+    if len(x) > 3:
+        per_byte, latency = _reweighted(x, t, base, per_byte, latency, _huber)
+        per_byte, latency = _reweighted(x, t, base, per_byte, latency, _bisquare)
     return AllReduceCostModel(per_byte_us=per_byte, latency_us=latency)
 
 
+def _huber(relative: np.ndarray, sigma: float) -> np.ndarray:
+    return np.minimum(1.0, HUBER_K * sigma / np.maximum(np.abs(relative), 1e-300))
+
+
+def _bisquare(relative: np.ndarray, sigma: float) -> np.ndarray:
+    u = relative / (BISQUARE_C * sigma)
+    return np.where(np.abs(u) < 1.0, (1.0 - u**2) ** 2, 0.0)
+
+
+def _reweighted(x, t, base, per_byte, latency, weight, iterations: int = 30) -> tuple[float, float]:
+    """Iteratively reweighted least squares from a line, with the robust scale of its relative
+    residuals (MAD) fixed at the start; the line it started from when the weights collapse."""
+    relative = (per_byte * x + latency - t) * base
+    sigma = 1.4826 * float(np.median(np.abs(relative - np.median(relative))))
+    if sigma <= 1e-12:
+        return per_byte, latency
+    w = np.ones_like(t)
+    for _ in range(iterations):
+        new = weight((per_byte * x + latency - t) * base, sigma)
+        if np.count_nonzero(new) < 2:
+            break
+        if np.allclose(new, w):
+            break
+        w = new
+        per_byte, latency = _weighted_line(x, t, base * np.sqrt(w))
+    return per_byte, latency
+
+
 HUBER_K = 1.345  # Huber's constant: 95% efficiency on Gaussian noise
+BISQUARE_C = 4.685  # Tukey's bisquare constant: 95% efficiency, weight 0 beyond c robust sigmas
 
 
 def _weighted_line(x: np.ndarray, t: np.ndarray, w: np.ndarray) -> tuple[float, float]:

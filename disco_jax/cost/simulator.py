@@ -84,7 +84,7 @@ PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Simulato
 # compute scale and the blocking (the two-point calibration); the overheads only with enough
 # points left over to tell a wrong model (a misfit) from noise.
 DEFAULT_FREE: tuple[str, ...] = ("compute_scale", "comm_blocking", "step_overhead_us", "kernel_overhead_us")
-BLOCKING_GRID: tuple[float, ...] = tuple(i / 10 for i in range(11))
+BLOCKING_GRID: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +190,7 @@ def calibrate(
         current = p  # warm start for the next fraction
     if "comm_blocking" in free and len(grid) > 1:  # refine the blocking between grid points
         step = min(abs(a - b) for a, b in zip(grid, grid[1:]) if a != b) / 2
-        for _ in range(2):
+        for _ in range(3):
             for b in (best.comm_blocking - step, best.comm_blocking + step):
                 if 0.0 <= b <= 1.0:
                     p, sim = _fit_linear(dataclasses.replace(best, comm_blocking=b), linear, target, simulate_at)
@@ -243,6 +243,7 @@ def _fit_linear(
         if "compute_scale" in names:
             i = names.index("compute_scale")
             new_x[i] = max(new_x[i], 1e-6)
+        predicted = current + jac @ (new_x - x)
         before, t = err(current), 1.0
         while True:  # damped: piecewise linear, so a full step can overshoot a kink
             candidate = dataclasses.replace(params, **{n: float(v) for n, v in zip(names, x + t * (new_x - x))})
@@ -252,7 +253,10 @@ def _fit_linear(
             t /= 4
         if err(s) > before:
             break
-        converged = err(s) >= before * (1 - 1e-6) or err(s) < 1e-24
+        # Done when the step gained nothing, or landed where the linear model said (no kink
+        # crossed: the least-squares solution of the linear model is the fit).
+        linear = t == 1.0 and np.allclose(s, predicted, rtol=1e-6, atol=1e-9 * float(np.max(target)))
+        converged = linear or err(s) >= before * (1 - 1e-6) or err(s) < 1e-24
         params, current = candidate, s
         if converged:
             break
