@@ -152,6 +152,17 @@ def prepare(
 # ---------------------------------------------------------------------------------- search phase
 
 
+def store_kernel_times(database: _profile_store.ProfileDatabase, machine, times: dict[str, float]) -> None:
+    """Kernels the measured loop timed (the candidates' own) into the profile database, where
+    the next search's table and the GNN's training data find them."""
+    if not times:
+        return
+    try:
+        database.merge_kernel_times(machine.device_kind, times, backend=machine.backend)
+    except OSError as e:
+        warnings.warn(f"disco-jax: could not store the measured kernel times: {e}", stacklevel=2)
+
+
 def search_phase(step: Captured, options: Options, report: StepReport, ui: Ui) -> Any:
     graph, machine = step.graph, step.machine
     leader = jax.process_index() == 0
@@ -161,7 +172,8 @@ def search_phase(step: Captured, options: Options, report: StepReport, ui: Ui) -
         f"{graph.module.name}: profiling {len(graph.ops)} ops, {len(graph.gradients)} gradients "
         f"on {len(step.devices)} {machine.device_kind} devices"
     )
-    cost_model = profile(step, default_runner, _profile_store.ProfileDatabase(), ui)
+    database = _profile_store.ProfileDatabase()
+    cost_model = profile(step, default_runner, database, ui)
     cost_model.sources["calibration"] = calibrate(
         cost_model, step, default_runner, options.validation_pairs, ui
     ).to_json()
@@ -178,6 +190,7 @@ def search_phase(step: Captured, options: Options, report: StepReport, ui: Ui) -
         if tuned is not None:
             best = tuned.best
             search_info.update(tuned.to_json())
+            store_kernel_times(database, machine, tuned.kernel_times_us)
     if step.scope is not None:
         found = None if best.key() == default.key() else best.to_json(graph)
         found = _distributed.broadcast_json(

@@ -35,7 +35,7 @@ from disco_jax import _distributed, _hlo, _profile, _search, _validate, cost
 from disco_jax._compile import Captured, Runner, compile_strategy, compiled_stats
 from disco_jax._console import Ui
 from disco_jax._graph import Graph
-from disco_jax._profiling import calibration_strategies
+from disco_jax._profiling import CALIBRATED, calibration_strategies
 from disco_jax._strategy import Strategy, group_exports, kernel_dag, prune, xla_default
 
 
@@ -133,6 +133,7 @@ class Tuned:
     seconds: dict[str, float]  # total, and measuring / learning / searching
     reason: str | None = None
     evidence: dict = dataclasses.field(default_factory=dict)
+    kernel_times_us: dict[str, float] = dataclasses.field(default_factory=dict)  # measured, by signature
 
     def to_json(self) -> dict:
         """The plan's `search` entries: every measured candidate, the last recalibration, the loop."""
@@ -157,8 +158,12 @@ def recalibrate(
     graph: Graph, cost_model: cost.CostModel, points: Sequence[tuple[Strategy, float, str]]
 ) -> cost.Calibrated | None:
     """Fit the simulator's parameters (`disco_jax.cost.calibrate`) to every measured configuration
-    given as (strategy, measured us, label), distinct by key; sets `cost_model.params`. Returns
-    what `calibrate` fitted, None with fewer than two configurations."""
+    given as (strategy, measured us, label), distinct by key: the ones the calibrate phase fits
+    (`_profiling.CALIBRATED`; the step's fixed cost stays as measured, else it would absorb
+    everything the configurations share and leave no compute). Sets `cost_model.params` when the
+    fit reproduces the points better than the parameters it started from (a noisy point can make
+    the least-squares optimum a degenerate one). Returns what `calibrate` fitted, None with fewer
+    than two configurations."""
     unique: dict = {}
     for s, us, label in points:
         dag = kernel_dag(graph, s)
@@ -174,8 +179,11 @@ def recalibrate(
             for s, d in zip(strategies, dags)
         ]
 
-    fitted = cost.calibrate(simulate_at, measured, start=cost_model.params, labels=labels)
-    cost_model.params = fitted.params
+    free = CALIBRATED[: max(1, min(len(CALIBRATED), len(measured) - 1))]
+    fitted = cost.calibrate(simulate_at, measured, free=free, start=cost_model.params, labels=labels)
+    before = [abs(s - m) / m for s, m in zip(simulate_at(cost_model.params), measured)]
+    if float(np.sum(np.square(before))) >= sum(p.error**2 for p in fitted.points):
+        cost_model.params = fitted.params
     return fitted
 
 
@@ -210,6 +218,7 @@ class MeasuredSearch:
         self.stop_reason: str | None = None
         self.pending: tuple | None = None
         self.seconds = {"measuring": 0.0, "learning": 0.0, "searching": 0.0}
+        self.kernel_times_us: dict[str, float] = {}  # what the loop added to the measured table
         self.default_us = self.simulate(self.default)
         self.queue = self.pick(first)
 
@@ -296,7 +305,7 @@ class MeasuredSearch:
             for members, t in (r.measurement.kernel_times if r.measurement is not None else {}).items():
                 signature = graph.kernel_signature(members)
                 if signature not in table.times_us:
-                    table.times_us[signature] = float(t)
+                    table.times_us[signature] = self.kernel_times_us[signature] = float(t)
                     r.kernels_added += 1
         self.fresh = []
         self.cost_model.estimator = cost.chain(*self.cost_model.estimator.estimators)  # forget cached estimates
@@ -313,7 +322,7 @@ class MeasuredSearch:
                 self.recalibration = {"error": str(e)}
             else:
                 if fitted is not None:
-                    self.recalibration = fitted.to_json()
+                    self.recalibration = {**fitted.to_json(), "applied": self.cost_model.params == fitted.params}
         self.default_us = self.simulate(self.default)
         self.seconds["learning"] += time.perf_counter() - started
         added = sum(r.kernels_added for r in self.records)
@@ -355,6 +364,7 @@ class MeasuredSearch:
         fastest = min(measured, key=lambda r: r.measured_ratio, default=None)
         seconds = {"total": self.elapsed(), **self.seconds}
         tuned = Tuned(self.default, self.records, self.recalibration, self.rounds, stop, seconds)
+        tuned.kernel_times_us = dict(self.kernel_times_us)
         if fastest is not None and fastest.measured_ratio < 1.0:
             tuned.best = fastest.strategy
         elif fastest is not None:

@@ -107,6 +107,7 @@ def measure_model(name: str, pairs: int, budget_s: float) -> dict | None:
     default_us = float(np.median([t.default_us for t in timings.values()]))
     bare = cost_model.simulate(graph, default, params=cost.SimulatorParams())
     calibrated_on = {s.key() for s in calibration_strategies(graph).values()}
+    old = old_model(graph, cost_model, calibration, {"default": default, "per-gradient": per_gradient})
     rows = []
     for label, (strategy, compiled) in configurations.items():
         t = timings[label]
@@ -122,6 +123,7 @@ def measure_model(name: str, pairs: int, budget_s: float) -> dict | None:
                 "ratio_iqr": [t.ratio_low, t.ratio_high],
                 "pairs": t.pairs,
                 "simulated_us": simulated_us(strategy),
+                "old_model_us": old(strategy),
                 "allreduces": counts["all-reduce"],
                 "multi_op_fusions": counts["multi_op_loop_fusions"],
                 "kernels": len(strategy.groups) + len(graph.opaque_ops),
@@ -138,6 +140,29 @@ def measure_model(name: str, pairs: int, budget_s: float) -> dict | None:
         "traced_kernel_sum_us": bare.compute_us,
         "elapsed_s": time.perf_counter() - started,
     }
+
+
+def old_model(graph, cost_model, calibration, strategies: dict):
+    """The simulator as it was before (for comparison, on the same measurements): a bucket costs
+    one latency whatever its tensors, no step overhead, compute scale and blocking fitted to the
+    two calibration points XLA's plan and one all-reduce per gradient."""
+    from disco_jax import cost
+
+    fit = cost_model.allreduce
+    bucket = cost.AllReduceCostModel(fit.per_byte_us, fit.latency_us)
+    measured = {p.label: p.measured_us for p in calibration.points}
+    if "per-gradient" not in measured:
+        return lambda s: None
+
+    def at(p, s):
+        r = cost.simulate(graph, s, cost_model.estimator, bucket, p)
+        return None if r is None else r.iteration_us
+
+    fitted = cost.calibrate(
+        lambda p: [at(p, strategies[k]) for k in ("default", "per-gradient")],
+        [measured["default"], measured["per-gradient"]],
+    )
+    return lambda s: at(fitted.params, s)
 
 
 def gap_model(name: str, steps: int = 5) -> dict | None:
@@ -264,7 +289,7 @@ def summarize(results: list[dict]) -> dict:
     same for the ratio to JAX default (simulated ratio against measured ratio: free of the drift
     of the machine's speed between calibration and measurement), and over the configurations
     the simulator was not calibrated on."""
-    measured, simulated, errors, ratio_errors, held_out, within = [], [], [], [], [], []
+    measured, simulated, errors, ratio_errors, held_out, within, old_errors = [], [], [], [], [], [], []
     for r in results:
         rows = [x for x in r["rows"] if x["simulated_us"] is not None]
         sim_default = next((x["simulated_us"] for x in rows if x["config"] == "JAX default"), None)
@@ -273,6 +298,8 @@ def summarize(results: list[dict]) -> dict:
             measured.append(m)
             simulated.append(sim)
             errors.append(abs(sim - m) / m)
+            if x.get("old_model_us") is not None:
+                old_errors.append(abs(x["old_model_us"] - m) / m)
             if not x["in_calibration"]:
                 held_out.append(abs(sim - m) / m)
             if sim_default and x["config"] != "JAX default":
@@ -291,6 +318,7 @@ def summarize(results: list[dict]) -> dict:
         "median_error_held_out": median(held_out),
         "held_out": len(held_out),
         "median_ratio_error": median(ratio_errors),
+        "median_error_old_model": median(old_errors),
         "spearman_pooled": spearman(measured, simulated),
         "spearman_within_model_mean": float(np.mean(within)) if within else None,
     }
@@ -303,14 +331,19 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.1%}"
 
 
+def _old(x: dict) -> str:
+    old = x.get("old_model_us")
+    return "-" if old is None else f"{old / 1e3:.2f}, {(old - x['measured_us']) / x['measured_us']:+.1%}"
+
+
 def print_platform(platform: str, results: list[dict]) -> None:
     processes, devices = PLATFORMS[platform]
     print(f"\n## {platform}: {processes} process(es) x {devices} CPU device(s), times in ms per step\n")
     print(
         "| model | configuration | measured [IQR] | simulated | error | ratio to default: measured / simulated "
-        "| AR | fusions |"
+        "| old model: simulated, error | AR | fusions |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         sim_default = next((x["simulated_us"] for x in r["rows"] if x["config"] == "JAX default"), None)
         for x in r["rows"]:
@@ -323,15 +356,20 @@ def print_platform(platform: str, results: list[dict]) -> None:
                 f"| {r['model']} | {x['config']}{mark} | {x['measured_us'] / 1e3:.2f} "
                 f"[{low / 1e3:.2f}-{high / 1e3:.2f}] "
                 f"| {'-' if sim is None else f'{sim / 1e3:.2f}'} | {err} | {x['ratio']:.3f} / {sim_ratio} "
+                f"| {_old(x)} "
                 f"| {x['allreduces']} | {x['multi_op_fusions']} |"
             )
     print("\n`*`: not one of the configurations the simulator was calibrated on (`_profiling.calibration_strategies`).")
-    print("\nCalibration per model (4 configurations; the step's fixed cost measured with a null program):\n")
+    print(
+        "\nCalibration per model (4 configurations; the step's fixed cost measured with a null program; "
+        "all-reduce D, C and the per-tensor cost measured apart):\n"
+    )
     for r in results:
         c, fit = r["calibration"], r["allreduce"]
         print(
             f"- {r['model']}: {c['step_overhead_us'] / 1e3:.2f} ms/step, compute x{c['compute_scale']:.2f}, "
-            f"{c['kernel_overhead_us']:.1f} us/kernel, blocking {c['comm_blocking']:.0%}; misfit {c['misfit']:.1%} "
+            f"{c['kernel_overhead_us']:.1f} us/kernel, {c.get('allreduce_tensor_us') or 0.0:.0f} us per combined "
+            f"tensor, blocking {c['comm_blocking']:.0%}; misfit {c['misfit']:.1%} "
             f"over {len(c['points'])} points; JAX default {c['measured_default_us'] / 1e3:.2f} ms at calibration; "
             f"traced kernels {r['traced_kernel_sum_us'] / 1e3:.2f} ms per device; all-reduce D "
             f"{fit['latency_us']:.0f} us, C {fit['per_byte_us'] * 1e6:.0f} us/MB, "
@@ -342,7 +380,8 @@ def print_platform(platform: str, results: list[dict]) -> None:
     print(
         f"\n{platform}: median error {_pct(s['median_error'])} (90th percentile {_pct(s['p90_error'])}) over "
         f"{s['points']} configurations, {_pct(s['median_error_held_out'])} over the {s['held_out']} not calibrated "
-        f"on; median error of the ratio to JAX default {_pct(s['median_ratio_error'])}; Spearman "
+        f"on; median error of the ratio to JAX default {_pct(s['median_ratio_error'])}; the old model's "
+        f"median error {_pct(s['median_error_old_model'])}; Spearman "
         f"{'-' if pooled is None else f'{pooled:.2f}'} pooled, {'-' if within is None else f'{within:.2f}'} within "
         "a model (mean). Targets: median error <= 10%, Spearman >= 0.8."
     )

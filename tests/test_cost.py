@@ -107,6 +107,9 @@ def test_a_bucket_pays_the_per_tensor_latency_of_each_tensor_after_the_first(gra
     # g1, g2 [0,20]; ar (5 + 4) [20,29]; u1 [29,30]; u2 [30,31].
     assert r.iteration_us == pytest.approx(31.0) and r.comm_us == pytest.approx(9.0)
     assert AllReduceCostModel.from_json(per_tensor.to_json()).per_tensor_us == 4.0
+    # The simulator's own per-tensor latency (fitted by calibration) replaces the cost's.
+    r = cost.simulate(graph, s, FixedEstimator(), per_tensor, cost.SimulatorParams(allreduce_tensor_us=1.0))
+    assert r.comm_us == pytest.approx(6.0) and r.iteration_us == pytest.approx(28.0)
 
 
 def test_blocking_allreduces_do_not_overlap(graph):
@@ -123,7 +126,13 @@ def test_kernel_and_step_overheads(graph):
     # g1 [0,11]; ar1 [11,16]; g2 [11,22]; ar2 [22,27]; u1 [22,24]; u2 [27,29]; + 3 for the step.
     assert r.iteration_us == pytest.approx(32.0)
     assert r.compute_us == pytest.approx(26.0) and r.full_overlap_us == pytest.approx(29.0)
-    assert set(params.to_json()) == {"compute_scale", "comm_blocking", "kernel_overhead_us", "step_overhead_us"}
+    assert set(params.to_json()) == {
+        "compute_scale",
+        "comm_blocking",
+        "kernel_overhead_us",
+        "step_overhead_us",
+        "allreduce_tensor_us",
+    }
 
 
 def test_two_point_calibration_recovers_known_parameters(graph):

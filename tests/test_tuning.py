@@ -18,6 +18,8 @@ from disco_jax import (
     _graph,
     _pipeline,
     _plan,
+    _profile_store,
+    _profiling,
     _search,
     _strategy,
     _tuning,
@@ -78,7 +80,26 @@ def test_a_candidate_measured_slower_than_predicted_loses_its_rank(graph):
         tuned.records
     )
     assert tuned.recalibration is not None and len(tuned.recalibration["points"]) == len(tuned.records) + 1
-    assert model.params == tuned_params(tuned.recalibration)
+    assert tuned.recalibration["applied"] and model.params == tuned_params(tuned.recalibration)
+
+
+def test_recalibration_recovers_the_parameters_and_keeps_the_measured_step_overhead(graph):
+    model = cost_model()
+    model.params = cost.SimulatorParams(step_overhead_us=50.0)  # as the calibrate phase measured it
+    truth = cost.SimulatorParams(compute_scale=3.0, comm_blocking=0.5, step_overhead_us=50.0)
+    rng = random.Random(0)
+    strategies = list(_profiling.calibration_strategies(graph).values())
+    for move in (_strategy.split, _strategy.split_group, _strategy.merge_buckets, _strategy.split_bucket):
+        s = move(graph, strategies[0], rng)
+        strategies += [s] if s is not None else []
+    points = [
+        (s, model.simulate(graph, s, params=truth).iteration_us * rng.uniform(0.98, 1.02), f"s{i}")
+        for i, s in enumerate(strategies)
+    ]
+    fitted = _tuning.recalibrate(graph, model, points)
+    assert fitted.free == _tuning.CALIBRATED and fitted.misfit < 0.03
+    assert model.params == fitted.params and model.params.step_overhead_us == 50.0
+    assert model.params.compute_scale == pytest.approx(3.0, rel=0.15)
 
 
 def tuned_params(recalibration: dict) -> cost.SimulatorParams:
@@ -116,6 +137,7 @@ def test_measured_kernel_times_enter_the_table_and_cost_the_next_round(graph):
     kernels = list(measured)
     assert model.estimator.estimate_with_source(graph, kernels) == [(measured[k], "profile") for k in kernels]
     assert sum(r.kernels_added for r in tuned.records) == len(measured)
+    assert tuned.kernel_times_us == {graph.kernel_signature(k): t for k, t in measured.items()}  # to be stored
 
 
 def test_no_candidate_faster_keeps_xla_with_the_evidence(graph):
@@ -171,6 +193,9 @@ def test_optimize_distributed_compiles_times_and_records_its_candidates(tmp_path
         assert r["origin"] == s.origin and r["pairs"] == 6
         assert r["predicted_us"] > 0 and r["measured_us"] > 0 and r["predicted_ratio"] > 0 and r["measured_ratio"] > 0
     assert report.search["recalibration"]
+    # The candidates' kernels went into the profile database beside those the profile phase timed.
+    stored = _profile_store.ProfileDatabase().load("cpu", "cpu", 8).kernel_times_us
+    assert len(stored) == report.search["cost_model"]["kernel_times"] + sum(r["kernels_added"] for r in records)
     assert _plan.read_plan_file(report.plan_path).search["measured_candidates"] == records
     fastest = min(records, key=lambda r: r["measured_ratio"])
     if fastest["measured_ratio"] >= 1.0:

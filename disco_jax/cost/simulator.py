@@ -62,7 +62,10 @@ class SimulatorParams:
     threads, so they block compute). kernel_overhead_us: added to every compute kernel (the
     executor's dispatch of one thunk, which the kernel trace does not show). step_overhead_us:
     added once per step (launching the executable, handing over arguments and results).
-    All four are fitted per step by `calibrate` from measured runs of several strategies; the
+    allreduce_tensor_us: what each tensor after the first adds to an all-reduce of several, in
+    place of the all-reduce cost's own (`AllReduceCostModel.per_tensor_us`, measured apart from
+    any step); None: the cost's own.
+    Each can be fitted per step by `calibrate` from measured runs of several strategies; the
     defaults are the bare simulator of DisCo. JSON: the field names (plans record them; nothing
     reads them back, so plans written before the overheads existed stay loadable)."""
 
@@ -70,10 +73,17 @@ class SimulatorParams:
     comm_blocking: float = 0.0
     kernel_overhead_us: float = 0.0
     step_overhead_us: float = 0.0
+    allreduce_tensor_us: float | None = None
 
     def kernel_us(self, estimated_us: float) -> float:
         """The simulated time of a compute kernel whose estimator says `estimated_us`."""
         return float(estimated_us) * self.compute_scale + self.kernel_overhead_us
+
+    def bucket_us(self, allreduce: AllReduceCost, tensor_bytes: Sequence[int]) -> float:
+        """The simulated time of one all-reduce of these tensors (bytes of each, per device)."""
+        if self.allreduce_tensor_us is None:
+            return bucket_time_us(allreduce, tensor_bytes)
+        return allreduce.time_us(sum(tensor_bytes)) + self.allreduce_tensor_us * max(0, len(tensor_bytes) - 1)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -232,7 +242,7 @@ def _fit_linear(
         return float(np.sum(((s - target) * weights) ** 2))
 
     for _ in range(iterations):
-        x = np.array([getattr(params, n) for n in names])
+        x = np.array([getattr(params, n) or 0.0 for n in names])
         jac = np.ones((len(target), len(names)))
         for j, n in enumerate(names):
             if n != "step_overhead_us":
@@ -308,8 +318,7 @@ def simulate(
         costs[k] = params.kernel_us(t or 0.0)
     for k in range(n):
         if dag.kinds[k] == BUCKET:
-            tensors = [graph.gradients[g].nbytes for g in sorted(dag.members[k])]
-            costs[k] = bucket_time_us(allreduce, tensors)
+            costs[k] = params.bucket_us(allreduce, [graph.gradients[g].nbytes for g in dag.members[k]])
     position = {k: i for i, k in enumerate(dag.order)}
     users: list[list[int]] = [[] for _ in range(n)]
     waiting = [len(d) for d in dag.deps]
