@@ -141,7 +141,7 @@ def test_report_from_the_committed_rows_has_the_committed_sections(tmp_path):
     run_info = json.loads((REPORT / "run.json").read_text()) if (REPORT / "run.json").exists() else {}
     figures = {
         "fig6": "fig6_iteration_time.png",
-        "table2": "table2_simulated_vs_measured.png",
+        **{f"table2_{p}": f"table2_simulated_vs_measured_{p}.png" for p in rows.MEASURED_PLATFORMS},
         **{f"fig7_{p}": f"fig7_breakdown_{p}.png" for p in rows.platform_order(committed)},
     }
     text = report.report_markdown(committed, figures, run_info)
@@ -149,3 +149,53 @@ def test_report_from_the_committed_rows_has_the_committed_sections(tmp_path):
     expected = [line for line in (REPORT / "README.md").read_text().splitlines() if line.startswith("#")]
     assert headings == expected
     assert "$" not in text
+
+
+def test_each_job_shape_gets_its_own_worker():
+    config = bench.BenchConfig(timeout_s=60.0)
+    jobs = bench.worker_jobs("mlp", [rows.CPU_PLATFORM, rows.GLOO_PLATFORM, "8xH100-NVLink"], config, "/scratch")
+    (plain, plain_env), (launched, launched_env) = jobs
+    assert plain[plain.index("--platforms") + 1 : plain.index("--style")] == [rows.CPU_PLATFORM, "8xH100-NVLink"]
+    assert "--xla_force_host_platform_device_count=8" in plain_env["XLA_FLAGS"]
+    # The gloo platform runs as a two-process job of one device each, started by `disco-jax launch`.
+    assert launched[1:8] == ["-m", "disco_jax.cli", "launch", "-n", "2", "--devices-per-process", "1"]
+    assert launched[launched.index("--platforms") + 1] == rows.GLOO_PLATFORM
+    # Kernel times of 8 devices sharing the cores are not those of one device: separate profiles.
+    assert plain_env["DISCO_JAX_PROFILE_DIR"] != launched_env["DISCO_JAX_PROFILE_DIR"]
+
+
+def test_a_measured_platform_is_refused_in_a_job_of_another_shape(tmp_path):
+    with pytest.raises(RuntimeError, match="gloo-2x1 is measured by a job of 2 process"):
+        bench.run_model(
+            "mlp",
+            (rows.GLOO_PLATFORM,),
+            style="jit",
+            budget_s=1.0,
+            cpu_budget_s=1.0,
+            pairs=4,
+            out=str(tmp_path),
+            force=False,
+            plan_dir=str(tmp_path),
+        )
+
+
+def _measured_row(model: str, applied: bool, ratio: float, ci95: tuple[float, float]) -> dict:
+    row = json.loads((REPORT / "rows" / "mlp.tiny.jit.cpu-8dev.json").read_text())
+    disco = row["strategies"][rows.DISCO]
+    disco["applied"] = applied
+    disco["measured"] = {**disco["measured"], "ratio": ratio, "ratio_iqr": [ratio, ratio], "ratio_ci95": list(ci95)}
+    return {**row, "model": model}
+
+
+@pytest.mark.skipif(not (REPORT / "rows").is_dir(), reason="no committed report rows")
+def test_headline_counts_plans_applied_rejected_and_applied_but_slower():
+    measured = [
+        _measured_row("mlp", True, 0.95, (0.9, 0.99)),
+        _measured_row("bert", True, 1.02, (0.99, 1.05)),
+        _measured_row("dlrm", True, 1.04, (1.01, 1.08)),
+        _measured_row("rnnlm", False, 1.0, (0.9, 1.1)),
+    ]
+    text = report.report_markdown(measured, {}, {})
+    assert "Plans: **3 applied**, 1 rejected (XLA's plan kept)" in text
+    assert "measured slower than JAX_default afterwards: **2** (median ratio above 1; bert 1.020" in text
+    assert "dlrm 1.040 [1.040-1.040]), 1 of them with the 95% interval above 1." in text

@@ -6,7 +6,9 @@ disco-jax over the best baseline, the full-overlap bound FO, the fraction of FO'
 disco-jax captured, and the search time. Platforms:
 
 * ``cpu-8dev`` (measured): the model's ``tiny`` config on 8 virtual CPU devices of this machine
-  (`rows.measured_row`);
+  (`measured.measured_row`);
+* ``gloo-2x1`` (measured): the same on 2 processes x 1 CPU device, collectives over gloo on
+  loopback: the worker runs as a 2-process job started by ``disco-jax launch``;
 * each cluster of `disco_jax.eval.clusters.CLUSTERS` (simulated): the model's ``paper`` config,
   captured from shapes alone and costed by the cluster's models (`rows.simulated_row`).
 
@@ -15,8 +17,9 @@ disco-jax), so no strategy of the row is simulated faster than FO; on the measur
 put on the measured time scale (times measured / simulated JAX_default).
 
 Every row is a JSON file under ``<out>/rows/``; a run skips rows already there unless ``force``,
-so a long run is resumable. Each model runs in its own process (``python -m
-disco_jax.eval.bench worker ...``, its log under ``<out>/logs/``, git-ignored); the report
+so a long run is resumable. Each model runs in its own worker (``python -m disco_jax.eval.bench
+worker ...``: one process for the in-process platforms, a job of several for a multi-process
+one; its log under ``<out>/logs/``, git-ignored); the report
 (`disco_jax.eval.report`: ``README.md`` and PNG figures) is written from the rows at the end
 (``--report-only`` rewrites it from the rows alone).
 """
@@ -26,17 +29,36 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import jax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from disco_jax import initialize_from_env
+from disco_jax._files import write_json_atomic
+from disco_jax.eval import clusters
+from disco_jax.eval.measured import measured_row
 from disco_jax.eval.report import write_report
-from disco_jax.eval.rows import ALL_MODELS, CPU_PLATFORM, NUM_CPU_DEVICES, default_platforms, row_path, run_model
+from disco_jax.eval.rows import (
+    ALL_MODELS,
+    KERNELS_ANALYTICAL,
+    KERNELS_PROFILED,
+    MEASURED_PLATFORMS,
+    PAPER_DEVICES,
+    capture_paper_model,
+    common_fields,
+    default_platforms,
+    log,
+    num_devices,
+    row_path,
+    simulated_row,
+)
 
 DEFAULT_MODELS = ALL_MODELS
 
@@ -45,9 +67,10 @@ DEFAULT_MODELS = ALL_MODELS
 class BenchConfig:
     """What one `disco-jax bench` run does.
 
-    models, platforms: what to run (platforms: 'cpu-8dev' and names of `clusters.CLUSTERS`).
+    models, platforms: what to run (platforms: `rows.MEASURED_PLATFORMS` and names of
+    `clusters.CLUSTERS`).
     style: data-parallel style of the steps. budget_s: search budget per simulated row.
-    cpu_budget_s: search budget of `optimize_distributed` on the measured platform. pairs:
+    cpu_budget_s: search budget of `optimize_distributed` on the measured platforms. pairs:
     interleaved timing pairs per measured configuration. out: report folder. force: redo rows
     that exist. timeout_s: per model process."""
 
@@ -64,6 +87,72 @@ class BenchConfig:
 
     def resolved_platforms(self) -> tuple[str, ...]:
         return self.platforms or default_platforms()
+
+
+# --------------------------------------------------------------------------- one model's rows
+
+
+def run_model(
+    model: str,
+    platforms: tuple[str, ...],
+    *,
+    style: str,
+    budget_s: float,
+    cpu_budget_s: float,
+    pairs: int,
+    out: str,
+    force: bool,
+    plan_dir: str,
+    seed: int = 0,
+) -> None:
+    """Every missing row of one model, in this process (every process of the job runs it): the
+    measured platforms' (the job must be the platform's, `rows.MEASURED_PLATFORMS`), then the
+    simulated clusters' (process 0)."""
+    todo = [p for p in platforms if force or not row_path(out, model, p, style).exists()]
+    for platform in [p for p in todo if p in MEASURED_PLATFORMS]:
+        job = (jax.process_count(), jax.local_device_count())
+        if job != MEASURED_PLATFORMS[platform]:
+            raise RuntimeError(
+                f"{platform} is measured by a job of {MEASURED_PLATFORMS[platform][0]} process(es) x "
+                f"{MEASURED_PLATFORMS[platform][1]} device(s); this one is {job[0]} x {job[1]}"
+            )
+        started = time.perf_counter()
+        log(f"{model}: measured row on {platform} ({job[0]} process(es) x {job[1]} device(s))")
+        row = measured_row(model, style, budget_s=cpu_budget_s, pairs=pairs, plan_dir=plan_dir)
+        if row is None:  # not process 0
+            continue
+        fields = common_fields(
+            model, platform, style, row.pop("graph_summary"), KERNELS_PROFILED, num_devices(platform)
+        )
+        row = {**fields, **row, "elapsed_s": time.perf_counter() - started}
+        write_json_atomic(row_path(out, model, platform, style), row)
+        log(f"{model}: {platform} done: disco-jax {row['speedup']:+.1%} vs {row['best_baseline']}")
+    simulated = [p for p in todo if p not in MEASURED_PLATFORMS]
+    if not simulated or jax.process_index() != 0:
+        return
+    log(f"{model}: capturing the paper config")
+    graph, info = capture_paper_model(model, style)
+    log(f"{model}: captured in {info['capture_s']:.1f} s: {graph.summary()}")
+    for name in simulated:
+        cluster = clusters.get_cluster(name)
+        started = time.perf_counter()
+        log(f"{model}: simulating {name} (search budget {budget_s:g} s)")
+        last = [0.0]
+
+        def progress(best, n, elapsed, name=name, last=last):
+            if elapsed - last[0] >= 5.0:
+                last[0] = elapsed
+                log(f"{model}: {name}: search {elapsed:.0f}/{budget_s:g} s, {n} candidates, best {best / 1e3:.2f} ms")
+
+        row = simulated_row(graph, cluster, budget_s=budget_s, seed=seed, progress=progress)
+        row = {
+            **common_fields(model, name, style, graph.summary(), KERNELS_ANALYTICAL, cluster.num_devices),
+            **info,
+            **row,
+            "elapsed_s": time.perf_counter() - started,
+        }
+        write_json_atomic(row_path(out, model, name, style), row)
+        log(f"{model}: {name} done: disco-jax {row['speedup']:+.1%} vs {row['best_baseline']}")
 
 
 # --------------------------------------------------------------------------- the worker
@@ -83,6 +172,7 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true")
     a = p.parse_args(argv)
+    initialize_from_env()  # a multi-process platform's worker is one process of a job
     run_model(
         a.model,
         tuple(a.platforms),
@@ -124,16 +214,34 @@ def worker_command(model: str, platforms: list[str], config: BenchConfig, plan_d
     ]
 
 
-def worker_env(profile_dir: str) -> dict:
-    """A worker's environment: 8 virtual CPU devices, and a profile database of the run's own."""
+def worker_env(profile_dir: str, devices: int) -> dict:
+    """A worker's environment: `devices` virtual CPU devices (per process), and a profile
+    database of its own (kernel times of 8 devices sharing the cores are not those of one)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(
         [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-        + [f"--xla_force_host_platform_device_count={NUM_CPU_DEVICES}"]
+        + [f"--xla_force_host_platform_device_count={devices}"]
     )
     env["JAX_PLATFORMS"] = "cpu"
     env["DISCO_JAX_PROFILE_DIR"] = profile_dir
     return env
+
+
+def worker_jobs(model: str, platforms: list[str], config: BenchConfig, scratch: str) -> list[tuple[list[str], dict]]:
+    """The worker runs (command, environment) for one model's missing platforms, one per job shape
+    (processes x devices per process; the simulated clusters capture on `PAPER_DEVICES` devices in
+    one process): a plain process, or a job started by ``disco-jax launch``."""
+    shapes: dict[tuple[int, int], list[str]] = {}
+    for p in platforms:
+        shapes.setdefault(MEASURED_PLATFORMS.get(p, (1, PAPER_DEVICES)), []).append(p)
+    jobs = []
+    for (processes, devices), group in shapes.items():
+        cmd = worker_command(model, group, config, os.path.join(scratch, "plans"))
+        if processes > 1:
+            launch = [sys.executable, "-m", "disco_jax.cli", "launch", "-n", str(processes)]
+            cmd = launch + ["--devices-per-process", str(devices), "--timeout", str(config.timeout_s), "--", *cmd]
+        jobs.append((cmd, worker_env(os.path.join(scratch, "profiles", f"{processes}x{devices}"), devices)))
+    return jobs
 
 
 # --------------------------------------------------------------------------- the driver
@@ -175,25 +283,16 @@ def run(config: BenchConfig) -> Path:
             if not missing:
                 continue
             log_path = out / "logs" / f"{model}.{config.style}.log"
-            cmd = worker_command(model, missing, config, os.path.join(scratch, "plans"))
-            with open(log_path, "a") as log:
-                log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
-                log.flush()
-                proc = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, env=worker_env(os.path.join(scratch, "profiles"))
-                )
-                t0 = time.perf_counter()
-                while proc.poll() is None:
-                    bar.update(task, completed=done(), description=f"{model}: {_last_line(log_path)}")
-                    if time.perf_counter() - t0 > config.timeout_s:
-                        proc.kill()
-                        break
-                    time.sleep(1.0)
-                proc.wait()
-            bar.update(task, completed=done(), description=f"{model}: finished")
-            if proc.returncode != 0:
-                failures.append((model, proc.returncode, str(log_path)))
-                console.print(f"[red]{model}: worker exited with {proc.returncode}; see {log_path}[/]")
+
+            def progress(line: str, model: str = model) -> None:
+                bar.update(task, completed=done(), description=f"{model}: {line}")
+
+            for cmd, env in worker_jobs(model, missing, config, scratch):
+                code = run_worker(cmd, env, log_path, config.timeout_s, progress)
+                bar.update(task, completed=done(), description=f"{model}: finished")
+                if code != 0:
+                    failures.append((model, code, str(log_path)))
+                    console.print(f"[red]{model}: worker exited with {code}; see {log_path}[/]")
     elapsed = time.perf_counter() - started
     readme = write_report(
         out,
@@ -202,6 +301,29 @@ def run(config: BenchConfig) -> Path:
     )
     console.print(f"report: {readme} ({elapsed / 60:.1f} min)")
     return readme
+
+
+def run_worker(cmd: list[str], env: dict, log_path: Path, timeout_s: float, progress) -> int:
+    """Run one worker (its own process group, output appended to `log_path`), calling
+    `progress(last log line)` every second; on timeout the whole group is killed (a launched job's
+    children too). Returns its exit code (-9 when killed)."""
+    with open(log_path, "a") as log_file:
+        log_file.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
+        log_file.flush()
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        started = time.perf_counter()
+        try:
+            while proc.poll() is None:
+                progress(_last_line(log_path))
+                if time.perf_counter() - started > timeout_s:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    break
+                time.sleep(1.0)
+        finally:
+            if proc.poll() is None:  # interrupted: take the worker's group down with us
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
 
 
 def _last_line(path: Path) -> str:
@@ -228,16 +350,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--platforms",
         nargs="+",
         default=None,
-        help=f"'{CPU_PLATFORM}' (measured) and cluster names (simulated); default: all",
+        help=f"{', '.join(MEASURED_PLATFORMS)} (measured) and cluster names (simulated); default: all",
     )
     parser.add_argument("--style", default="jit", choices=("jit", "shard_map"))
     parser.add_argument("--budget", type=float, default=20.0, help="search budget per simulated row, seconds")
-    parser.add_argument("--cpu-budget", type=float, default=10.0, help="search budget on the measured platform")
+    parser.add_argument("--cpu-budget", type=float, default=10.0, help="search budget on the measured platforms")
     parser.add_argument("--pairs", type=int, default=30, help="interleaved timing pairs per measured configuration")
     parser.add_argument("--out", default="report", help="report folder (rows/ inside make the run resumable)")
     parser.add_argument("--force", action="store_true", help="redo rows that exist")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from existing rows")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="per model process, seconds")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="per model worker, seconds")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:

@@ -143,9 +143,11 @@ def report_markdown(rows: list[dict], figures: dict[str, str], run_info: dict) -
     for platform in by_platform:
         if f"fig7_{platform}" in figures:
             blocks.append(_t("fig7", platform=platform, file=figures[f"fig7_{platform}"]))
-    measured = [r for prow in by_platform.values() for r in prow if r["time_kind"] == "measured"]
+    measured = {p: prow for p, prow in by_platform.items() if prow[0]["time_kind"] == "measured"}
     if measured:
-        blocks += _accuracy(measured, figures)
+        blocks.append(_t("accuracy"))
+        for prow in measured.values():
+            blocks += _accuracy(prow, figures)
     blocks += _paper_models(rows, models)
     blocks += _baselines_and_clusters()
     blocks.append(_t("caveats"))
@@ -182,6 +184,7 @@ def _headline(by_platform: dict[str, list[dict]]) -> list[str]:
                 worst_model=worst["model"],
                 captured=_frac(captured[len(captured) // 2] if captured else None),
                 fo=_pct(fo),
+                plans=_plans(prow) if prow[0]["time_kind"] == "measured" else "",
             )
         )
         losses += [r for r in prow if r["speedup"] < 0]
@@ -210,6 +213,22 @@ def _headline(by_platform: dict[str, list[dict]]) -> list[str]:
             )
         )
     return [_t("headline"), "\n".join(items), _t("losses"), "\n".join(loss_items) if loss_items else _t("no_losses")]
+
+
+def _plans(prow: list[dict]) -> str:
+    """What the product did on a measured platform: plans applied and rejected by the acceptance
+    rule, and applied plans that measured slower than JAX_default in the row's own timing."""
+    applied = [r for r in prow if r["strategies"][DISCO].get("applied")]
+    slower = [r for r in applied if r["strategies"][DISCO]["measured"]["ratio"] > 1.0]
+    significant = [r for r in slower if (r["strategies"][DISCO]["measured"].get("ratio_ci95") or [0.0])[0] > 1.0]
+    return _t(
+        "headline_plans",
+        applied=len(applied),
+        rejected=len(prow) - len(applied),
+        slower=len(slower),
+        slower_models="".join(f"; {r['model']} {_iqr(r['strategies'][DISCO]['measured'], 3)}" for r in slower),
+        significant=len(significant),
+    )
 
 
 def _platform_tables(prow: list[dict]) -> list[str]:
@@ -278,7 +297,7 @@ def _measured_cell(st: dict) -> str:
 
 
 def _accuracy(measured: list[dict], figures: dict[str, str]) -> list[str]:
-    """DisCo's Table 2: simulated against measured step times on the measured platform."""
+    """DisCo's Table 2: simulated against measured step times on one measured platform."""
     lines, all_errors, all_ratio_errors = [], [], []
     for r in measured:
         errs, ratio_errs = {}, {}
@@ -310,7 +329,16 @@ def _accuracy(measured: list[dict], figures: dict[str, str]) -> list[str]:
                 ]
             )
         )
-    blocks = [_t("accuracy", configurations=len(STRATEGY_ORDER), rows="\n".join(lines))]
+    platform = measured[0]["platform"]
+    blocks = [
+        _t(
+            "accuracy_platform",
+            platform=platform,
+            devices=measured[0]["num_devices"],
+            configurations=len(STRATEGY_ORDER),
+            rows="\n".join(lines),
+        )
+    ]
     if all_errors:
         srt, rsrt = sorted(all_errors), sorted(all_ratio_errors)
         blocks.append(
@@ -323,8 +351,8 @@ def _accuracy(measured: list[dict], figures: dict[str, str]) -> list[str]:
                 ratio_p90=f"{rsrt[int(0.9 * (len(rsrt) - 1))]:.1%}",
             )
         )
-    if "table2" in figures:
-        blocks.append(_t("table2", file=figures["table2"]))
+    if f"table2_{platform}" in figures:
+        blocks.append(_t("table2", file=figures[f"table2_{platform}"]))
     return blocks
 
 

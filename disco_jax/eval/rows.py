@@ -1,11 +1,7 @@
 """The benchmark's experiments: one *row* per (model, platform), as a JSON-able dict.
 
-* `measured_row`: the model's ``tiny`` config on the 8 virtual CPU devices of this machine. Each
-  baseline is compiled (XLA compile options, or our rewrite for DDP / Horovod), checked on its
-  compiled HLO and its outputs, and timed in interleaved pairs against JAX_default; disco-jax is
-  `optimize_distributed(search=True)` (profiling, calibration, search, validation), timed the
-  same way. Every configuration is also simulated with the calibrated simulator of the search
-  phase (kernels: profiled), which gives the simulated-vs-measured table (DisCo's Table 2).
+* measured rows (`disco_jax.eval.measured`): the model's ``tiny`` config timed on a measured
+  platform (`MEASURED_PLATFORMS`: 8 CPU devices in one process; 2 processes over gloo);
 * `simulated_row`: the model's ``paper`` config captured from shapes alone (`capture_paper_model`),
   its kernels costed by a cluster's GPU-scaled analytical model, all-reduces by the cluster's ring /
   hierarchical model; disco-jax is the backtracking search on that simulator, started from XLA's
@@ -14,8 +10,7 @@
   T_disco; headroom captured = (T_best_baseline - T_disco) / (T_best_baseline - FO), n/a when the
   best baseline is already within 0.1% of FO.
 
-`run_model` writes every missing row of one model (what a worker process of
-`disco_jax.eval.bench` does); rows live under ``<out>/rows/`` (`row_path`, `load_rows`).
+Rows live under ``<out>/rows/`` (`row_path`, `load_rows`); `disco_jax.eval.bench` writes them.
 """
 
 from __future__ import annotations
@@ -33,25 +28,22 @@ import optax
 from disco_jax import (
     ChainEstimator,
     Graph,
-    ProfileDatabase,
     SearchConfig,
     Strategy,
-    _validate,
     backends,
     backtracking_search,
-    optimize_distributed,
     simulate,
     start_candidates,
     zoo,
 )
-from disco_jax._compile import Captured, capture, compile_strategy, compiled_stats
-from disco_jax._console import Ui
-from disco_jax._files import write_json_atomic
-from disco_jax._profiling import calibrate, profile
+from disco_jax._compile import capture
 from disco_jax.eval import baselines, clusters
 
 CPU_PLATFORM = "cpu-8dev"
-NUM_CPU_DEVICES = 8
+GLOO_PLATFORM = "gloo-2x1"
+# Measured platforms: name -> (processes, devices per process) of the job that measures them.
+MEASURED_PLATFORMS: dict[str, tuple[int, int]] = {CPU_PLATFORM: (1, 8), GLOO_PLATFORM: (2, 1)}
+PAPER_DEVICES = 8  # paper configs are captured on 8 devices (the clusters' data-parallel degree)
 ROW_FORMAT = 1
 ALL_MODELS = ("vgg19", "resnet50", "transformer", "rnnlm", "bert", "reformer", "mlp", "dlrm")
 DISCO = "disco-jax"
@@ -62,8 +54,14 @@ KERNELS_ANALYTICAL = "analytical-scaled"
 
 
 def default_platforms() -> tuple[str, ...]:
-    """The measured platform, then every simulated cluster."""
-    return (CPU_PLATFORM, *clusters.CLUSTERS)
+    """The measured platforms, then every simulated cluster."""
+    return (*MEASURED_PLATFORMS, *clusters.CLUSTERS)
+
+
+def num_devices(platform: str) -> int:
+    """Devices of a measured platform's job (all processes)."""
+    processes, per_process = MEASURED_PLATFORMS[platform]
+    return processes * per_process
 
 
 def log(message: str) -> None:
@@ -74,8 +72,8 @@ def log(message: str) -> None:
 
 
 def model_config(platform: str) -> str:
-    """The zoo config a platform runs: ``tiny`` on the measured platform, ``paper`` on clusters."""
-    return "tiny" if platform == CPU_PLATFORM else "paper"
+    """The zoo config a platform runs: ``tiny`` on measured platforms, ``paper`` on clusters."""
+    return "tiny" if platform in MEASURED_PLATFORMS else "paper"
 
 
 def row_path(out: str | os.PathLike, model: str, platform: str, style: str) -> Path:
@@ -142,21 +140,22 @@ def summarize(times_us: dict[str, float], fo_us: float) -> dict:
     }
 
 
-def _sim_json(step) -> dict | None:
+def sim_json(step) -> dict | None:
     return None if step is None else step.to_json()
 
 
-def _measured_json(timing) -> dict:
+def measured_json(timing) -> dict:
     return {
         "us": timing.plan_us,
         "default_us": timing.default_us,
         "ratio": timing.ratio,
         "ratio_iqr": [timing.ratio_low, timing.ratio_high],
+        "ratio_ci95": list(timing.ratio_ci95),
         "pairs": timing.pairs,
     }
 
 
-def _outputs_json(comparison) -> dict:
+def outputs_json(comparison) -> dict:
     return {
         "bitwise_equal": comparison.bitwise_equal,
         "within_tolerance": comparison.within_tolerance,
@@ -185,7 +184,7 @@ def simulated_row(
     for b in candidates:
         sim = simulated(b.strategy)
         strategies[b.name] = {
-            "simulated": _sim_json(sim),
+            "simulated": sim_json(sim),
             "description": b.description,
             "buckets": len(b.strategy.buckets),
             "valid": sim is not None,
@@ -229,185 +228,12 @@ def capture_paper_model(name: str, style: str) -> tuple[Graph, dict]:
     """The paper-size step of a zoo model, captured at the hook without running it."""
     spec = zoo.get_model(name, "paper")
     started = time.perf_counter()
-    lowered = zoo.lower_abstract(spec, optax.adam(1e-3), zoo.data_mesh(NUM_CPU_DEVICES), style)
+    lowered = zoo.lower_abstract(spec, optax.adam(1e-3), zoo.data_mesh(PAPER_DEVICES), style)
     graph = capture(lowered, backends.CPU, (), {}).graph
     return graph, {
         "capture_s": time.perf_counter() - started,
         "parameters": spec.param_count(),
         "global_batch": spec.default_global_batch,
-        "per_device_batch": spec.default_global_batch // NUM_CPU_DEVICES,
+        "per_device_batch": spec.default_global_batch // PAPER_DEVICES,
         "description": spec.description,
     }
-
-
-# --------------------------------------------------------------------------- measured rows
-
-
-def _compile_baseline(captured: Captured, b: baselines.Baseline) -> tuple:
-    if b.compiler_options is None:
-        return compile_strategy(captured.lowered, captured.graph, b.strategy)
-    if not b.compiler_options:
-        return captured.default_compiled, "default"
-    return captured.lowered.compile(compiler_options=b.compiler_options), "compile options"
-
-
-def measured_row(name: str, style: str, *, budget_s: float, pairs: int, plan_dir: str) -> dict:
-    """The measured CPU row of a tiny zoo model: every baseline compiled, checked, timed against
-    JAX_default and simulated; disco-jax by `optimize_distributed`'s search phase."""
-    spec = zoo.get_model(name, "tiny")
-    step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(NUM_CPU_DEVICES), style)
-    args = (state, batch)
-    started = time.perf_counter()
-    captured = capture(step.lower(*args), backends.CPU, args, {})
-    graph = captured.graph
-    capture_s = time.perf_counter() - started
-    validation_pairs = max(8, pairs // 2)
-    default_runner = captured.runner(captured.default_compiled)
-    quiet = Ui(verbose=False)
-    log(f"{name}: profiling and calibrating the simulator")
-    cost_model = profile(captured, default_runner, ProfileDatabase(), quiet)
-    calibration = calibrate(cost_model, captured, default_runner, validation_pairs, quiet).to_json()
-    scale = cost_model.params.compute_scale
-    candidates = baselines.all_baselines(
-        graph, kernel_time_us=lambda ks: [t * scale for t in cost_model.estimator.estimate(graph, ks)]
-    )
-    reference = default_runner()
-    floor = _validate.sensitivity(reference, step(*_validate.nudge(args)))
-    default_counts = compiled_stats(captured.default_compiled.as_text())
-    strategies: dict[str, dict] = {}
-    default_samples: list[float] = []
-    for b in candidates:
-        log(f"{name}: {b.name} ({b.enacted_by})")
-        compiled, status = _compile_baseline(captured, b)
-        runner = captured.runner(compiled)
-        # Bitwise equality is recorded; the check is the tolerance of `_validate` (fusion changes,
-        # and our rewrite of some modules, move float results by a few ulps).
-        comparison = _validate.compare_outputs(reference, runner(), bitwise=False, floor=floor)
-        timing = _validate.time_interleaved(default_runner, runner, pairs=pairs)
-        default_samples.append(timing.default_us)
-        sim = cost_model.simulate(graph, b.strategy)
-        strategies[b.name] = {
-            "simulated": _sim_json(sim),
-            "description": b.description,
-            "enacted_by": b.enacted_by,
-            "compiler_options": b.compiler_options,
-            "compile_status": status,
-            "hlo": compiled_stats(compiled.as_text()),
-            "buckets": len(b.strategy.buckets),
-            "valid": sim is not None,
-            "measured": _measured_json(timing),
-            "outputs": _outputs_json(comparison),
-        }
-    # disco-jax: the product's search phase, as a user runs it.
-    log(f"{name}: disco-jax search phase (budget {budget_s:g} s)")
-    optimized = optimize_distributed(
-        step, search=True, budget_s=budget_s, plan_dir=plan_dir, verbose=False, validation_pairs=validation_pairs
-    )
-    out = jax.block_until_ready(optimized(*args))
-    report = optimized.last_report
-    applied = bool(report.applied)
-    disco_hlo = compiled_stats(optimized.executable(*args).as_text()) if applied else default_counts
-    strategy = Strategy.from_json(graph, report.plan["strategy"]) if applied else baselines.jax_default(graph).strategy
-    comparison = _validate.compare_outputs(reference, out, bitwise=False, floor=floor)
-    timing = _validate.time_interleaved(default_runner, lambda: optimized(*args), pairs=pairs)
-    default_samples.append(timing.default_us)
-    sim = cost_model.simulate(graph, strategy)
-    search = report.search or {}
-    strategies[DISCO] = {
-        "simulated": _sim_json(sim),
-        "description": ("plan applied" if applied else "XLA default kept") + f": {report.reason or ''}",
-        "enacted_by": "optimize_distributed",
-        "applied": applied,
-        "hlo": disco_hlo,
-        "buckets": len(strategy.buckets),
-        "valid": sim is not None,
-        "simulated_by_search": (report.simulated or {}).get("plan"),
-        "measured": _measured_json(timing),
-        "outputs": _outputs_json(comparison),
-    }
-    # One time scale for the row: each configuration's median ratio to JAX_default times the
-    # median JAX_default time over all pairings (ratios of interleaved pairs are what is robust).
-    default_us = sorted(default_samples)[len(default_samples) // 2]
-    times = {
-        k: v["measured"]["ratio"] * default_us if k != "JAX_default" else default_us for k, v in strategies.items()
-    }
-    # FO on the measured time scale: the simulated bound times measured / simulated JAX_default.
-    fo_simulated = min(v["simulated"]["full_overlap_us"] for v in strategies.values() if v["simulated"])
-    fo = fo_simulated * default_us / strategies["JAX_default"]["simulated"]["iteration_us"]
-    return {
-        "strategies": strategies,
-        "time_us": times,
-        "time_kind": "measured",
-        **summarize(times, fo),
-        "fo_simulated_us": fo_simulated,
-        "search": {
-            k: search.get(k)
-            for k in ("evaluated", "invalid", "improvements", "seconds", "stop_reason", "candidates_per_second")
-        },
-        "search_s": search.get("seconds"),
-        "calibration": calibration,
-        "default_hlo": default_counts,
-        "allreduce": cost_model.allreduce.to_json(),
-        "capture_s": capture_s,
-        "parameters": spec.param_count(),
-        "global_batch": spec.default_global_batch,
-        "description": spec.description,
-        "graph_summary": graph.summary(),
-    }
-
-
-# --------------------------------------------------------------------------- one model's rows
-
-
-def run_model(
-    model: str,
-    platforms: tuple[str, ...],
-    *,
-    style: str,
-    budget_s: float,
-    cpu_budget_s: float,
-    pairs: int,
-    out: str,
-    force: bool,
-    plan_dir: str,
-    seed: int = 0,
-) -> None:
-    """Every missing row of one model (in this process)."""
-    todo = [p for p in platforms if force or not row_path(out, model, p, style).exists()]
-    if CPU_PLATFORM in todo:
-        started = time.perf_counter()
-        log(f"{model}: measured row on {NUM_CPU_DEVICES} CPU devices")
-        row = measured_row(model, style, budget_s=cpu_budget_s, pairs=pairs, plan_dir=plan_dir)
-        row = {
-            **common_fields(model, CPU_PLATFORM, style, row.pop("graph_summary"), KERNELS_PROFILED, NUM_CPU_DEVICES),
-            **row,
-            "elapsed_s": time.perf_counter() - started,
-        }
-        write_json_atomic(row_path(out, model, CPU_PLATFORM, style), row)
-        log(f"{model}: {CPU_PLATFORM} done: disco-jax {row['speedup']:+.1%} vs {row['best_baseline']}")
-    simulated = [p for p in todo if p != CPU_PLATFORM]
-    if not simulated:
-        return
-    log(f"{model}: capturing the paper config")
-    graph, info = capture_paper_model(model, style)
-    log(f"{model}: captured in {info['capture_s']:.1f} s: {graph.summary()}")
-    for name in simulated:
-        cluster = clusters.get_cluster(name)
-        started = time.perf_counter()
-        log(f"{model}: simulating {name} (search budget {budget_s:g} s)")
-        last = [0.0]
-
-        def progress(best, n, elapsed, name=name, last=last):
-            if elapsed - last[0] >= 5.0:
-                last[0] = elapsed
-                log(f"{model}: {name}: search {elapsed:.0f}/{budget_s:g} s, {n} candidates, best {best / 1e3:.2f} ms")
-
-        row = simulated_row(graph, cluster, budget_s=budget_s, seed=seed, progress=progress)
-        row = {
-            **common_fields(model, name, style, graph.summary(), KERNELS_ANALYTICAL, cluster.num_devices),
-            **info,
-            **row,
-            "elapsed_s": time.perf_counter() - started,
-        }
-        write_json_atomic(row_path(out, model, name, style), row)
-        log(f"{model}: {name} done: disco-jax {row['speedup']:+.1%} vs {row['best_baseline']}")

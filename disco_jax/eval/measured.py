@@ -1,0 +1,193 @@
+"""Measured rows: a zoo model's ``tiny`` config timed on this machine's devices.
+
+Measured platforms (`rows.MEASURED_PLATFORMS`, name -> processes x devices per process):
+
+* ``cpu-8dev``: 8 virtual CPU devices in one process (XLA:CPU's in-process collectives);
+* ``gloo-2x1``: 2 processes x 1 CPU device, collectives over gloo on loopback (the job is started
+  by ``disco-jax launch``): communication between processes, as on a real cluster.
+
+Each baseline is compiled (XLA compile options, or our rewrite for DDP / Horovod), checked on its
+compiled HLO and its outputs, and timed in interleaved pairs against JAX_default; disco-jax is
+`optimize_distributed(search=True)` (profile, calibrate, search, measured candidates, the
+acceptance rule), timed the same way afterwards. Every configuration is also simulated with the
+calibrated simulator of the search phase, which gives the simulated-vs-measured table (DisCo's
+Table 2).
+
+In a job of several processes every process runs `measured_row` (each compile and each timed run
+is a collective, so they run in the same order everywhere): a per-pair ratio counts with the
+slowest process (as the acceptance rule does), each process compares its own output shards and
+the verdicts are merged, and process 0 alone returns the row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Any
+
+import jax
+import optax
+
+from disco_jax import ProfileDatabase, Strategy, _distributed, _validate, backends, optimize_distributed, zoo
+from disco_jax._compile import Captured, capture, compile_strategy, compiled_stats
+from disco_jax._console import Ui
+from disco_jax._profiling import calibrate, profile
+from disco_jax.eval import baselines
+from disco_jax.eval.rows import DISCO, log, measured_json, outputs_json, sim_json, summarize
+
+
+class Job:
+    """The measuring side of one row in one process of the job (of one process or several)."""
+
+    def __init__(self, name: str):
+        self.scope = _distributed.new_scope(f"bench/{name}") if _distributed.is_multiprocess() else None
+        self.count = itertools.count()
+
+    def time(self, default_runner, runner, pairs: int) -> _validate.Timing:
+        """Interleaved pairs against JAX_default; with several processes, each pair at its slowest."""
+        timing = _validate.time_interleaved(default_runner, runner, pairs=pairs)
+        if self.scope is None:
+            return timing
+        ratios = _distributed.slowest_pairs(f"{self.scope}/timing/{next(self.count)}")(timing.ratios)
+        return _validate.summarize([timing.default_us], [timing.plan_us], ratios)
+
+    def agree(self, b: baselines.Baseline, graph) -> baselines.Baseline:
+        """Process 0's version of a baseline: its strategy can depend on measured kernel times
+        (Horovod's cycles), and every process must compile the same program."""
+        if self.scope is None:
+            return b
+        found = _distributed.broadcast_json(f"{self.scope}/baseline/{b.name}", b.strategy.to_json(graph))
+        return dataclasses.replace(b, strategy=Strategy.from_json(graph, found))
+
+    def compare(self, reference: Any, outputs: Any, floor: list[float]) -> _validate.Comparison:
+        """Outputs against JAX_default's (`reference`: this process's shards), every process's verdict merged."""
+        comparison = _validate.compare_outputs(reference, _distributed.addressable(outputs), bitwise=False, floor=floor)
+        if self.scope is None:
+            return comparison
+        return _validate.Comparison.merge(
+            _distributed.gather_json(f"{self.scope}/outputs/{next(self.count)}", dataclasses.asdict(comparison))
+        )
+
+
+def compile_baseline(captured: Captured, b: baselines.Baseline) -> tuple:
+    if b.compiler_options is None:
+        return compile_strategy(captured.lowered, captured.graph, b.strategy)
+    if not b.compiler_options:
+        return captured.default_compiled, "default"
+    return captured.lowered.compile(compiler_options=b.compiler_options), "compile options"
+
+
+def measured_row(name: str, style: str, *, budget_s: float, pairs: int, plan_dir: str) -> dict | None:
+    """The measured row of a tiny zoo model on every device of the job: every baseline compiled,
+    checked, timed against JAX_default and simulated; disco-jax by `optimize_distributed`'s search
+    phase. Process 0 returns the row, the others None."""
+    spec = zoo.get_model(name, "tiny")
+    step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(), style)
+    args = (state, batch)
+    job = Job(name)
+    started = time.perf_counter()
+    captured = capture(step.lower(*args), backends.CPU, args, {})
+    graph = captured.graph
+    capture_s = time.perf_counter() - started
+    validation_pairs = max(8, pairs // 2)
+    default_runner = captured.runner(captured.default_compiled)
+    quiet = Ui(verbose=False)
+    log(f"{name}: profiling and calibrating the simulator")
+    cost_model = profile(captured, default_runner, ProfileDatabase(), quiet)
+    calibration = calibrate(cost_model, captured, default_runner, validation_pairs, quiet).to_json()
+    scale = cost_model.params.compute_scale
+    candidates = baselines.all_baselines(
+        graph, kernel_time_us=lambda ks: [t * scale for t in cost_model.estimator.estimate(graph, ks)]
+    )
+    local = _distributed.addressable
+    reference = local(default_runner())
+    floor = _validate.sensitivity(reference, local(step(*_validate.nudge(args))))
+    default_counts = compiled_stats(captured.default_compiled.as_text())
+    strategies: dict[str, dict] = {}
+    default_samples: list[float] = []
+    for b in candidates:
+        b = job.agree(b, graph)
+        log(f"{name}: {b.name} ({b.enacted_by})")
+        compiled, status = compile_baseline(captured, b)
+        runner = captured.runner(compiled)
+        # Bitwise equality is recorded; the check is the tolerance of `_validate` (fusion changes,
+        # and our rewrite of some modules, move float results by a few ulps).
+        comparison = job.compare(reference, runner(), floor)
+        timing = job.time(default_runner, runner, pairs)
+        default_samples.append(timing.default_us)
+        sim = cost_model.simulate(graph, b.strategy)
+        strategies[b.name] = {
+            "simulated": sim_json(sim),
+            "description": b.description,
+            "enacted_by": b.enacted_by,
+            "compiler_options": b.compiler_options,
+            "compile_status": status,
+            "hlo": compiled_stats(compiled.as_text()),
+            "buckets": len(b.strategy.buckets),
+            "valid": sim is not None,
+            "measured": measured_json(timing),
+            "outputs": outputs_json(comparison),
+        }
+    # disco-jax: the product's search phase, as a user runs it.
+    log(f"{name}: disco-jax search phase (budget {budget_s:g} s)")
+    optimized = optimize_distributed(
+        step, search=True, budget_s=budget_s, plan_dir=plan_dir, verbose=False, validation_pairs=validation_pairs
+    )
+    out = jax.block_until_ready(optimized(*args))
+    report = optimized.last_report
+    applied = bool(report.applied)
+    disco_hlo = compiled_stats(optimized.executable(*args).as_text()) if applied else default_counts
+    strategy = Strategy.from_json(graph, report.plan["strategy"]) if applied else baselines.jax_default(graph).strategy
+    comparison = job.compare(reference, out, floor)
+    log(f"{name}: disco-jax {'plan applied' if applied else 'XLA default kept'}; timing it against JAX_default")
+    timing = job.time(default_runner, lambda: optimized(*args), pairs)
+    default_samples.append(timing.default_us)
+    if jax.process_index() != 0:
+        return None
+    sim = cost_model.simulate(graph, strategy)
+    search = report.search or {}
+    strategies[DISCO] = {
+        "simulated": sim_json(sim),
+        "description": ("plan applied" if applied else "XLA default kept") + f": {report.reason or ''}",
+        "enacted_by": "optimize_distributed",
+        "applied": applied,
+        "acceptance": {k: (report.measured or {}).get(k) for k in ("ratio", "ratio_ci95", "rule", "pairs")},
+        "hlo": disco_hlo,
+        "buckets": len(strategy.buckets),
+        "valid": sim is not None,
+        "simulated_by_search": (report.simulated or {}).get("plan"),
+        "measured": measured_json(timing),
+        "outputs": outputs_json(comparison),
+    }
+    # One time scale for the row: each configuration's median ratio to JAX_default times the
+    # median JAX_default time over all pairings (ratios of interleaved pairs are what is robust).
+    default_us = sorted(default_samples)[len(default_samples) // 2]
+    times = {
+        k: v["measured"]["ratio"] * default_us if k != "JAX_default" else default_us for k, v in strategies.items()
+    }
+    # FO on the measured time scale: the simulated bound times measured / simulated JAX_default.
+    fo_simulated = min(v["simulated"]["full_overlap_us"] for v in strategies.values() if v["simulated"])
+    fo = fo_simulated * default_us / strategies["JAX_default"]["simulated"]["iteration_us"]
+    return {
+        "strategies": strategies,
+        "time_us": times,
+        "time_kind": "measured",
+        **summarize(times, fo),
+        "fo_simulated_us": fo_simulated,
+        "search": {
+            k: search.get(k)
+            for k in ("evaluated", "invalid", "improvements", "seconds", "stop_reason", "candidates_per_second")
+        },
+        "measured_candidates": search.get("measured_candidates"),
+        "search_s": search.get("seconds"),
+        "calibration": calibration,
+        "default_hlo": default_counts,
+        "allreduce": cost_model.allreduce.to_json(),
+        "capture_s": capture_s,
+        "processes": jax.process_count(),
+        "parameters": spec.param_count(),
+        "global_batch": spec.default_global_batch,
+        "description": spec.description,
+        "graph_summary": graph.summary(),
+    }
