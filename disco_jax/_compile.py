@@ -119,6 +119,7 @@ def compile_strategy(lowered: jax.stages.Lowered, graph: Graph, strategy: Strate
         lowered,
         handler,
         cache_tag=plan_tag(graph.fingerprint, strategy.to_json(graph)),
+        compiler_options=dict(graph.backend.rewrite_options),
         platform=graph.backend.platform,
         stage=graph.backend.hook_stage,
     )
@@ -153,11 +154,25 @@ class Captured:
         )
 
 
+def capture_graph(
+    lowered: jax.stages.Lowered, backend: Backend, compiler_options: dict | None = None
+) -> tuple[Graph, Any]:
+    """The step's graph at `backend`'s hook stage and XLA's unmodified executable, from one
+    compile. Where the hook stage comes before XLA's own fusion and combining (XLA:GPU), the
+    graph also carries those decisions, read at the backend's `decisions_stage` of the same
+    compile. Needs no device: a step lowered for compile-only devices (`disco_jax.targets`)
+    captures the same way."""
+    stages = (backend.hook_stage,) + ((backend.decisions_stage,) if backend.decisions_stage else ())
+    texts, compiled = _capture.capture_stages(lowered, stages, compiler_options, platform=backend.platform)
+    graph = build_graph(texts[backend.hook_stage], backend)
+    if backend.decisions_stage and backend.read_decisions is not None:
+        graph = backend.read_decisions(graph, texts[backend.decisions_stage])
+    return graph, compiled
+
+
 def capture(lowered: jax.stages.Lowered, backend: Backend, args: tuple, kwargs: dict) -> Captured:
     """Capture `lowered` at `backend`'s hook stage and compile it unmodified (one compile).
     `args`/`kwargs`: the call's dynamic arguments."""
-    text, default_compiled = _capture.capture(lowered, platform=backend.platform, stage=backend.hook_stage)
+    graph, default_compiled = capture_graph(lowered, backend)
     devices = step_devices(args, kwargs)
-    return Captured(
-        lowered, build_graph(text, backend), default_compiled, args, kwargs, devices, MachineKey.current(devices)
-    )
+    return Captured(lowered, graph, default_compiled, args, kwargs, devices, MachineKey.current(devices))
