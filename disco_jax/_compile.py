@@ -98,8 +98,11 @@ def plan_tag(fingerprint: str, strategy_json: dict) -> str:
     return f"{fingerprint}:{digest}"
 
 
-def compile_strategy(lowered: jax.stages.Lowered, graph: Graph, strategy: Strategy) -> tuple[Any, str]:
-    """Compile the step with `strategy` rewritten into its module at the hook.
+def compile_strategy(
+    lowered: jax.stages.Lowered, graph: Graph, strategy: Strategy, compiler_options: dict | None = None
+) -> tuple[Any, str]:
+    """Compile the step with `strategy` rewritten into its module at the hook. `compiler_options`
+    (e.g. `backends.gpu.collective_options(...)`) go on top of the backend's `rewrite_options`.
 
     Returns (compiled, status): 'rewritten'; 'cached' when JAX served the executable compiled
     earlier in this process for the same plan (the cache key carries the plan's digest); or
@@ -115,11 +118,15 @@ def compile_strategy(lowered: jax.stages.Lowered, graph: Graph, strategy: Strate
         status[0] = "rewritten"
         return text
 
+    options = {**graph.backend.rewrite_options, **(compiler_options or {})}
+    tag = plan_tag(graph.fingerprint, strategy.to_json(graph))
+    if compiler_options:
+        tag += ":" + hashlib.sha256(json.dumps(compiler_options, sort_keys=True).encode()).hexdigest()[:16]
     compiled = _capture.compile_with_hook(
         lowered,
         handler,
-        cache_tag=plan_tag(graph.fingerprint, strategy.to_json(graph)),
-        compiler_options=dict(graph.backend.rewrite_options),
+        cache_tag=tag,
+        compiler_options=options,
         platform=graph.backend.platform,
         stage=graph.backend.hook_stage,
     )

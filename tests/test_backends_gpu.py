@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from disco_jax import _compile, _hlo, _strategy, backends, targets, zoo
-from disco_jax.backends import gpu_schedule
+from disco_jax.backends import gpu, gpu_schedule
 
 
 @pytest.fixture(scope="module")
@@ -18,9 +18,9 @@ def captured():
     return lowered, graph, compiled.as_text()
 
 
-def _compile_plan(captured, strategy):
+def _compile_plan(captured, strategy, options=None):
     lowered, graph, _ = captured
-    compiled, status = _compile.compile_strategy(lowered, graph, strategy)
+    compiled, status = _compile.compile_strategy(lowered, graph, strategy, options)
     assert status == "rewritten"
     return compiled.as_text()
 
@@ -145,3 +145,21 @@ def test_rewriter_rejects_an_invalid_strategy(captured):
     bad = dataclasses.replace(xla, buckets=xla.buckets[:0])
     with pytest.raises(ValueError, match="not valid"):
         backends.GPU.rewriter.rewrite(graph, bad)
+
+
+def test_latency_hiding_scheduler_keeps_the_plans_all_reduces_async(captured):
+    _, graph, _ = captured
+    plan = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "each")
+    on = _compile_plan(captured, plan, gpu.collective_options(latency_hiding_scheduler=True))
+    off = _compile_plan(captured, plan, gpu.collective_options(latency_hiding_scheduler=False))
+    n = len(graph.gradients)
+    assert on.count(" all-reduce-start(") == n and on.count(" all-reduce(") == 0
+    assert off.count(" all-reduce-start(") == 0 and off.count(" all-reduce(") == n
+
+
+def test_combine_threshold_sets_xla_gpu_own_combining(captured):
+    lowered, graph, _ = captured
+    split = lowered.compile(compiler_options=gpu.collective_options(combine_threshold_bytes=20_000)).as_text()
+    assert 1 < _compile.compiled_stats(split)["all-reduce"] < len(graph.gradients)
+    with pytest.raises(ValueError, match="non-negative int"):
+        gpu.collective_options(combine_threshold_bytes=-1)

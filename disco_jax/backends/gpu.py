@@ -39,6 +39,27 @@ NO_PRODUCER_FUSION = frozenset({"reduce"})
 REWRITE_OPTIONS = {"xla_gpu_all_reduce_combine_threshold_bytes": "0"}
 
 
+def collective_options(
+    latency_hiding_scheduler: bool | None = None, combine_threshold_bytes: int | None = None
+) -> dict[str, bool | str]:
+    """XLA:GPU compile options for one step's collectives (None: XLA's default).
+
+    latency_hiding_scheduler: with it, each all-reduce stays an async start/done pair that XLA
+      overlaps with compute; without it (XLA's default) XLA:GPU makes them synchronous.
+    combine_threshold_bytes: how many bytes XLA's combiner packs into one all-reduce (default
+      30 MiB). A rewritten plan decides its buckets itself (`REWRITE_OPTIONS` turn the combiner
+      off), so this is for compiling the unmodified step.
+    """
+    options: dict[str, bool | str] = {}
+    if latency_hiding_scheduler is not None:
+        options["xla_gpu_enable_latency_hiding_scheduler"] = bool(latency_hiding_scheduler)  # "true" is refused
+    if combine_threshold_bytes is not None:
+        if not isinstance(combine_threshold_bytes, int) or combine_threshold_bytes < 0:
+            raise ValueError(f"combine_threshold_bytes must be a non-negative int, got {combine_threshold_bytes!r}")
+        options["xla_gpu_all_reduce_combine_threshold_bytes"] = str(combine_threshold_bytes)
+    return options
+
+
 def emittable(graph: Graph, strategy: Strategy, exports: list[list[int]]) -> bool:
     """The GPU rewriter emits no fusion itself (it only cuts edges), so any grouping compiles."""
     return True
