@@ -163,3 +163,13 @@ def test_combine_threshold_sets_xla_gpu_own_combining(captured):
     assert 1 < _compile.compiled_stats(split)["all-reduce"] < len(graph.gradients)
     with pytest.raises(ValueError, match="non-negative int"):
         gpu.collective_options(combine_threshold_bytes=-1)
+
+
+def test_adam_step_on_a100_xla_plan_reproduces_xla_program():
+    """Adam's update has ops whose names XLA:GPU rewrites beyond recognition: edges at them are
+    left to XLA, so XLA's own plan still compiles to XLA's program (on the A100 target)."""
+    lowered = zoo.lower_abstract(zoo.get_model("mlp", "tiny"), optax.adam(1e-3), targets.mesh("a100-sxm", 4))
+    graph, compiled = _compile.capture_graph(lowered, backends.GPU)
+    plan, status = _compile.compile_strategy(lowered, graph, _strategy.xla_default(graph))
+    assert status == "rewritten"
+    assert _compile.compiled_stats(plan.as_text()) == _compile.compiled_stats(compiled.as_text())

@@ -81,7 +81,8 @@ class GpuRewriter:
     * Fusion: where a fusible op reads a fusible op's value and no group of the plan holds
       both, the value passes through `tuple` -> `opt-barrier` -> `get-tuple-element`: XLA:GPU cannot fuse across it,
       and removes it after fusion.
-    Not imposed (XLA:GPU decides): that a group is fused at all (XLA may leave it apart), whether
+    Not imposed (XLA:GPU decides): edges at ops not found in XLA's scheduled module, that a
+    group is fused at all (XLA may leave it apart), whether
     an op next to a dot joins the gemm fusion as its prologue or epilogue (edges between opaque
     and fusible ops are never cut: the strategy's groups hold fusible ops only), a duplicate's
     recomputation, and the order of the kernels (its scheduler runs after us).
@@ -106,7 +107,13 @@ def _cut_fusions(graph: Graph, s: Strategy, body: list[_hlo.Instruction]) -> lis
             groups_of.setdefault(o, []).append(gi)
     shapes = {i.name: i.shape for i in body}
 
+    # Ops found in XLA's scheduled module. An edge touching one that was not (a name a pass
+    # changed beyond recognition) is left to XLA: XLA's own plan would otherwise cut edges XLA fused.
+    known = set().union(*(k.ops for k in graph.xla_schedule)) if graph.xla_schedule else None
+
     def separated(v: int, u: int) -> bool:
+        if known is not None and (v not in known or u not in known):
+            return False
         # A barrier cuts the edge for every copy of u, so it goes only where no group holds both.
         return all(v not in s.groups[gi] for gi in groups_of.get(u, []))
 

@@ -263,8 +263,9 @@ def _origin(module, by_name: dict, mapper: _OpMapper, name: str):
         return mapper.op(inst)
     comp = module.computation(inst.attr("calls").lstrip("%"))
     root = comp.root
-    if root.opcode == "concatenate":
-        return [_origin(module, by_name, mapper, inst.operands[int(_param(comp, n))]) for n in root.operands]
+    params = [_param(comp, n) for n in root.operands] if root.opcode == "concatenate" else []
+    if params and all(p is not None for p in params):  # the combiner's flat buffer
+        return [_origin(module, by_name, mapper, inst.operands[int(p)]) for p in params]
     if root.opcode == "tuple" and index is not None:
         root = comp.by_name()[root.operands[index]]
     while root.opcode == "bitcast":
@@ -272,13 +273,12 @@ def _origin(module, by_name: dict, mapper: _OpMapper, name: str):
     return mapper.op(root, inst.name)
 
 
-def _param(comp: _hlo.Computation, name: str) -> str:
+def _param(comp: _hlo.Computation, name: str) -> str | None:
+    """The parameter number behind `name` through bitcasts, or None when it is computed."""
     inst = comp.by_name()[name]
     while inst.opcode == "bitcast":
         inst = comp.by_name()[inst.operands[0]]
-    if inst.opcode != "parameter":
-        raise ValueError(f"concatenation operand {name} of {comp.name} is not a parameter")
-    return inst.literal
+    return inst.literal if inst.opcode == "parameter" else None
 
 
 def _connected(graph: Graph, members: frozenset[int]) -> list[frozenset[int]]:
