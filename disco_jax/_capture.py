@@ -12,6 +12,7 @@ from the plan, so a plan compiles once per process and a persistent-cache hit is
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import threading
@@ -37,8 +38,8 @@ def module_text(module) -> str:
     return module.to_string(options)
 
 
-def _dispatch(serialized: bytes) -> bytes | None:
-    handler = _active.get("handler")
+def _dispatch(stage: str, serialized: bytes) -> bytes | None:
+    handler = _active.get("handlers", {}).get(stage)
     if handler is None:
         return None
     module = xla_client.hlo.HloModule.from_serialized_hlo_module_proto(serialized)
@@ -55,7 +56,7 @@ def _dispatch(serialized: bytes) -> bytes | None:
 def _ensure_registered(platform: str, stage: str) -> None:
     if (platform, stage) not in _registered_for:
         jax_xla.register_hlo_module_transformation(
-            _dispatch,
+            functools.partial(_dispatch, stage),
             name=f"disco_jax_{platform}_{stage.lower()}",
             stage=getattr(jax_xla.PipelineStage, stage),
             platforms=platform,
@@ -87,26 +88,45 @@ def compile_with_hook(
     (`stage`: a `jax.extend.xla.PipelineStage` member name; a backend's `hook_stage`).
 
     Returns the `jax.stages.Compiled`. Raises RuntimeError if the hook never saw the module."""
+    return compile_with_hooks(
+        lowered, {stage: handler}, cache_tag=cache_tag, compiler_options=compiler_options, platform=platform
+    )
+
+
+def compile_with_hooks(
+    lowered: jax.stages.Lowered,
+    handlers: dict[str, Callable[[str], str | None]],
+    *,
+    cache_tag: str | None = None,
+    compiler_options: dict | None = None,
+    platform: str | None = None,
+):
+    """`compile_with_hook` with one handler per stage, all in one compile (XLA:GPU: edit the
+    module at PRE_SCHEDULER and read what XLA made of it at POST_SCHEDULER)."""
     platform = platform or jax.default_backend()
-    _ensure_registered(platform, stage)
-    seen: list[bool] = []
+    for stage in handlers:
+        _ensure_registered(platform, stage)
+    seen: list[str] = []
 
-    def wrapped(text: str) -> str | None:
-        seen.append(True)
-        return handler(text)
+    def wrap(stage: str, handler: Callable[[str], str | None]) -> Callable[[str], str | None]:
+        def wrapped(text: str) -> str | None:
+            seen.append(stage)
+            return handler(text)
 
-    tag = cache_tag if cache_tag is not None else f"fresh-{next(_fresh)}-{id(wrapped)}"
+        return wrapped
+
+    tag = cache_tag if cache_tag is not None else f"fresh-{next(_fresh)}-{id(seen)}"
     options = dict(compiler_options or {})
     options[CACHE_KEY_OPTION] = cache_key_value(tag)
     with _lock:
-        _active["handler"] = wrapped
+        _active["handlers"] = {stage: wrap(stage, h) for stage, h in handlers.items()}
         _active["module_name"] = module_name(lowered)
         try:
             compiled = lowered.compile(compiler_options=options)
         finally:
             _active.clear()
     if not seen and cache_tag is None:
-        raise RuntimeError("the XLA pass hook did not see the step's module; is this jax >= 0.10.2?")
+        raise RuntimeError("the XLA pass hook did not see the step's module; is this jax >= 0.11.2?")
     return compiled
 
 
@@ -118,11 +138,32 @@ def capture(
     stage: str = "PRE_SCHEDULER",
 ) -> tuple[str, Any]:
     """The module text at the hook stage, and the compiled (unmodified) executable."""
-    texts: list[str] = []
+    texts, compiled = capture_stages(lowered, (stage,), compiler_options, platform=platform)
+    return texts[stage], compiled
 
-    def record(text: str) -> None:
-        texts.append(text)
-        return None
 
-    compiled = compile_with_hook(lowered, record, compiler_options=compiler_options, platform=platform, stage=stage)
-    return texts[-1], compiled
+def capture_stages(
+    lowered: jax.stages.Lowered,
+    stages: tuple[str, ...],
+    compiler_options: dict | None = None,
+    *,
+    platform: str | None = None,
+) -> tuple[dict[str, str], Any]:
+    """The module text at each of `stages` (the last one XLA handed over at each), and the
+    compiled (unmodified) executable, from one compile. Raises RuntimeError when a stage never
+    saw the module."""
+    texts: dict[str, str] = {}
+
+    def recorder(stage: str) -> Callable[[str], None]:
+        def record(text: str) -> None:
+            texts[stage] = text
+
+        return record
+
+    compiled = compile_with_hooks(
+        lowered, {s: recorder(s) for s in stages}, compiler_options=compiler_options, platform=platform
+    )
+    missing = [s for s in stages if s not in texts]
+    if missing:
+        raise RuntimeError(f"the XLA pass hook did not see the step's module at {', '.join(missing)}")
+    return texts, compiled

@@ -98,8 +98,11 @@ def plan_tag(fingerprint: str, strategy_json: dict) -> str:
     return f"{fingerprint}:{digest}"
 
 
-def compile_strategy(lowered: jax.stages.Lowered, graph: Graph, strategy: Strategy) -> tuple[Any, str]:
-    """Compile the step with `strategy` rewritten into its module at the hook.
+def compile_strategy(
+    lowered: jax.stages.Lowered, graph: Graph, strategy: Strategy, compiler_options: dict | None = None
+) -> tuple[Any, str]:
+    """Compile the step with `strategy` rewritten into its module at the hook. `compiler_options`
+    (e.g. `backends.gpu.collective_options(...)`) go on top of the backend's `rewrite_options`.
 
     Returns (compiled, status): 'rewritten'; 'cached' when JAX served the executable compiled
     earlier in this process for the same plan (the cache key carries the plan's digest); or
@@ -115,10 +118,15 @@ def compile_strategy(lowered: jax.stages.Lowered, graph: Graph, strategy: Strate
         status[0] = "rewritten"
         return text
 
+    options = {**graph.backend.rewrite_options, **(compiler_options or {})}
+    tag = plan_tag(graph.fingerprint, strategy.to_json(graph))
+    if compiler_options:
+        tag += ":" + hashlib.sha256(json.dumps(compiler_options, sort_keys=True).encode()).hexdigest()[:16]
     compiled = _capture.compile_with_hook(
         lowered,
         handler,
-        cache_tag=plan_tag(graph.fingerprint, strategy.to_json(graph)),
+        cache_tag=tag,
+        compiler_options=options,
         platform=graph.backend.platform,
         stage=graph.backend.hook_stage,
     )
@@ -153,11 +161,25 @@ class Captured:
         )
 
 
+def capture_graph(
+    lowered: jax.stages.Lowered, backend: Backend, compiler_options: dict | None = None
+) -> tuple[Graph, Any]:
+    """The step's graph at `backend`'s hook stage and XLA's unmodified executable, from one
+    compile. Where the hook stage comes before XLA's own fusion and combining (XLA:GPU), the
+    graph also carries those decisions, read at the backend's `decisions_stage` of the same
+    compile. Needs no device: a step lowered for compile-only devices (`disco_jax.targets`)
+    captures the same way."""
+    stages = (backend.hook_stage,) + ((backend.decisions_stage,) if backend.decisions_stage else ())
+    texts, compiled = _capture.capture_stages(lowered, stages, compiler_options, platform=backend.platform)
+    graph = build_graph(texts[backend.hook_stage], backend)
+    if backend.decisions_stage and backend.read_decisions is not None:
+        graph = backend.read_decisions(graph, texts[backend.decisions_stage])
+    return graph, compiled
+
+
 def capture(lowered: jax.stages.Lowered, backend: Backend, args: tuple, kwargs: dict) -> Captured:
     """Capture `lowered` at `backend`'s hook stage and compile it unmodified (one compile).
     `args`/`kwargs`: the call's dynamic arguments."""
-    text, default_compiled = _capture.capture(lowered, platform=backend.platform, stage=backend.hook_stage)
+    graph, default_compiled = capture_graph(lowered, backend)
     devices = step_devices(args, kwargs)
-    return Captured(
-        lowered, build_graph(text, backend), default_compiled, args, kwargs, devices, MachineKey.current(devices)
-    )
+    return Captured(lowered, graph, default_compiled, args, kwargs, devices, MachineKey.current(devices))

@@ -90,6 +90,9 @@ class Graph:
     outputs: list[int]  # op ids of the module's output (several when ROOT was a multi-output fusion)
     fingerprint: str
     backend: Backend  # the compiler whose module this is
+    # XLA's kernels in its schedule order, when read from a scheduled module (XLA:GPU:
+    # `disco_jax.backends.gpu_schedule.ScheduledKernel`s); empty when the capture is unscheduled.
+    xla_schedule: tuple = ()
     # Caches of the queries below that take an argument (the others are cached properties).
     _signatures: dict[frozenset[int], str] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -260,13 +263,29 @@ def _in_place_operands(inst: _hlo.Instruction, module: _hlo.HloModuleText) -> li
     return []
 
 
+def replica_groups_key(text: str | None) -> str | None:
+    """Replica groups with mesh axis names replaced by their positions: XLA (jax 0.12) prints
+    `mesh['data'=8] {'data'}` for one all-reduce and `mesh['axis_0'=8] {'axis_0'}` for another
+    over the same devices, and combines them; so may we."""
+    m = re.fullmatch(r"mesh\[(.*)\]\s*\{(.*)\}", text or "")
+    if m is None:
+        return text
+    axes = [a.strip() for a in m.group(1).split(",") if a.strip()]
+    names = [a.split("=")[0].strip() for a in axes]
+    reduced = [r.strip() for r in m.group(2).split(",") if r.strip()]
+    if any(r not in names for r in reduced):
+        return text
+    sizes = ",".join(a.split("=", 1)[1].strip() if "=" in a else a for a in axes)
+    return f"mesh[{sizes}] {{{','.join(str(names.index(r)) for r in reduced)}}}"
+
+
 def _compat_key(inst: _hlo.Instruction, module: _hlo.HloModuleText, dtype: str) -> tuple:
     reducer = module.computation(inst.attr("to_apply").lstrip("%"))
     reducer_ops = tuple(i.opcode for i in reducer.instructions if i.opcode != "parameter")
     return (
         dtype,
         reducer_ops,
-        inst.attr("replica_groups"),
+        replica_groups_key(inst.attr("replica_groups")),
         inst.attr("use_global_device_ids"),
         inst.attr("channel_id") is not None,
     )

@@ -103,7 +103,8 @@ def test_a_new_fusion_appears_in_the_compiled_hlo(setup):
 
 def test_only_registered_backends_are_found():
     assert backends.for_platform("cpu") is backends.CPU
-    assert backends.for_platform("cuda") is None and "cuda" not in backends.supported_platforms()
+    assert backends.for_platform("cuda") is backends.GPU
+    assert backends.for_platform("rocm") is None and backends.supported_platforms() == ("cpu", "cuda")
 
 
 def test_transformer_with_scatter_and_large_constants_round_trips_bitwise():

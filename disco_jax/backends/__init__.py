@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from disco_jax.backends.base import Backend, Rewriter
 from disco_jax.backends.cpu import CPU
+from disco_jax.backends.gpu import GPU
 
-__all__ = ["Backend", "Rewriter", "CPU", "register", "for_platform", "supported_platforms"]
+__all__ = ["Backend", "Rewriter", "CPU", "GPU", "register", "for_platform", "supported_platforms"]
 
 _REGISTRY: dict[str, Backend] = {}
 
@@ -36,3 +37,4 @@ def supported_platforms() -> tuple[str, ...]:
 
 
 register(CPU)
+register(GPU)

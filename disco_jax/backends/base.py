@@ -33,6 +33,12 @@ class Backend:
     xla_buckets: how XLA combines the graph's all-reduces by default (gradient ids per all-reduce).
     baseline_options: XLA compile options that enact DisCo's baselines, by baseline name
       (`{}`: XLA's defaults).
+    rewrite_options: XLA compile options every compile of a rewritten module gets (XLA:GPU: its
+      all-reduce combiner off, so the plan's buckets are the all-reduces that run).
+    decisions_stage: where XLA's own fusion and combining decisions are read when the hook stage
+      comes before them (XLA:GPU: POST_SCHEDULER); None when the captured module already holds them.
+    read_decisions: `(graph, module text at decisions_stage) -> graph` with XLA's fusions, buckets
+      and schedule mapped onto the graph's ops (`xla_groups`, `xla_buckets`, ...).
     """
 
     platform: str
@@ -43,3 +49,6 @@ class Backend:
     rewriter: Rewriter
     xla_buckets: Callable[[Graph], list[tuple[int, ...]]]
     baseline_options: Mapping[str, Mapping[str, str]]
+    rewrite_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    decisions_stage: str | None = None
+    read_decisions: Callable[[Graph, str], Graph] | None = None

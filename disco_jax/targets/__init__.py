@@ -19,7 +19,8 @@ import importlib.resources
 import jax
 from jax.sharding import AxisType, Mesh
 
-TARGETS = {"h100-sxm": "h100_sxm.txtpb"}
+# Target name -> its text proto in this package (every figure is sourced in the file's header).
+TARGETS = {"h100-sxm": "h100_sxm.txtpb", "a100-sxm": "a100_sxm.txtpb"}
 
 
 def target_config(name: str) -> str:
@@ -33,10 +34,12 @@ def topology(name: str = "h100-sxm", devices: int = 8):
     """A compile-only topology of `devices` GPUs of target `name` on one host."""
     from jax.experimental import topologies
 
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be a positive int, got {devices!r}")
+    config = target_config(name)
+
     try:
-        return topologies.get_topology_desc(
-            platform="cuda", target_config=target_config(name), topology=f"1x1x{devices}"
-        )
+        return topologies.get_topology_desc(platform="cuda", target_config=config, topology=f"1x1x{devices}")
     except Exception as e:  # the plugin is missing, or it refused to load (no CUDA libraries)
         hint = (
             f"install the CUDA PJRT plugin matching jaxlib (pip install 'jax[cuda12-local]=={jax.__version__}')"

@@ -1,0 +1,175 @@
+"""The XLA:GPU backend without a GPU: a tiny MLP training step compiled deviceless for 8 H100s,
+captured at PRE_SCHEDULER with XLA's own decisions read at POST_SCHEDULER, and plans enacted by
+the GPU rewriter, asserted on the compiled module. Never skipped: a missing CUDA plugin fails."""
+
+import dataclasses
+
+import optax
+import pytest
+
+from disco_jax import _compile, _hlo, _strategy, backends, targets, zoo
+from disco_jax.backends import gpu, gpu_schedule
+
+
+@pytest.fixture(scope="module")
+def captured():
+    lowered = zoo.lower_abstract(zoo.get_model("mlp", "tiny"), optax.sgd(0.1), targets.mesh("h100-sxm", 8))
+    graph, compiled = _compile.capture_graph(lowered, backends.GPU)
+    return lowered, graph, compiled.as_text()
+
+
+def _compile_plan(captured, strategy, options=None):
+    lowered, graph, _ = captured
+    compiled, status = _compile.compile_strategy(lowered, graph, strategy, options)
+    assert status == "rewritten"
+    return compiled.as_text()
+
+
+def _reduced_elements(text: str) -> list[int]:
+    """Elements each all-reduce of a compiled module carries (XLA:GPU flattens a variadic one)."""
+    entry = _hlo.parse_module(text).entry
+    return sorted(
+        sum(t.elements for t in i.outputs) if i.opcode == "all-reduce" else i.outputs[-1].elements
+        for i in entry.instructions
+        if i.opcode in ("all-reduce", "all-reduce-start")
+    )
+
+
+def _gradient_elements(graph, bucket) -> int:
+    return sum(graph.ops[graph.gradients[g].producer].inst.outputs[0].elements for g in bucket)
+
+
+def test_gpu_backend_is_registered_for_cuda():
+    assert backends.for_platform("cuda") is backends.GPU
+    assert backends.GPU.rewrite_options == {"xla_gpu_all_reduce_combine_threshold_bytes": "0"}
+
+
+def test_targets_h100_and_a100_give_compile_only_devices():
+    assert targets.mesh("a100-sxm", 4).devices.flat[0].device_kind == "NVIDIA A100-SXM4-80GB"
+    assert targets.mesh("h100-sxm", 8).devices.flat[0].device_kind == "NVIDIA H100 80GB HBM3"
+    with pytest.raises(ValueError, match="shipped targets: a100-sxm, h100-sxm"):
+        targets.target_config("h200")
+    with pytest.raises(ValueError, match="positive int"):
+        targets.topology("h100-sxm", 0)
+
+
+def test_capture_is_before_combining_and_reads_xla_gpu_decisions(captured):
+    _, graph, default_text = captured
+    # PRE_SCHEDULER: unfused, one all-reduce per gradient.
+    entry = graph.module.entry.instructions
+    assert not any(i.opcode == "fusion" for i in entry)
+    assert sum(i.opcode == "all-reduce" for i in entry) == len(graph.gradients) > 2
+    # XLA:GPU combined every gradient into one all-reduce (read at POST_SCHEDULER).
+    assert graph.xla_buckets == [tuple(range(len(graph.gradients)))]
+    assert _reduced_elements(default_text) == [_gradient_elements(graph, graph.xla_buckets[0])]
+    kinds = [k.kind for k in graph.xla_schedule]
+    assert {"gemm", "loop", "input", "collective"} <= set(kinds)
+    assert [k.position for k in graph.xla_schedule] == sorted(k.position for k in graph.xla_schedule)
+    gemms = [k for k in graph.xla_schedule if k.kind == "gemm"]
+    dots = [o for o in graph.opaque_ops if graph.ops[o].opcode == "dot"]
+    assert len(gemms) == len(dots) and all(k.work.dot > 0 and k.work.bytes > 0 for k in gemms)
+    assert sorted(o for k in gemms for o in k.ops if graph.ops[o].opcode == "dot") == sorted(dots)
+    (allreduce,) = [k for k in graph.xla_schedule if k.kind == "collective"]
+    assert allreduce.done_position > allreduce.position and allreduce.gradients == graph.xla_buckets[0]
+    assert graph.summary()["xla_fusions"] > 0
+
+
+def test_scheduled_kernels_refuse_an_unscheduled_module(captured):
+    _, graph, _ = captured
+    with pytest.raises(ValueError, match="not a scheduled module"):
+        gpu_schedule.scheduled_kernels(graph, graph.module.to_text())
+
+
+def test_xla_default_plan_compiles_to_xla_gpu_program(captured):
+    _, graph, default_text = captured
+    text = _compile_plan(captured, _strategy.xla_default(graph))
+    assert _compile.compiled_stats(text) == _compile.compiled_stats(default_text)
+
+
+def test_every_bucket_is_one_all_reduce_with_its_gradients(captured):
+    _, graph, _ = captured
+    order = sorted(g.id for g in graph.gradients)
+    buckets = [tuple(order[:2]), tuple(order[2:5]), (order[5],), tuple(order[6:])]
+    text = _compile_plan(captured, _strategy.with_buckets(_strategy.xla_default(graph), buckets, "four"))
+    assert _compile.compiled_stats(text)["all-reduce"] == len(buckets)
+    assert _reduced_elements(text) == sorted(_gradient_elements(graph, b) for b in buckets)
+
+
+def test_per_gradient_buckets_survive_the_combiner(captured):
+    _, graph, _ = captured
+    buckets = [(g.id,) for g in graph.gradients]
+    text = _compile_plan(captured, _strategy.with_buckets(_strategy.xla_default(graph), buckets, "each"))
+    assert _reduced_elements(text) == sorted(_gradient_elements(graph, b) for b in buckets)
+
+
+def test_unfused_plan_leaves_no_multi_op_loop_fusion(captured):
+    _, graph, default_text = captured
+    assert _compile.compiled_stats(default_text)["multi_op_loop_fusions"] > 0
+    text = _compile_plan(captured, _strategy.unfused(graph))
+    stats = _compile.compiled_stats(text)
+    assert stats["multi_op_loop_fusions"] == 0 and stats["all-reduce"] == len(graph.gradients)
+    assert "opt-barrier" not in text  # the cuts are gone once XLA:GPU has fused
+
+
+def test_splitting_one_xla_fusion_cuts_exactly_there(captured):
+    _, graph, default_text = captured
+    xla = _strategy.xla_default(graph)
+    # The optimizer update of one weight: XLA fuses multiply and add into one loop fusion.
+    gi = next(
+        i
+        for i, g in enumerate(xla.groups)
+        if sorted(graph.ops[o].opcode for o in g) == ["add", "broadcast", "multiply"]
+    )
+    add = next(o for o in xla.groups[gi] if graph.ops[o].opcode == "add")
+    rest = xla.groups[gi] - {add}
+    groups = [rest if i == gi else g for i, g in enumerate(xla.groups)] + [frozenset([add])]
+    homes = list(xla.homes)
+    homes[add] = len(groups) - 1
+    split = dataclasses.replace(xla, groups=tuple(groups), homes=tuple(homes), origin="split-one")
+    rewritten = backends.GPU.rewriter.rewrite(graph, split)
+    multiply = next(o for o in rest if graph.ops[o].opcode == "multiply")
+    # One cut more than XLA's own plan needs (which cuts the edges XLA left unfused), on that edge.
+    xla_cuts = backends.GPU.rewriter.rewrite(graph, xla).count("opt-barrier(")
+    assert rewritten.count("opt-barrier(") == xla_cuts + 1
+    assert f"%{graph.ops[multiply].name}.disco_cut_barrier" in rewritten
+    before = _compile.compiled_stats(default_text)
+    after = _compile.compiled_stats(_compile_plan(captured, split))
+    # The fusion became two kernels: the multiply (with its broadcast) and the add alone.
+    assert after["fusion"] == before["fusion"] + 1
+    assert after["multi_op_loop_fusions"] == before["multi_op_loop_fusions"]
+
+
+def test_rewriter_rejects_an_invalid_strategy(captured):
+    _, graph, _ = captured
+    xla = _strategy.xla_default(graph)
+    bad = dataclasses.replace(xla, buckets=xla.buckets[:0])
+    with pytest.raises(ValueError, match="not valid"):
+        backends.GPU.rewriter.rewrite(graph, bad)
+
+
+def test_latency_hiding_scheduler_keeps_the_plans_all_reduces_async(captured):
+    _, graph, _ = captured
+    plan = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "each")
+    on = _compile_plan(captured, plan, gpu.collective_options(latency_hiding_scheduler=True))
+    off = _compile_plan(captured, plan, gpu.collective_options(latency_hiding_scheduler=False))
+    n = len(graph.gradients)
+    assert on.count(" all-reduce-start(") == n and on.count(" all-reduce(") == 0
+    assert off.count(" all-reduce-start(") == 0 and off.count(" all-reduce(") == n
+
+
+def test_combine_threshold_sets_xla_gpu_own_combining(captured):
+    lowered, graph, _ = captured
+    split = lowered.compile(compiler_options=gpu.collective_options(combine_threshold_bytes=20_000)).as_text()
+    assert 1 < _compile.compiled_stats(split)["all-reduce"] < len(graph.gradients)
+    with pytest.raises(ValueError, match="non-negative int"):
+        gpu.collective_options(combine_threshold_bytes=-1)
+
+
+def test_adam_step_on_a100_xla_plan_reproduces_xla_program():
+    """Adam's update has ops whose names XLA:GPU rewrites beyond recognition: edges at them are
+    left to XLA, so XLA's own plan still compiles to XLA's program (on the A100 target)."""
+    lowered = zoo.lower_abstract(zoo.get_model("mlp", "tiny"), optax.adam(1e-3), targets.mesh("a100-sxm", 4))
+    graph, compiled = _compile.capture_graph(lowered, backends.GPU)
+    plan, status = _compile.compile_strategy(lowered, graph, _strategy.xla_default(graph))
+    assert status == "rewritten"
+    assert _compile.compiled_stats(plan.as_text()) == _compile.compiled_stats(compiled.as_text())
