@@ -119,10 +119,10 @@ def prepare(
     `args`/`kwargs` are the call as made (for lowering); `dynamic_*` without static arguments."""
     ui = Ui(options.verbose)
     backend = backends.for_platform(report.backend)
-    if backend is None:
+    if backend is None or not backend.decorator_ready:
         warnings.warn(
-            f"disco-jax: backend {report.backend!r} is not supported yet (supported: "
-            f"{', '.join(backends.supported_platforms())}); running the unmodified step",
+            f"disco-jax: backend {report.backend!r} is not supported by the decorator yet (supported: "
+            f"{', '.join(backends.supported_platforms(decorator=True))}); running the unmodified step",
             stacklevel=5,
         )
         report.reason = "unsupported backend"

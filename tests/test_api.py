@@ -1,5 +1,6 @@
 """@optimize_distributed end to end: search phase, enactment phase, and bad input."""
 
+import dataclasses
 import warnings
 
 import jax
@@ -86,6 +87,20 @@ def test_no_plan_warns_once_and_runs_the_unmodified_step(tmp_path):
         out = wrapped(*args)
     assert not wrapped.last_report.applied
     assert _validate.compare_outputs(step(*args), out, bitwise=True).bitwise_equal
+
+
+def test_a_backend_not_ready_for_the_decorator_runs_the_jitted_step(monkeypatch):
+    """XLA:GPU compiles and rewrites deviceless, but no plan has run on a GPU yet: the decorator
+    runs the user's step there, as on a platform without a backend."""
+    assert not backends.for_platform("cuda").decorator_ready
+    assert "cuda" in backends.supported_platforms() and "cuda" not in backends.supported_platforms(decorator=True)
+    not_ready = dataclasses.replace(backends.CPU, decorator_ready=False)
+    monkeypatch.setattr(backends, "for_platform", lambda platform: not_ready)
+    step, args = make_step("jit")
+    wrapped = optimize_distributed(search=True, **FAST)(step)
+    with pytest.warns(UserWarning, match="not supported by the decorator yet"):
+        wrapped(*args)
+    assert wrapped.executable(*args) is step and wrapped.last_report.reason == "unsupported backend"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         wrapped(*args)
@@ -182,7 +197,7 @@ def test_unsupported_backend_warns_and_runs_the_jitted_step(monkeypatch):
     monkeypatch.setattr(backends, "for_platform", lambda platform: None)
     step, args = make_step("jit")
     wrapped = optimize_distributed(search=False, **FAST)(step)
-    with pytest.warns(UserWarning, match="not supported yet"):
+    with pytest.warns(UserWarning, match="not supported by the decorator yet"):
         out = wrapped(*args)
     assert wrapped.executable(*args) is step
     assert wrapped.last_report.reason == "unsupported backend" and not wrapped.last_report.applied

@@ -32,8 +32,10 @@ def for_platform(platform: str) -> Backend | None:
     return _REGISTRY.get(platform)
 
 
-def supported_platforms() -> tuple[str, ...]:
-    return tuple(sorted(_REGISTRY))
+def supported_platforms(*, decorator: bool = False) -> tuple[str, ...]:
+    """Platforms with a backend (`decorator`: only those `@optimize_distributed` searches and
+    enacts plans on, `Backend.decorator_ready`)."""
+    return tuple(sorted(p for p, b in _REGISTRY.items() if b.decorator_ready or not decorator))
 
 
 register(CPU)

@@ -39,6 +39,10 @@ class Backend:
       comes before them (XLA:GPU: POST_SCHEDULER); None when the captured module already holds them.
     read_decisions: `(graph, module text at decisions_stage) -> graph` with XLA's fusions, buckets
       and schedule mapped onto the graph's ops (`xla_groups`, `xla_buckets`, ...).
+    decorator_ready: whether `@optimize_distributed` searches and enacts plans on this backend's
+      devices. False: the backend captures, rewrites and compiles (deviceless too), but its search
+      and enact phases have not run on a device of its kind yet, so the decorator runs the
+      unmodified step there rather than risk a user's training.
     """
 
     platform: str
@@ -52,3 +56,4 @@ class Backend:
     rewrite_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     decisions_stage: str | None = None
     read_decisions: Callable[[Graph, str], Graph] | None = None
+    decorator_ready: bool = True

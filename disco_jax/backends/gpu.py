@@ -243,4 +243,7 @@ GPU = Backend(
     rewrite_options=REWRITE_OPTIONS,
     decisions_stage="POST_SCHEDULER",
     read_decisions=with_xla_decisions,
+    # Compiled and rewritten deviceless only: no plan has run on a GPU yet (issue 15), and the
+    # simulator does not cost XLA:GPU's kernels (gemm fusions, the schedule) yet.
+    decorator_ready=False,
 )
