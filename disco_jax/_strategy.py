@@ -326,7 +326,7 @@ def split_group(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | Non
     ordered = sorted(s.groups[gi])
     cut = rng.randrange(1, len(ordered))
     groups, homes = list(s.groups), list(s.homes)
-    parts = _components(graph, ordered[:cut]) + _components(graph, ordered[cut:])
+    parts = components(graph, ordered[:cut]) + components(graph, ordered[cut:])
     groups[gi] = frozenset()
     for part in parts:
         idx = len(groups)
@@ -342,8 +342,9 @@ def split_group(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | Non
     return Strategy(tuple(normalized[0]), tuple(normalized[1]), s.buckets, s.origin)
 
 
-def _components(graph: Graph, members: list[int]) -> list[frozenset[int]]:
-    """Weakly connected pieces of a set of ops (a fusion must be connected)."""
+def components(graph: Graph, members: Sequence[int]) -> list[frozenset[int]]:
+    """Weakly connected pieces of a set of ops (a fusion must be connected), in the order of
+    their first member in `members`."""
     mset, seen, parts = set(members), set(), []
     for start in members:
         if start in seen:

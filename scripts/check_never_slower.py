@@ -42,69 +42,18 @@ def data_mesh():
     return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def linen_mlp_adamw():
-    """A Flax linen MLP with AdamW and a donated TrainState; batch sharded by NamedSharding."""
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax.training import train_state
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for width in (256, 256, 128):
-                x = nn.gelu(nn.Dense(width)(x))
-            return nn.Dense(10)(x)
-
-    mesh = data_mesh()
-    model = MLP()
-    x = jax.random.normal(jax.random.key(1), (256, 64))
-    y = jax.random.randint(jax.random.key(2), (256,), 0, 10)
-    state = train_state.TrainState.create(
-        apply_fn=model.apply, params=model.init(jax.random.key(0), x)["params"], tx=optax.adamw(1e-3)
-    )
-    state = jax.device_put(state, NamedSharding(mesh, P()))
-    batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
-
-    def step(state, batch):
-        def loss_fn(params):
-            logits = state.apply_fn({"params": params}, batch[0])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), jnp.asarray(loss)
-
-    return step, dict(donate_argnums=(0,)), (state,), (batch,)
-
-
-def linen_cnn_momentum():
-    """A Flax linen CNN (conv, layer norm, pooling) with SGD + momentum and gradient clipping."""
-    import flax.linen as nn
+def linen_classifier(model, x, y, tx):
+    """A Flax linen classifier's training step (softmax cross-entropy) with a donated TrainState,
+    replicated, and the batch sharded over the data axis by NamedSharding."""
     import jax
     import optax
     from flax.training import train_state
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    class CNN(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for features in (16, 32):
-                x = nn.relu(nn.LayerNorm()(nn.Conv(features, (3, 3))(x)))
-                x = nn.avg_pool(x, (2, 2), strides=(2, 2))
-            return nn.Dense(10)(x.reshape(x.shape[0], -1))
-
     mesh = data_mesh()
-    model = CNN()
-    x = jax.random.normal(jax.random.key(1), (64, 16, 16, 3))
-    y = jax.random.randint(jax.random.key(2), (64,), 0, 10)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.05, momentum=0.9))
-    state = train_state.TrainState.create(
-        apply_fn=model.apply, params=model.init(jax.random.key(0), x)["params"], tx=tx
-    )
+    params = model.init(jax.random.key(0), x)["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     state = jax.device_put(state, NamedSharding(mesh, P()))
     batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
 
@@ -117,6 +66,44 @@ def linen_cnn_momentum():
         return state.apply_gradients(grads=grads), loss
 
     return step, dict(donate_argnums=(0,)), (state,), (batch,)
+
+
+def linen_mlp_adamw():
+    """A Flax linen MLP (GELU) with AdamW."""
+    import flax.linen as nn
+    import jax
+    import optax
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for width in (256, 256, 128):
+                x = nn.gelu(nn.Dense(width)(x))
+            return nn.Dense(10)(x)
+
+    x = jax.random.normal(jax.random.key(1), (256, 64))
+    y = jax.random.randint(jax.random.key(2), (256,), 0, 10)
+    return linen_classifier(MLP(), x, y, optax.adamw(1e-3))
+
+
+def linen_cnn_momentum():
+    """A Flax linen CNN (conv, layer norm, pooling) with SGD + momentum and gradient clipping."""
+    import flax.linen as nn
+    import jax
+    import optax
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for features in (16, 32):
+                x = nn.relu(nn.LayerNorm()(nn.Conv(features, (3, 3))(x)))
+                x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+            return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+    x = jax.random.normal(jax.random.key(1), (64, 16, 16, 3))
+    y = jax.random.randint(jax.random.key(2), (64,), 0, 10)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.05, momentum=0.9))
+    return linen_classifier(CNN(), x, y, tx)
 
 
 def shard_map_mlp_lamb():

@@ -261,13 +261,12 @@ class _ProbeEstimator:
         return [7.0 if all(graph.ops[o].kind == "fusible" for o in k) else None for k in kernels]
 
 
-def test_profile_builds_its_estimator_chain_from_the_plugin_registry(tmp_path):
-    """The profile phase asks the registry: a plugin added with `register_estimator` and the GNN
-    (the `gnn` entry point; CPU weights are shipped) are each calibrated after the measured table,
-    and the calibrated analytical estimator comes last."""
+def _two_layer_step(n: int, tmp_path) -> tuple[_compile.Captured, ProfileDatabase]:
+    """A two-layer data-parallel step of width `n`, captured, and a profile database holding an
+    all-reduce fit for its devices (so the profile phase does not measure one)."""
     mesh = jax.make_mesh((8,), ("data",))
-    params = jax.device_put([jnp.full((64, 64), 0.01), jnp.full((64, 64), 0.02)], NamedSharding(mesh, P()))
-    x = jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P("data")))
+    params = jax.device_put([jnp.full((n, n), 0.01), jnp.full((n, n), 0.02)], NamedSharding(mesh, P()))
+    x = jax.device_put(jnp.ones((n, n)), NamedSharding(mesh, P("data")))
 
     def step(params, x):
         grads = jax.grad(lambda p: jnp.mean(jnp.tanh(jnp.tanh(x @ p[0]) @ p[1]) ** 2))(params)
@@ -275,8 +274,15 @@ def test_profile_builds_its_estimator_chain_from_the_plugin_registry(tmp_path):
 
     captured = _compile.capture(jax.jit(step).lower(params, x), backends.CPU, (params, x), {})
     database = ProfileDatabase(user_dir=tmp_path / "user", shipped_dir=tmp_path / "shipped")
-    # A stored all-reduce fit for these devices, so the phase does not measure one.
     database.save(Profile.for_devices(captured.devices, allreduce=AllReduceCostModel(1e-4, 20.0, spread={})))
+    return captured, database
+
+
+def test_profile_builds_its_estimator_chain_from_the_plugin_registry(tmp_path):
+    """The profile phase asks the registry: a plugin added with `register_estimator` and the GNN
+    (the `gnn` entry point; CPU weights are shipped) are each calibrated after the measured table,
+    and the calibrated analytical estimator comes last."""
+    captured, database = _two_layer_step(64, tmp_path)
     cost.register_estimator("probe", _ProbeEstimator)
     try:
         model = _profiling.profile(
@@ -296,17 +302,7 @@ def test_profile_builds_its_estimator_chain_from_the_plugin_registry(tmp_path):
 def test_calibrate_fits_the_simulator_to_every_calibration_configuration(tmp_path):
     """The calibrate phase measures each of `calibration_strategies` and fits the simulator to all
     of them: the record holds the fitted parameters, one point per configuration and the misfit."""
-    mesh = jax.make_mesh((8,), ("data",))
-    params = jax.device_put([jnp.full((32, 32), 0.01), jnp.full((32, 32), 0.02)], NamedSharding(mesh, P()))
-    x = jax.device_put(jnp.ones((32, 32)), NamedSharding(mesh, P("data")))
-
-    def step(params, x):
-        grads = jax.grad(lambda p: jnp.mean(jnp.tanh(jnp.tanh(x @ p[0]) @ p[1]) ** 2))(params)
-        return [p - 0.1 * g for p, g in zip(params, grads)]
-
-    captured = _compile.capture(jax.jit(step).lower(params, x), backends.CPU, (params, x), {})
-    database = ProfileDatabase(user_dir=tmp_path / "user", shipped_dir=tmp_path / "shipped")
-    database.save(Profile.for_devices(captured.devices, allreduce=AllReduceCostModel(1e-4, 20.0, spread={})))
+    captured, database = _two_layer_step(32, tmp_path)
     runner = captured.runner(captured.default_compiled)
     ui = _console.Ui(verbose=False)
     model = _profiling.profile(captured, runner, database, ui)

@@ -27,6 +27,7 @@ import re
 from typing import TYPE_CHECKING
 
 from disco_jax import _hlo
+from disco_jax._strategy import components
 from disco_jax.cost.work import KernelWork, Work, instruction_work
 
 if TYPE_CHECKING:
@@ -281,25 +282,6 @@ def _param(comp: _hlo.Computation, name: str) -> str | None:
     return inst.literal if inst.opcode == "parameter" else None
 
 
-def _connected(graph: Graph, members: frozenset[int]) -> list[frozenset[int]]:
-    """The pieces of `members` connected by data edges between them."""
-    parts, seen = [], set()
-    for start in sorted(members):
-        if start in seen:
-            continue
-        part, stack = set(), [start]
-        while stack:
-            o = stack.pop()
-            if o in seen:
-                continue
-            seen.add(o)
-            part.add(o)
-            stack += [v for v in graph.ops[o].operands if v in members]
-            stack += [u for u in graph.users[o] if u in members]
-        parts.append(frozenset(part))
-    return parts
-
-
 def with_xla_decisions(graph: Graph, text: str) -> Graph:
     """`graph` with XLA:GPU's fusions, all-reduce buckets and schedule as read from `text`, the
     same compile's POST_SCHEDULER module. Fusible ops XLA fused into one kLoop / kInput fusion
@@ -315,7 +297,7 @@ def with_xla_decisions(graph: Graph, text: str) -> Graph:
             continue
         # A gemm fusion's fusible ops are its prologue(s) and epilogue: one group each (the
         # dot between them is opaque; one group around it would be a dependency cycle).
-        parts = [members] if k.kind in ("loop", "input") else _connected(graph, members)
+        parts = [members] if k.kind in ("loop", "input") else components(graph, sorted(members))
         for part in parts:
             groups.append(part)
             names.append(k.name)
