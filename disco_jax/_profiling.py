@@ -23,6 +23,7 @@ import numpy as np
 from disco_jax import _distributed, _profile, _profile_store, _strategy, _validate, cost
 from disco_jax._compile import Captured, Runner, compile_strategy
 from disco_jax._console import Ui
+from disco_jax._graph import Graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,3 +223,19 @@ def calibrate(
         fitted.points,
         fitted.free,
     )
+
+
+def calibration_points(graph: Graph, sources: dict) -> list[tuple[_strategy.Strategy, float, str]]:
+    """What the calibrate phase measured besides XLA's plan (`calibration_strategies`,
+    its points by label), as (strategy, measured ratio to XLA's plan, label)."""
+    found = sources.get("calibration") or {}
+    measured = {p.get("label"): p.get("measured_us") for p in found.get("points") or []}
+    default_us = measured.get("default") or found.get("measured_default_us")
+    if not default_us:
+        return []
+    strategies = calibration_strategies(graph)
+    return [
+        (strategies[label], us / default_us, label)
+        for label, us in measured.items()
+        if label in strategies and label != "default" and us
+    ]

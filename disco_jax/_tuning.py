@@ -31,11 +31,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from disco_jax import _distributed, _hlo, _profile, _search, _validate, cost
+from disco_jax import _distributed, _hlo, _profile, _profiling, _search, _validate, cost
 from disco_jax._compile import Captured, Runner, compile_strategy, compiled_stats
 from disco_jax._console import Ui
 from disco_jax._graph import Graph
-from disco_jax._profiling import CALIBRATED, calibration_strategies
 from disco_jax._strategy import Strategy, group_exports, kernel_dag, prune, xla_default
 
 
@@ -179,7 +178,7 @@ def recalibrate(
             for s, d in zip(strategies, dags)
         ]
 
-    free = CALIBRATED[: max(1, min(len(CALIBRATED), len(measured) - 1))]
+    free = _profiling.CALIBRATED[: max(1, min(len(_profiling.CALIBRATED), len(measured) - 1))]
     fitted = cost.calibrate(simulate_at, measured, free=free, start=cost_model.params, labels=labels)
     before = [abs(s - m) / m for s, m in zip(simulate_at(cost_model.params), measured)]
     if float(np.sum(np.square(before))) >= sum(p.error**2 for p in fitted.points):
@@ -466,22 +465,6 @@ def device_measure(step: Captured, default_runner: Runner, tuning: TuningConfig)
     return measure
 
 
-def calibration_points(graph: Graph, sources: dict) -> list[tuple[Strategy, float, str]]:
-    """What the calibrate phase measured besides XLA's plan (`_profiling.calibration_strategies`,
-    its points by label), as (strategy, measured ratio to XLA's plan, label)."""
-    found = sources.get("calibration") or {}
-    measured = {p.get("label"): p.get("measured_us") for p in found.get("points") or []}
-    default_us = measured.get("default") or found.get("measured_default_us")
-    if not default_us:
-        return []
-    strategies = calibration_strategies(graph)
-    return [
-        (strategies[label], us / default_us, label)
-        for label, us in measured.items()
-        if label in strategies and label != "default" and us
-    ]
-
-
 def tune(
     step: Captured,
     cost_model: cost.CostModel,
@@ -495,7 +478,7 @@ def tune(
     """The search phase's measured loop on the devices: `candidates` per round, timed with half
     the validation's first look of pairs (at least 6)."""
     tuning = TuningConfig(candidates=candidates, pairs=max(6, validation_pairs // 2))
-    points = calibration_points(step.graph, cost_model.sources)
+    points = _profiling.calibration_points(step.graph, cost_model.sources)
     measure = device_measure(step, default_runner, tuning)
     return measured_search(
         step.graph, cost_model, first, search, tuning, measure, scope=step.scope, points=points, ui=ui

@@ -97,7 +97,7 @@ def test_recalibration_recovers_the_parameters_and_keeps_the_measured_step_overh
         for i, s in enumerate(strategies)
     ]
     fitted = _tuning.recalibrate(graph, model, points)
-    assert fitted.free == _tuning.CALIBRATED and fitted.misfit < 0.03
+    assert fitted.free == _profiling.CALIBRATED and fitted.misfit < 0.03
     assert model.params == fitted.params and model.params.step_overhead_us == 50.0
     assert model.params.compute_scale == pytest.approx(3.0, rel=0.15)
 
