@@ -28,26 +28,32 @@ from disco_jax._graph import Graph
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """The fitted simulator parameters, how well they reproduce the measured configurations
-    (`misfit`: median relative error; `points`: per configuration, measured and simulated), and
-    the measured step times of XLA's plan and of one all-reduce per gradient."""
+    """What the calibrate phase fitted (`fitted`: the parameters, the misfit and every measured
+    configuration) and the measured step times of XLA's plan and of one all-reduce per gradient."""
 
-    params: cost.SimulatorParams
+    fitted: cost.Calibrated
     measured_default_us: float
     measured_per_gradient_us: float
-    misfit: float = 0.0
-    points: tuple[cost.CalibrationPoint, ...] = ()
-    free: tuple[str, ...] = ()
+
+    @property
+    def params(self) -> cost.SimulatorParams:
+        return self.fitted.params
+
+    @property
+    def misfit(self) -> float:
+        return self.fitted.misfit
+
+    @property
+    def points(self) -> tuple[cost.CalibrationPoint, ...]:
+        return self.fitted.points
 
     def to_json(self) -> dict:
+        fitted = self.fitted.to_json()
         return {
-            **self.params.to_json(),
+            **fitted.pop("params"),
             "measured_default_us": self.measured_default_us,
             "measured_per_gradient_us": self.measured_per_gradient_us,
-            "misfit": self.misfit,
-            "max_error": max((abs(p.error) for p in self.points), default=0.0),
-            "free": list(self.free),
-            "points": [p.to_json() for p in self.points],
+            **fitted,
         }
 
 
@@ -161,6 +167,12 @@ def null_program(captured: Captured) -> Callable[[], Any]:
 CALIBRATED = ("compute_scale", "comm_blocking", "allreduce_tensor_us")
 
 
+def calibrated_free(num_points: int) -> tuple[str, ...]:
+    """The parameters fitted to `num_points` measured configurations: the first of `CALIBRATED`,
+    at most one fewer than the points, so that the misfit can show a wrong model."""
+    return CALIBRATED[: max(1, min(len(CALIBRATED), num_points - 1))]
+
+
 def calibrate(
     cost_model: cost.CostModel, captured: Captured, default_runner: Runner, pairs: int, ui: Ui
 ) -> Calibration:
@@ -204,8 +216,7 @@ def calibrate(
         )
         fitted = dataclasses.replace(fitted, points=fitted.points[:1], misfit=abs(fitted.points[0].error))
     else:
-        free = CALIBRATED[: max(1, min(len(CALIBRATED), len(labels) - 1))]
-        fitted = cost.calibrate(simulate_at, measured, free=free, start=start, labels=labels)
+        fitted = cost.calibrate(simulate_at, measured, free=calibrated_free(len(labels)), start=start, labels=labels)
     params = fitted.params
     cost_model.params = params
     ui.say(
@@ -216,12 +227,7 @@ def calibrate(
         f"(measured {default_us:.0f} us default)"
     )
     return Calibration(
-        params,
-        default_us,
-        measured[labels.index("per-gradient")] if "per-gradient" in labels else default_us,
-        fitted.misfit,
-        fitted.points,
-        fitted.free,
+        fitted, default_us, measured[labels.index("per-gradient")] if "per-gradient" in labels else default_us
     )
 
 

@@ -178,7 +178,7 @@ def recalibrate(
             for s, d in zip(strategies, dags)
         ]
 
-    free = _profiling.CALIBRATED[: max(1, min(len(_profiling.CALIBRATED), len(measured) - 1))]
+    free = _profiling.calibrated_free(len(measured))
     fitted = cost.calibrate(simulate_at, measured, free=free, start=cost_model.params, labels=labels)
     before = [abs(s - m) / m for s, m in zip(simulate_at(cost_model.params), measured)]
     if float(np.sum(np.square(before))) >= sum(p.error**2 for p in fitted.points):
@@ -236,21 +236,10 @@ class MeasuredSearch:
         return self.simulate(s)
 
     def pick(self, result: _search.SearchResult) -> list[tuple[Strategy, float, float]]:
-        """The next round's candidates: the search's best, then its cheapest others, distinct, never
+        """The next round's candidates: the search's cheapest distinct ones (its best first), never
         XLA's plan nor one measured already; with predicted time and ratio to XLA's plan."""
         exclude = set(self.measured) | {self.default.key()}
-        costs = {s.key(): c for c, s in result.candidates}
-        k = self.tuning.candidates
-        picked = []
-        for s in [result.best] + [s for s, _ in result.top(k + 1, exclude)]:
-            if len(picked) == k or s.key() in exclude:
-                continue
-            exclude.add(s.key())
-            c = costs.get(s.key())
-            c = self.cost(s) if c is None else c
-            if c is not None:
-                picked.append((s, c, c / self.default_us))
-        return picked
+        return [(s, c, c / self.default_us) for s, c in result.top(self.tuning.candidates, exclude)]
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
