@@ -38,6 +38,7 @@ UNARY = (
     NumericFunction("cumsum_axis1", lambda x: np.cumsum(x, axis=1), False),
     NumericFunction("flip_axis0", lambda x: x[::-1], False),
     NumericFunction("divide_by_norm", lambda x: x / (1 + np.linalg.norm(x)), False),
+    NumericFunction("mean_axis0", lambda x: x.mean(axis=0, keepdims=True), False),
 )
 BINARY = (
     NumericFunction("sgd", lambda p, g: p - 0.1 * g, True),
@@ -148,8 +149,9 @@ def _size(n: int, rng: np.random.Generator) -> int:
     return int(n * rng.integers(1, 4)) if rng.random() < 0.8 else int(rng.integers(1, 2 * n))
 
 
-def _instance(rule: Rule, n: int, trial: int, rng: np.random.Generator) -> dict:
-    """Random values for the rule's variables (2-D arrays; sizes often, not always, multiples of N)."""
+def _instance(rule: Rule, n: int, draw: int, rng: np.random.Generator) -> dict:
+    """Random values for the rule's variables (2-D arrays; sizes often, not always, multiples of N).
+    Function symbols take the pool's functions in turn (`draw` counts the check's instances)."""
     env: dict = {}
     kinds = rule.kinds
     for index, (name, kind) in enumerate(rule.variables):
@@ -164,7 +166,7 @@ def _instance(rule: Rule, n: int, trial: int, rng: np.random.Generator) -> dict:
             pool = UNARY if kind == "fn" else BINARY
             if ("elementwise", name) in rule.condition_terms:
                 pool = tuple(f for f in pool if f.elementwise)
-            env[name] = pool[(trial + index) % len(pool)]
+            env[name] = pool[(draw + index) % len(pool)]
     # One shape per class of variables the conditions say have the same shape or size.
     shapes: dict[str, list[int]] = {}
     for name, kind in rule.variables:
@@ -233,9 +235,9 @@ def check_numeric(
         )
 
     for n in replica_counts:
-        for trial in range(trials):
-            for _ in range(50):
-                env = _instance(rule, n, trial, rng)
+        for _ in range(trials):
+            for _redraw in range(50):
+                env = _instance(rule, n, checked, rng)
                 if all(holds(c, env) for c in rule.condition_terms):
                     break
             else:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import cache
 
 import z3
 
@@ -31,6 +30,7 @@ class Proof:
     seconds: float
     axioms: int
     timeout_s: float
+    lemmas: tuple[str, ...] = ()  # rules proven before that this proof assumed besides the axioms
 
     @property
     def proven(self) -> bool:
@@ -40,19 +40,21 @@ class Proof:
 class _Signature:
     """The z3 sorts and function symbols of the term language (one set per z3 context)."""
 
-    def __init__(self) -> None:
-        self.tensor = z3.DeclareSort("Tensor")
-        self.shape = z3.DeclareSort("Shape")
-        self.fn = z3.DeclareSort("Fn")
-        self.fn2 = z3.DeclareSort("Fn2")
-        self.sharded = z3.ArraySort(z3.IntSort(), self.tensor)
+    def __init__(self, ctx: z3.Context) -> None:
+        self.ctx = ctx
+        self.tensor = z3.DeclareSort("Tensor", ctx)
+        self.shape = z3.DeclareSort("Shape", ctx)
+        self.fn = z3.DeclareSort("Fn", ctx)
+        self.fn2 = z3.DeclareSort("Fn2", ctx)
+        integer = z3.IntSort(ctx)
+        self.sharded = z3.ArraySort(integer, self.tensor)
         self.sorts = {
             "tensor": self.tensor,
             "sharded": self.sharded,
-            "axis": z3.IntSort(),
-            "count": z3.IntSort(),
-            "device": z3.IntSort(),
-            "int": z3.IntSort(),
+            "axis": integer,
+            "count": integer,
+            "device": integer,
+            "int": integer,
             "fn": self.fn,
             "fn2": self.fn2,
             "shape": self.shape,
@@ -62,13 +64,13 @@ class _Signature:
             for op, (args, result, _) in OPERATORS.items()
             if op not in ("shard", "size")
         }
-        self.size = z3.Function("size", self.shape, z3.IntSort(), z3.IntSort())
-        self.elementwise = z3.Function("elementwise", self.fn, z3.BoolSort())
-        self.elementwise2 = z3.Function("elementwise2", self.fn2, z3.BoolSort())
+        self.size = z3.Function("size", self.shape, integer, integer)
+        self.elementwise = z3.Function("elementwise", self.fn, z3.BoolSort(ctx))
+        self.elementwise2 = z3.Function("elementwise2", self.fn2, z3.BoolSort(ctx))
 
     def term(self, term: Term, env: dict[str, z3.ExprRef]) -> z3.ExprRef:
         if isinstance(term, str):
-            return z3.IntVal(int(term)) if term.isdigit() else env[term]
+            return z3.IntVal(int(term), self.ctx) if term.isdigit() else env[term]
         op, *args = term
         zargs = [self.term(a, env) for a in args]
         if op == "shard":
@@ -123,17 +125,19 @@ class _Signature:
         return z3.ForAll(list(env.values()), z3.Implies(z3.And(conds), eq) if conds else eq)
 
 
-@cache
-def _signature() -> _Signature:
-    return _Signature()
+def prove(
+    rule: Rule, timeout_s: float = 5.0, axioms: tuple[Rule, ...] = AXIOMS, seed: int = 0, lemmas: tuple[Rule, ...] = ()
+) -> Proof:
+    """Ask z3 whether `rule` follows from `axioms`: unsat of `source != target` is a proof.
 
-
-def prove(rule: Rule, timeout_s: float = 5.0, axioms: tuple[Rule, ...] = AXIOMS) -> Proof:
-    """Ask z3 whether `rule` follows from `axioms`: unsat of `source != target` is a proof."""
-    sig = _signature()
-    solver = z3.Solver()
+    `lemmas` are proven rules assumed like axioms (the caller proves them first: `rules.prove`).
+    Each proof runs in its own z3 context with a fixed seed, so its answer does not depend on what
+    was proven before in the process."""
+    sig = _Signature(z3.Context())
+    solver = z3.Solver(ctx=sig.ctx)
     solver.set("timeout", max(1, int(timeout_s * 1000)))
-    for axiom in axioms:
+    solver.set("random_seed", seed)
+    for axiom in (*axioms, *lemmas):
         solver.add(sig.axiom(axiom))
     _, conds, eq = sig.equation(rule, "rule_")
     solver.add(*conds)
@@ -142,4 +146,4 @@ def prove(rule: Rule, timeout_s: float = 5.0, axioms: tuple[Rule, ...] = AXIOMS)
     answer = solver.check()
     seconds = time.perf_counter() - start
     status = "proven" if answer == z3.unsat else "refuted" if answer == z3.sat else "unknown"
-    return Proof(rule.name, status, seconds, len(axioms), timeout_s)
+    return Proof(rule.name, status, seconds, len(axioms), timeout_s, tuple(lemma.name for lemma in lemmas))

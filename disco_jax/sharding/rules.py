@@ -14,11 +14,13 @@ random arrays for N = 2, 4 and 8 replicas (`numeric.py`).
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cache
 
+from disco_jax.sharding import prover
 from disco_jax.sharding.axioms import AXIOMS
 from disco_jax.sharding.numeric import NumericCheck, check_numeric
-from disco_jax.sharding.prover import Proof, prove
+from disco_jax.sharding.prover import Proof
 from disco_jax.sharding.terms import Rule, rule
 
 RULES: tuple[Rule, ...] = (
@@ -61,18 +63,6 @@ RULES: tuple[Rule, ...] = (
         "Concatenating along the scatter axis itself (a flat buffer) does not hold.",
     ),
     rule(
-        "sharded_weight_update",
-        "(map2 u (replicate p N) (all_reduce g N))",
-        "(all_gather (map2 u (partition p a N) (reduce_scatter g a N)) a N)",
-        "u:fn2 p:tensor g:sharded a:axis N:count",
-        "(elementwise u)",
-        "(same_shape p g)",
-        "(divides N p a)",
-        doc="Every replica updating the whole parameter with the all-reduced gradient equals reduce-"
-        "scattering the gradient, updating the local shard, and all-gathering the parameter, for an "
-        "elementwise optimizer update u(param, grad) (SGD, Adam, momentum; not global-norm clipping).",
-    ),
-    rule(
         "sharded_optimizer_state",
         "(partition (apply2 u s (reduce g N)) a N)",
         "(map2 u (partition s a N) (reduce_scatter g a N))",
@@ -83,9 +73,37 @@ RULES: tuple[Rule, ...] = (
         doc="Optimizer state kept sharded between steps and updated with the reduce-scattered gradient "
         "is the shard of the replicated state's update (for an elementwise state update u(state, grad)).",
     ),
+    rule(
+        "sharded_weight_update",
+        "(map2 u (replicate p N) (all_reduce g N))",
+        "(all_gather (map2 u (partition p a N) (reduce_scatter g a N)) a N)",
+        "u:fn2 p:tensor g:sharded a:axis N:count",
+        "(elementwise u)",
+        "(same_shape p g)",
+        "(divides N p a)",
+        doc="Every replica updating the whole parameter with the all-reduced gradient equals reduce-"
+        "scattering the gradient, updating the local shard, and all-gathering the parameter, for an "
+        "elementwise optimizer update u(param, grad) (SGD, Adam, momentum; not global-norm clipping).",
+        lemmas=("sharded_optimizer_state",),
+    ),
 )
 
 _BY_NAME = {r.name: r for r in RULES}
+
+
+def prove(rule: Rule, timeout_s: float = 5.0, axioms: tuple[Rule, ...] = AXIOMS, seed: int = 0) -> Proof:
+    """z3's proof of `rule` from `axioms` and its lemmas (earlier rules in RULES, proven first; a
+    lemma not proven leaves the rule "unknown")."""
+    lemmas = []
+    for name in rule.lemmas:
+        lemma = _BY_NAME[name]
+        if rule in RULES and RULES.index(lemma) >= RULES.index(rule):
+            raise ValueError(f"{rule.name}: lemma {name} must come before it in RULES")
+        proof = prove(lemma, timeout_s, axioms, seed)
+        if not proof.proven:
+            return dataclasses.replace(proof, rule=rule.name, status="unknown", lemmas=(name,))
+        lemmas.append(lemma)
+    return prover.prove(rule, timeout_s, axioms, seed, tuple(lemmas))
 
 
 class RuleNotProven(RuntimeError):
@@ -104,14 +122,14 @@ def check_axiom(axiom: Rule) -> NumericCheck:
     return check_numeric(axiom, undefined_agrees=True)
 
 
-def require(name: str) -> Rule:
+def require(name: str, timeout_s: float = 5.0) -> Rule:
     """The rule called `name` if z3 proved it and its numeric check passed; raises RuleNotProven otherwise.
 
     For code that cites the rule justifying a rewrite (e.g. a plan's sharded weight update).
     """
     if name not in _BY_NAME:
         raise RuleNotProven(f"no rule named {name!r}; rules: {', '.join(_BY_NAME)}")
-    proof, numeric = verified(name)
+    proof, numeric = verified(name, timeout_s)
     if not proof.proven or not numeric.passed:
         raise RuleNotProven(
             f"rule {name}: proof {proof.status} in {proof.seconds:.2f} s, numeric check "
@@ -141,6 +159,7 @@ def _row(kind: str, r: Rule, proof: Proof | None, numeric: NumericCheck, timeout
         "conditions": list(r.conditions),
         "proof": None if proof is None else proof.status,
         "proof_seconds": None if proof is None else round(proof.seconds, 4),
+        "lemmas": [] if proof is None else list(proof.lemmas),
         "timeout_s": timeout_s,
         "numeric": "passed" if numeric.passed else "failed",
         "numeric_instances": numeric.instances,

@@ -142,6 +142,7 @@ class Rule:
     variables: tuple[tuple[str, str], ...]
     conditions: tuple[str, ...] = ()
     doc: str = ""
+    lemmas: tuple[str, ...] = ()  # earlier rules its proof may use besides the axioms
 
     def __post_init__(self) -> None:
         kinds = self.kinds
@@ -180,7 +181,9 @@ class Rule:
         return f"{self.source} => {self.target}{conds}"
 
 
-def rule(name: str, source: str, target: str, variables: str, *conditions: str, doc: str = "") -> Rule:
+def rule(
+    name: str, source: str, target: str, variables: str, *conditions: str, doc: str = "", lemmas: tuple = ()
+) -> Rule:
     """Shorthand: `variables` as `"g:sharded a:axis N:count"`."""
     pairs = tuple(tuple(v.split(":")) for v in variables.split())
-    return Rule(name, source, target, pairs, tuple(conditions), doc)
+    return Rule(name, source, target, pairs, tuple(conditions), doc, tuple(lemmas))
