@@ -123,6 +123,22 @@ def test_false_axioms_fail_their_numeric_check_and_would_prove_a_wrong_rule():
     assert rules.prove(wrong, timeout_s=WRONG_TIMEOUT_S, axioms=(*axioms.AXIOMS, *false_axioms)).proven
 
 
+def test_grouping_three_reduce_scatters_is_proven_and_checked_too():
+    """'Several' reduce-scatters: the same layout (concatenation along b, scatter along a) for three."""
+    three = rule(
+        "grouped_reduce_scatter_of_three",
+        "(concat_each (concat_each (reduce_scatter g a N) (reduce_scatter h a N) b) (reduce_scatter k a N) b)",
+        "(reduce_scatter (concat_each (concat_each g h b) k b) a N)",
+        "g:sharded h:sharded k:sharded a:axis b:axis N:count",
+        "(distinct a b)",
+        "(same_size g h a)",
+        "(same_size g k a)",
+        "(divides N g a)",
+    )
+    assert rules.prove(three).proven
+    assert rules.check_numeric(three).passed
+
+
 def test_the_sharded_weight_update_proof_needs_the_elementwise_axiom():
     without = tuple(a for a in axioms.AXIOMS if a.name != "elementwise2_block")
     proof = rules.prove(_by_name("sharded_weight_update"), timeout_s=WRONG_TIMEOUT_S, axioms=without)
