@@ -94,20 +94,24 @@ def _rules(as_json: bool, timeout_s: float, with_axioms: bool) -> int:
     from rich.table import Table
 
     table = Table(title="sharding rewrite rules: z3 proof from the axioms, numpy check", title_justify="left")
-    table.add_column("rule", no_wrap=True)
-    for col in ("source => target (if side conditions)", "proof", "time", "numeric"):
-        table.add_column(col, overflow="fold")
+    table.add_column("rule: source => target, side conditions", overflow="fold")
+    table.add_column("proof", no_wrap=True)
+    table.add_column("time", no_wrap=True, justify="right")
+    table.add_column("numeric", overflow="fold")
     for r in rows:
+        statement = f"[bold]{r['name']}[/]\n{r['source']}\n=> {r['target']}"
+        statement += "".join(f"\n  if {c}" for c in r["conditions"])
+        statement += "".join(f"\n  proof uses the rule {lemma}" for lemma in r["lemmas"])
         if r["kind"] == "axiom":
             status, seconds = "axiom", ""
         else:
             status = f"[{'green' if r['proof'] == 'proven' else 'red'}]{r['proof']}[/]"
-            status += "".join(f"\nusing {lemma}" for lemma in r["lemmas"])
             seconds = f"{r['proof_seconds']:.2f} s"
-        checks = "N=" + ",".join(map(str, r["replica_counts"])) + f", {r['numeric_instances']} arrays"
-        numeric = f"[green]passed[/] {checks}" if r["numeric"] == "passed" else f"[red]failed[/] {r['numeric_failure']}"
-        conditions = "".join(f"\n  if {c}" for c in r["conditions"])
-        table.add_row(r["name"], f"{r['source']}\n=> {r['target']}{conditions}", status, seconds, numeric)
+        checks = f"{r['numeric_instances']} draws\nN=" + ",".join(map(str, r["replica_counts"]))
+        numeric = (
+            f"[green]passed[/]\n{checks}" if r["numeric"] == "passed" else f"[red]failed[/] {r['numeric_failure']}"
+        )
+        table.add_row(statement, status, seconds, numeric)
     console = Console()
     console.print(table)
     proven = sum(1 for r in rows if r["kind"] == "rule" and r["ok"])
