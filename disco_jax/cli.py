@@ -4,6 +4,7 @@ disco-jax demo [--models mlp transformer] [--budget S] [--plan-dir DIR] [--style
 disco-jax inspect PLAN.json [--out DIR]
 disco-jax bench --out report            (baselines vs disco-jax per model and platform)
 disco-jax launch -n N -- python train.py (an N-process job on loopback)
+disco-jax rules [--json] [--axioms]      (the sharding rewrite rules, each proven with z3)
 """
 
 from __future__ import annotations
@@ -80,6 +81,47 @@ def _inspect(plan_path: Path, out_dir: Path | None) -> None:
         console.print(f"no simulated timeline stored beside the plan ({timeline_path.name})")
 
 
+def _rules(as_json: bool, timeout_s: float, with_axioms: bool) -> int:
+    """Prove and numerically check every sharding rule; 1 when any is not proven or fails its check."""
+    from disco_jax.sharding import rules
+
+    rows = rules.summary(timeout_s, with_axioms=with_axioms)
+    failed = [r["name"] for r in rows if not r["ok"]]
+    if as_json:
+        print(json.dumps({"rules": rows, "all_proven": not failed}, indent=2))
+        return 1 if failed else 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="sharding rewrite rules: z3 proof from the axioms, numpy check", title_justify="left")
+    table.add_column("rule: source => target, side conditions", overflow="fold")
+    table.add_column("proof", no_wrap=True)
+    table.add_column("time", no_wrap=True, justify="right")
+    table.add_column("numeric", overflow="fold")
+    for r in rows:
+        statement = f"[bold]{r['name']}[/]\n{r['source']}\n=> {r['target']}"
+        statement += "".join(f"\n  if {c}" for c in r["conditions"])
+        statement += "".join(f"\n  proof uses the rule {lemma}" for lemma in r["lemmas"])
+        if r["kind"] == "axiom":
+            status, seconds = "axiom", ""
+        else:
+            status = f"[{'green' if r['proof'] == 'proven' else 'red'}]{r['proof']}[/]"
+            seconds = f"{r['proof_seconds']:.2f} s"
+        checks = f"{r['numeric_instances']} draws\nN=" + ",".join(map(str, r["replica_counts"]))
+        numeric = (
+            f"[green]passed[/]\n{checks}" if r["numeric"] == "passed" else f"[red]failed[/] {r['numeric_failure']}"
+        )
+        table.add_row(statement, status, seconds, numeric)
+    console = Console()
+    console.print(table)
+    proven = sum(1 for r in rows if r["kind"] == "rule" and r["ok"])
+    total = sum(1 for r in rows if r["kind"] == "rule")
+    console.print(f"{proven} of {total} rules proven and numerically checked (z3 timeout {timeout_s} s per rule)")
+    if failed:
+        console.print(f"[red]not proven or failing:[/] {', '.join(failed)}")
+    return 1 if failed else 0
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="disco-jax", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -104,6 +146,10 @@ def main(argv=None) -> None:
         "measured (8 CPU devices) and simulated (GPU clusters); writes a report",
     )
     bench.add_arguments(b)
+    r = sub.add_parser("rules", help="the sharding rewrite rules, each with its z3 proof and numeric check")
+    r.add_argument("--json", action="store_true", help="machine-readable output")
+    r.add_argument("--timeout", type=float, default=5.0, help="z3 timeout per rule, seconds")
+    r.add_argument("--axioms", action="store_true", help="also list the axioms with their numeric checks")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from disco_jax import _demo
@@ -119,6 +165,8 @@ def main(argv=None) -> None:
         _inspect(args.plan, args.out)
     elif args.command == "bench":
         bench.main(args)
+    elif args.command == "rules":
+        sys.exit(_rules(args.json, args.timeout, args.axioms))
     elif args.command == "launch":
         from disco_jax import _launch
 

@@ -1,0 +1,139 @@
+"""The axioms the prover assumes: what partition, combine, replicate, reduce, the collectives and
+elementwise functions mean, one small fact each, in the same term language as the rules.
+
+Each axiom is also checked numerically (`numeric.check_numeric`) in the numpy model of the
+operators, so an axiom that is false in that model fails a test instead of proving false rules.
+Device indices are taken modulo N (`block x a N i` is block i mod N), so the axioms hold for every
+integer i. The collectives are defined from the four parallel operators (Unity's Reduce followed
+by Replicate is an AllReduce), not axiomatized directly.
+"""
+
+from __future__ import annotations
+
+from disco_jax.sharding.terms import Rule, rule
+
+AXIOMS: tuple[Rule, ...] = (
+    # What a device holds.
+    rule(
+        "partition_shards",
+        "(shard (partition x a n) i)",
+        "(block x a n i)",
+        "x:tensor a:axis n:count i:device",
+        "(divides n x a)",
+    ),
+    rule("replicate_shards", "(shard (replicate x n) i)", "x", "x:tensor n:count i:device"),
+    rule("map_shards", "(shard (map f d) i)", "(apply f (shard d i))", "f:fn d:sharded i:device"),
+    rule(
+        "map2_shards",
+        "(shard (map2 u d e) i)",
+        "(apply2 u (shard d i) (shard e i))",
+        "u:fn2 d:sharded e:sharded i:device",
+        "(same_shape d e)",
+    ),
+    rule(
+        "concat_each_shards",
+        "(shard (concat_each d e b) i)",
+        "(concat (shard d i) (shard e i) b)",
+        "d:sharded e:sharded b:axis i:device",
+    ),
+    rule(
+        "block_each_shards",
+        "(shard (block_each d a n i) j)",
+        "(block (shard d j) a n i)",
+        "d:sharded a:axis n:count i:device j:device",
+        "(divides n d a)",
+    ),
+    # The collectives, defined from the parallel operators.
+    rule("all_reduce_def", "(all_reduce d n)", "(replicate (reduce d n) n)", "d:sharded n:count"),
+    rule(
+        "reduce_scatter_def",
+        "(reduce_scatter d a n)",
+        "(partition (reduce d n) a n)",
+        "d:sharded a:axis n:count",
+        "(divides n d a)",
+    ),
+    rule(
+        "all_gather_def",
+        "(all_gather d a n)",
+        "(replicate (combine d a n) n)",
+        "d:sharded a:axis n:count",
+    ),
+    # A tensor is the concatenation of its blocks.
+    rule(
+        "combine_partition",
+        "(combine (partition x a n) a n)",
+        "x",
+        "x:tensor a:axis n:count",
+        "(divides n x a)",
+    ),
+    # Elementwise functions commute with taking a block and keep the shape.
+    rule(
+        "elementwise_block",
+        "(block (apply f x) a n i)",
+        "(apply f (block x a n i))",
+        "f:fn x:tensor a:axis n:count i:device",
+        "(elementwise f)",
+        "(divides n x a)",
+    ),
+    rule(
+        "elementwise2_block",
+        "(block (apply2 u x y) a n i)",
+        "(apply2 u (block x a n i) (block y a n i))",
+        "u:fn2 x:tensor y:tensor a:axis n:count i:device",
+        "(elementwise u)",
+        "(same_shape x y)",
+        "(divides n x a)",
+    ),
+    rule("elementwise_shape", "(shape (apply f x))", "(shape x)", "f:fn x:tensor", "(elementwise f)"),
+    rule(
+        "elementwise2_shape",
+        "(shape (apply2 u x y))",
+        "(shape x)",
+        "u:fn2 x:tensor y:tensor",
+        "(elementwise u)",
+        "(same_shape x y)",
+    ),
+    # The sum over devices is elementwise across devices: it commutes with blocks and concatenation.
+    rule(
+        "reduce_block",
+        "(block (reduce d n) a m i)",
+        "(reduce (block_each d a m i) n)",
+        "d:sharded n:count a:axis m:count i:device",
+        "(divides m d a)",
+    ),
+    rule(
+        "reduce_concat",
+        "(reduce (concat_each d e b) n)",
+        "(concat (reduce d n) (reduce e n) b)",
+        "d:sharded e:sharded n:count b:axis",
+    ),
+    rule("reduce_shape", "(shape (reduce d n))", "(shape (shard d 0))", "d:sharded n:count"),
+    rule(
+        "block_shape",
+        "(shape (block x a n i))",
+        "(shape (block y a n j))",
+        "x:tensor y:tensor a:axis n:count i:device j:device",
+        "(same_shape x y)",
+        "(divides n x a)",
+    ),
+    # SPMD: every device holds an array of the same shape.
+    rule("spmd_shape", "(shape (shard d i))", "(shape (shard d 0))", "d:sharded i:device"),
+    rule(
+        "concat_size",
+        "(size (concat x y b) a)",
+        "(size x a)",
+        "x:tensor y:tensor a:axis b:axis",
+        "(distinct a b)",
+        "(same_size x y a)",
+    ),
+    # Slicing along one axis commutes with concatenating along another.
+    rule(
+        "block_concat",
+        "(block (concat x y b) a n i)",
+        "(concat (block x a n i) (block y a n i) b)",
+        "x:tensor y:tensor a:axis b:axis n:count i:device",
+        "(distinct a b)",
+        "(same_size x y a)",
+        "(divides n x a)",
+    ),
+)

@@ -1,0 +1,189 @@
+"""The term language of the sharding rules: typed S-expressions over distributed-tensor operators.
+
+A term is a variable name or a tuple `(operator, *arguments)`, written like egg's rewrites:
+`(all_gather (reduce_scatter g a N) a N)`. Every value has a kind:
+
+- `tensor`: one whole array (what a single device would compute alone);
+- `sharded`: one array per device of the replica group (SPMD: every device's array has the same shape);
+- `axis`, `count`, `device`: integers (a tensor axis, a replica count N, a device index);
+- `fn`, `fn2`: a unary / binary array function (`(elementwise f)` says it acts element by element);
+- `shape`, `int`: a tensor's shape and one of its sizes.
+
+`Rule` is one equation `source = target` between two terms under side conditions; the rewrite it
+justifies replaces the source pattern by the target pattern. Axioms use the same record.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+
+Term = str | tuple
+
+KINDS = ("tensor", "sharded", "axis", "count", "device", "fn", "fn2", "shape", "int")
+
+# operator -> (argument kinds, result kind, meaning)
+OPERATORS: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "partition": (("tensor", "axis", "count"), "sharded", "device i holds the i-th of N equal blocks along the axis"),
+    "combine": (("sharded", "axis", "count"), "tensor", "concatenation of the N devices' arrays along the axis"),
+    "replicate": (("tensor", "count"), "sharded", "every device holds the tensor"),
+    "reduce": (("sharded", "count"), "tensor", "sum of the N devices' arrays"),
+    "all_reduce": (("sharded", "count"), "sharded", "every device holds the sum"),
+    "reduce_scatter": (("sharded", "axis", "count"), "sharded", "device i holds block i (along the axis) of the sum"),
+    "all_gather": (("sharded", "axis", "count"), "sharded", "every device holds the concatenation along the axis"),
+    "apply": (("fn", "tensor"), "tensor", "f(x)"),
+    "apply2": (("fn2", "tensor", "tensor"), "tensor", "u(x, y), e.g. an optimizer's update(param, grad)"),
+    "map": (("fn", "sharded"), "sharded", "every device applies f to its own array"),
+    "map2": (("fn2", "sharded", "sharded"), "sharded", "every device applies u to its own pair of arrays"),
+    "concat": (("tensor", "tensor", "axis"), "tensor", "concatenation of two tensors along the axis"),
+    "concat_each": (("sharded", "sharded", "axis"), "sharded", "every device concatenates its two arrays"),
+    # Used by the axioms only: a tensor's blocks and a device's array.
+    "block": (("tensor", "axis", "count", "device"), "tensor", "block i (mod N) of N equal blocks along the axis"),
+    "block_each": (("sharded", "axis", "count", "device"), "sharded", "every device takes block i of its array"),
+    "shard": (("sharded", "device"), "tensor", "the array device i (mod N) holds"),
+    "shape": (("tensor",), "shape", "the tensor's shape"),
+    "size": (("tensor", "axis"), "int", "the tensor's size along the axis"),
+}
+
+# predicate -> argument kinds ("any" = tensor or sharded; a sharded value's shape is its per-device shape)
+PREDICATES: dict[str, tuple[str, ...]] = {
+    "elementwise": ("function",),  # f or u acts element by element (commutes with any indexing)
+    "divides": ("count", "any", "axis"),  # N divides the size of x along the axis
+    "same_size": ("any", "any", "axis"),  # x and y have the same size along the axis
+    "same_shape": ("any", "any"),
+    "distinct": ("axis", "axis"),
+}
+
+_TOKEN = re.compile(r"\(|\)|[^\s()]+")
+
+
+def parse(text: str) -> Term:
+    """`"(f (g x) y)"` -> `("f", ("g", "x"), "y")`; a bare name stays a string."""
+    tokens = _TOKEN.findall(text)
+    pos = 0
+
+    def read() -> Term:
+        nonlocal pos
+        if pos >= len(tokens):
+            raise ValueError(f"unexpected end of term: {text!r}")
+        tok = tokens[pos]
+        pos += 1
+        if tok == ")":
+            raise ValueError(f"unexpected ')' in {text!r}")
+        if tok != "(":
+            return tok
+        items = []
+        while pos < len(tokens) and tokens[pos] != ")":
+            items.append(read())
+        if pos >= len(tokens):
+            raise ValueError(f"missing ')' in {text!r}")
+        pos += 1
+        if not items or not isinstance(items[0], str):
+            raise ValueError(f"a term starts with an operator name: {text!r}")
+        return tuple(items)
+
+    term = read()
+    if pos != len(tokens):
+        raise ValueError(f"trailing tokens in {text!r}")
+    return term
+
+
+def show(term: Term) -> str:
+    return term if isinstance(term, str) else "(" + " ".join(show(t) for t in term) + ")"
+
+
+def kind_of(term: Term, variables: dict[str, str]) -> str:
+    """The kind of a term; raises ValueError on an unknown name or a kind mismatch."""
+    if isinstance(term, str):
+        if term.isdigit():  # a device index literal, e.g. (shard d 0)
+            return "device"
+        if term not in variables:
+            raise ValueError(f"undeclared variable {term!r}")
+        return variables[term]
+    op, *args = term
+    if op not in OPERATORS:
+        raise ValueError(f"unknown operator {op!r}")
+    wanted, result, _ = OPERATORS[op]
+    if len(args) != len(wanted):
+        raise ValueError(f"{op} takes {len(wanted)} arguments, got {len(args)}: {show(term)}")
+    for arg, kind in zip(args, wanted):
+        if kind_of(arg, variables) != kind:
+            raise ValueError(f"{op}: {show(arg)} is {kind_of(arg, variables)}, not {kind}")
+    return result
+
+
+def check_condition(cond: Term, variables: dict[str, str]) -> None:
+    if isinstance(cond, str) or cond[0] not in PREDICATES:
+        raise ValueError(f"unknown side condition {show(cond)}")
+    pred, *args = cond
+    wanted = PREDICATES[pred]
+    if len(args) != len(wanted):
+        raise ValueError(f"{pred} takes {len(wanted)} arguments: {show(cond)}")
+    for arg, kind in zip(args, wanted):
+        got = kind_of(arg, variables)
+        ok = {"any": ("tensor", "sharded"), "function": ("fn", "fn2")}.get(kind, (kind,))
+        if got not in ok:
+            raise ValueError(f"{pred}: {show(arg)} is {got}, not {kind}")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """`source = target` for every value of the variables that satisfies the side conditions.
+
+    `variables` maps each name to its kind; `conditions` are predicate terms such as
+    `(elementwise f)` or `(divides N x a)`. Construction checks that both sides are well kinded,
+    of the same kind, and use only declared variables.
+    """
+
+    name: str
+    source: str
+    target: str
+    variables: tuple[tuple[str, str], ...]
+    conditions: tuple[str, ...] = ()
+    doc: str = ""
+    lemmas: tuple[str, ...] = ()  # earlier rules its proof may use besides the axioms
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds
+        bad = [k for k in kinds.values() if k not in KINDS]
+        if bad:
+            raise ValueError(f"{self.name}: unknown kinds {bad}")
+        left, right = kind_of(self.source_term, kinds), kind_of(self.target_term, kinds)
+        if left != right:
+            raise ValueError(f"{self.name}: source is {left}, target is {right}")
+        for cond in self.condition_terms:
+            check_condition(cond, kinds)
+
+    @cached_property
+    def kinds(self) -> dict[str, str]:
+        return dict(self.variables)
+
+    @cached_property
+    def source_term(self) -> Term:
+        return parse(self.source)
+
+    @cached_property
+    def target_term(self) -> Term:
+        return parse(self.target)
+
+    @cached_property
+    def condition_terms(self) -> tuple[Term, ...]:
+        return tuple(parse(c) for c in self.conditions)
+
+    @property
+    def kind(self) -> str:
+        """The kind of both sides (tensor, sharded, shape, ...)."""
+        return kind_of(self.source_term, self.kinds)
+
+    def __str__(self) -> str:
+        conds = f"  if {', '.join(self.conditions)}" if self.conditions else ""
+        return f"{self.source} => {self.target}{conds}"
+
+
+def rule(
+    name: str, source: str, target: str, variables: str, *conditions: str, doc: str = "", lemmas: tuple = ()
+) -> Rule:
+    """Shorthand: `variables` as `"g:sharded a:axis N:count"`."""
+    pairs = tuple(tuple(v.split(":")) for v in variables.split())
+    return Rule(name, source, target, pairs, tuple(conditions), doc, tuple(lemmas))
