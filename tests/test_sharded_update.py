@@ -1,0 +1,187 @@
+"""The sharded weight update (`weight_update="sharded"`): a Flax model trained with Adam on 8 CPU
+devices keeps its optimizer state sharded 8 ways over the data axis, trains to the same losses as
+the unmodified step, holds 1/8 of the state per device, and reaches its executable directly from
+the second call on; `shard_map` steps fall back to the replicated update with a warning."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from disco_jax import _pipeline, _plan, optimize_distributed
+from disco_jax.sharding import update
+
+from _steps import make_step
+
+FAST = dict(budget_s=1.0, validation_pairs=4, measured_candidates=0, verbose=False)
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.tanh(nn.Dense(64)(x))
+        x = nn.tanh(nn.Dense(64)(x))
+        return nn.Dense(4)(x)
+
+
+def flax_adam_step():
+    """(jitted step, params, opt_state, batches) for a Flax MLP with optax.adam, data parallel
+    over 8 devices with `jax.jit` and a `NamedSharding`-sharded batch."""
+    mesh = jax.make_mesh((8,), ("data",))
+    model, opt = MLP(), optax.adam(1e-2)
+    params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 16)))
+    replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    params, opt_state = jax.device_put((params, opt.init(params)), replicated)
+    batches = [
+        jax.device_put(
+            (jax.random.normal(jax.random.PRNGKey(2 * i + 1), (64, 16)), jax.random.normal(jax.random.PRNGKey(2 * i + 2), (64, 4))),
+            batch,
+        )
+        for i in range(4)
+    ]
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step, params, opt_state, batches
+
+
+def train(step, params, opt_state, batches):
+    losses = []
+    for x, y in batches:
+        params, opt_state, loss = step(params, opt_state, x, y)
+        losses.append(float(loss))
+    return params, opt_state, losses
+
+
+def test_flax_adam_state_is_sharded_8_ways_and_trains_to_the_same_losses(monkeypatch):
+    step, params, opt_state, batches = flax_adam_step()
+    _, _, reference = train(step, params, opt_state, batches)
+    sharded = optimize_distributed(search=False, weight_update="sharded", **FAST)(step)
+    with pytest.warns(_plan.PlanWarning, match="no plan"):
+        new_params, new_state, losses = train(sharded, params, opt_state, batches)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-7)
+
+    adam = new_state[0]
+    for leaf in jax.tree.leaves((adam.mu, adam.nu)):
+        if leaf.shape[0] % 8 == 0:
+            assert leaf.sharding.spec == P("data") and len(leaf.sharding.device_set) == 8
+            assert leaf.addressable_shards[0].data.shape[0] == leaf.shape[0] // 8
+        else:  # Dense_2's bias: 4 elements, no dimension 8 divides
+            assert leaf.sharding.is_fully_replicated
+    assert all(p.sharding.is_fully_replicated for p in jax.tree.leaves(new_params))
+    assert adam.count.sharding.is_fully_replicated
+
+    # One program was prepared; the second call ran the sharded executable directly.
+    assert len(sharded.reports) == 1
+    monkeypatch.setattr(_pipeline, "prepare", lambda *a, **k: pytest.fail("prepared again"))
+    sharded(new_params, new_state, *batches[0])
+    assert sharded.executable(new_params, new_state, *batches[0]) is sharded._last.run
+
+    report = sharded.last_report.weight_update
+    assert report["mode"] == "sharded" and report["axis"] == "data" and report["num_shards"] == 8
+    assert len(report["leaves"]) == 10 and all("mu" in k or "nu" in k for k in report["leaves"])
+
+
+def test_compiled_module_all_gathers_the_parameters_and_holds_an_eighth_of_the_state():
+    step, params, opt_state, batches = flax_adam_step()
+    sharded = optimize_distributed(search=False, weight_update="sharded", **FAST)(step)
+    with pytest.warns(_plan.PlanWarning, match="no plan"):
+        text = sharded.executable(params, opt_state, *batches[0]).as_text()
+    counts = update.collectives(text)
+    # XLA:CPU: the gradients are all-reduced (no reduce-scatter creator in its pipeline), each
+    # device slices its part for the update, the new parameter slices are all-gathered.
+    assert counts["all-gather"] == 5  # the five parameters with a dimension 8 divides
+    assert counts["all-reduce"] >= 1 and counts["dynamic-slice"] >= 10
+    report = sharded.last_report.weight_update
+    assert report["collectives"]["replicated"]["all-gather"] == 0
+
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(opt_state))
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    memory = report["memory"]
+    assert memory["replicated"]["params_and_state_bytes_per_device"] == state_bytes + param_bytes
+    unsplit = 2 * 4 * 4 + 4  # Dense_2's bias in mu and nu (float32[4]), the int32 count
+    expected = param_bytes + (state_bytes - unsplit) // 8 + unsplit
+    assert memory["sharded"]["params_and_state_bytes_per_device"] == expected
+    saved = memory["replicated"]["argument_size_in_bytes"] - memory["sharded"]["argument_size_in_bytes"]
+    assert saved == (state_bytes - unsplit) * 7 // 8  # XLA's own memory analysis agrees
+
+
+def test_search_phase_on_the_sharded_program_stores_the_layout_and_enactment_reuses_it(tmp_path):
+    step, params, opt_state, batches = flax_adam_step()
+    reference = step(params, opt_state, *batches[0])
+    searching = optimize_distributed(search=True, weight_update="sharded", plan_dir=tmp_path, **FAST)(step)
+    out = searching(params, opt_state, *batches[0])
+    report = searching.last_report
+    assert report.weight_update["check"]["within_tolerance"]
+    plan = _plan.read_plan_file(report.plan_path)
+    assert plan.weight_update["leaves"] == report.weight_update["leaves"]
+    assert plan.weight_update["memory"]["sharded"]["params_and_state_bytes_per_device"] < (
+        plan.weight_update["memory"]["replicated"]["params_and_state_bytes_per_device"]
+    )
+    np.testing.assert_allclose(float(out[2]), float(reference[2]), rtol=1e-6)
+
+    enacting = optimize_distributed(search=False, weight_update="sharded", plan_dir=tmp_path, **FAST)(step)
+    enacting(params, opt_state, *batches[0])
+    assert enacting.last_report.plan == plan.to_json() and enacting.last_report.fingerprint == plan.fingerprint
+
+
+def test_plans_without_a_weight_update_record_still_load(tmp_path):
+    machine = _plan.MachineKey("cpu", "cpu", 8)
+    old = _plan.Plan("abc", "jit_step", machine, True, None, "made before the sharded update").to_json()
+    del old["weight_update"]
+    path = tmp_path / "old.json"
+    path.write_text(__import__("json").dumps(old))
+    assert _plan.read_plan_file(path).weight_update == {}
+
+
+def test_shard_map_steps_warn_and_keep_the_replicated_update():
+    step, args = make_step("shard_map", optimizer=optax.adam(1e-2))
+    reference = step(*args)
+    wrapped = optimize_distributed(search=False, weight_update="sharded", **FAST)(step)
+    with pytest.warns(UserWarning, match="sharded weight update not applicable .*shard_map"):
+        out = wrapped(*args)
+    assert wrapped.last_report.weight_update["mode"] == "replicated"
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(out[1]))
+    np.testing.assert_array_equal(np.asarray(out[2]), np.asarray(reference[2]))
+
+
+def test_jit_step_of_the_core_tests_shards_its_adam_moments():
+    step, args = make_step("jit", optimizer=optax.adam(1e-2))
+    layout, reason = update.find_layout(step, args, {}, args, {})
+    assert layout is not None, reason
+    paths = sorted(layout.paths.values())
+    # sizes (16, 32, 32, 4): weights (16,32), (32,32), (32,4) and the two 32-wide biases, in mu and nu
+    assert len(paths) == 10 and all(".mu" in p or ".nu" in p for p in paths)
+
+
+def test_sgd_without_state_has_nothing_to_shard():
+    step, args = make_step("jit")  # plain SGD: no optimizer state, parameters feed the dots
+    layout, reason = update.find_layout(step, args, {}, args, {})
+    assert layout is None and "no replicated optimizer state" in reason
+
+
+@pytest.mark.parametrize("value", ["shard", "ZeRO", None, 1])
+def test_bad_weight_update_values_raise(value):
+    with pytest.raises(ValueError, match="weight_update must be one of 'search', 'sharded', 'replicated'"):
+        optimize_distributed(weight_update=value)
+
+
+def test_search_is_the_replicated_update_until_the_search_chooses():
+    step, args = make_step("jit", optimizer=optax.adam(1e-2))
+    wrapped = optimize_distributed(search=False, weight_update="search", **FAST)(step)
+    with pytest.warns(_plan.PlanWarning):
+        out = wrapped(*args)
+    assert wrapped.last_report.weight_update == {
+        "mode": "replicated",
+        "requested": "search",
+        "reason": "the search does not choose the weight update yet",
+    }
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(out[1]))
