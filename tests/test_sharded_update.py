@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from disco_jax import _pipeline, _plan, optimize_distributed
+from disco_jax import _api, _plan, optimize_distributed, zoo
 from disco_jax.sharding import update
 
 from _steps import make_step
@@ -36,11 +36,9 @@ def flax_adam_step():
     params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 16)))
     replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     params, opt_state = jax.device_put((params, opt.init(params)), replicated)
+    keys = jax.random.split(jax.random.PRNGKey(1), 8)
     batches = [
-        jax.device_put(
-            (jax.random.normal(jax.random.PRNGKey(2 * i + 1), (64, 16)), jax.random.normal(jax.random.PRNGKey(2 * i + 2), (64, 4))),
-            batch,
-        )
+        jax.device_put((jax.random.normal(keys[2 * i], (64, 16)), jax.random.normal(keys[2 * i + 1], (64, 4))), batch)
         for i in range(4)
     ]
 
@@ -79,11 +77,15 @@ def test_flax_adam_state_is_sharded_8_ways_and_trains_to_the_same_losses(monkeyp
     assert all(p.sharding.is_fully_replicated for p in jax.tree.leaves(new_params))
     assert adam.count.sharding.is_fully_replicated
 
-    # One program was prepared; the second call ran the sharded executable directly.
+    # One program was prepared; the calls after the first ran the sharded executable directly,
+    # and replicated state given again is resharded without preparing anything.
     assert len(sharded.reports) == 1
-    monkeypatch.setattr(_pipeline, "prepare", lambda *a, **k: pytest.fail("prepared again"))
-    sharded(new_params, new_state, *batches[0])
-    assert sharded.executable(new_params, new_state, *batches[0]) is sharded._last.run
+    monkeypatch.setattr(_api, "prepare", lambda *a, **k: pytest.fail("prepared again"))
+    steady = sharded.executable(new_params, new_state, *batches[0])
+    assert steady is sharded._last.run and not isinstance(steady, update.Resharding)
+    _, again, _ = sharded(params, opt_state, *batches[0])
+    assert jax.tree.leaves(again[0].mu)[1].sharding.spec == P("data")
+    assert isinstance(sharded.executable(params, opt_state, *batches[0]), update.Resharding)
 
     report = sharded.last_report.weight_update
     assert report["mode"] == "sharded" and report["axis"] == "data" and report["num_shards"] == 8
@@ -123,9 +125,8 @@ def test_search_phase_on_the_sharded_program_stores_the_layout_and_enactment_reu
     assert report.weight_update["check"]["within_tolerance"]
     plan = _plan.read_plan_file(report.plan_path)
     assert plan.weight_update["leaves"] == report.weight_update["leaves"]
-    assert plan.weight_update["memory"]["sharded"]["params_and_state_bytes_per_device"] < (
-        plan.weight_update["memory"]["replicated"]["params_and_state_bytes_per_device"]
-    )
+    memory = {k: v["params_and_state_bytes_per_device"] for k, v in plan.weight_update["memory"].items()}
+    assert memory["sharded"] < memory["replicated"]
     np.testing.assert_allclose(float(out[2]), float(reference[2]), rtol=1e-6)
 
     enacting = optimize_distributed(search=False, weight_update="sharded", plan_dir=tmp_path, **FAST)(step)
@@ -146,16 +147,33 @@ def test_shard_map_steps_warn_and_keep_the_replicated_update():
     step, args = make_step("shard_map", optimizer=optax.adam(1e-2))
     reference = step(*args)
     wrapped = optimize_distributed(search=False, weight_update="sharded", **FAST)(step)
-    with pytest.warns(UserWarning, match="sharded weight update not applicable .*shard_map"):
+    with (
+        pytest.warns(UserWarning, match="sharded weight update not applicable .*shard_map"),
+        pytest.warns(_plan.PlanWarning, match="no plan"),
+    ):
         out = wrapped(*args)
     assert wrapped.last_report.weight_update["mode"] == "replicated"
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(out[1]))
     np.testing.assert_array_equal(np.asarray(out[2]), np.asarray(reference[2]))
 
 
+def test_a_jit_with_its_own_shardings_keeps_them_but_for_the_state():
+    """The zoo's steps fix in_shardings/out_shardings (state replicated, batch sharded): the
+    sharded update replaces them for the optimizer state only."""
+    step, state, batch = zoo.make_train_step(zoo.get_model("mlp", "tiny"), optax.adam(1e-3), zoo.data_mesh(), "jit")
+    _, reference = step(state, batch)
+    sharded = optimize_distributed(search=False, weight_update="sharded", **FAST)(step)
+    with pytest.warns(_plan.PlanWarning, match="no plan"):
+        new_state, loss = sharded(state, batch)
+    np.testing.assert_allclose(float(loss), float(reference), rtol=1e-6)
+    mu = jax.tree.leaves(new_state.opt_state[0].mu)
+    assert all(x.sharding.spec[0] == "data" for x in mu)
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(new_state.params))
+
+
 def test_jit_step_of_the_core_tests_shards_its_adam_moments():
     step, args = make_step("jit", optimizer=optax.adam(1e-2))
-    layout, reason = update.find_layout(step, args, {}, args, {})
+    layout, reason = update.find_layout(step, args, {}, args, {}, [x.sharding for x in jax.tree.leaves(args)])
     assert layout is not None, reason
     paths = sorted(layout.paths.values())
     # sizes (16, 32, 32, 4): weights (16,32), (32,32), (32,4) and the two 32-wide biases, in mu and nu
@@ -164,7 +182,7 @@ def test_jit_step_of_the_core_tests_shards_its_adam_moments():
 
 def test_sgd_without_state_has_nothing_to_shard():
     step, args = make_step("jit")  # plain SGD: no optimizer state, parameters feed the dots
-    layout, reason = update.find_layout(step, args, {}, args, {})
+    layout, reason = update.find_layout(step, args, {}, args, {}, [x.sharding for x in jax.tree.leaves(args)])
     assert layout is None and "no replicated optimizer state" in reason
 
 

@@ -170,11 +170,10 @@ class Layout:
         return jax.tree.unflatten(tree, leaves)
 
 
-def data_axis(leaves: list) -> tuple[Any, str] | None:
-    """(mesh, axis name) the batch is split over: the first axis of the first `NamedSharding`-
-    sharded leaf that is not replicated."""
-    for leaf in leaves:
-        sharding = getattr(leaf, "sharding", None)
+def data_axis(shardings: list) -> tuple[Any, str] | None:
+    """(mesh, axis name) the batch is split over: the first axis of the first `NamedSharding`
+    that is not replicated."""
+    for sharding in shardings:
         if isinstance(sharding, NamedSharding) and not sharding.is_fully_replicated:
             for entry in sharding.spec:
                 if isinstance(entry, str):
@@ -182,29 +181,26 @@ def data_axis(leaves: list) -> tuple[Any, str] | None:
     return None
 
 
-def find_layout(fn, args: tuple, kwargs: dict, dynamic_args: tuple, dynamic_kwargs: dict) -> tuple[Layout | None, str]:
-    """The sharded-update layout of one call of the jitted `fn`, or (None, why not)."""
-    info = getattr(fn, "_jit_info", None)
-    if info is None or not hasattr(fn, "__wrapped__"):
+def find_layout(
+    fn, args: tuple, kwargs: dict, dynamic_args: tuple, dynamic_kwargs: dict, input_shardings: list
+) -> tuple[Layout | None, str]:
+    """The sharded-update layout of one call of the jitted `fn`, or (None, why not).
+    `input_shardings`: per dynamic leaf, its sharding in the unmodified step's executable."""
+    if getattr(fn, "_jit_info", None) is None or not hasattr(fn, "__wrapped__"):
         return None, "the step is not a jax.jit function"
-    if getattr(info, "user_specified_in_shardings", False) or any(
-        type(s).__name__ != "UnspecifiedValue" for s in getattr(info, "out_shardings_leaves", ())
-    ):
-        return None, "the step's jax.jit fixes in_shardings/out_shardings itself"
     traced = fn.trace(*args, **kwargs)
     jaxpr = getattr(traced.jaxpr, "jaxpr", traced.jaxpr)
     if any(eqn.primitive.name == "shard_map" for eqn in jaxpr.eqns):
         return None, "the step is a shard_map step (its collectives are written in the function)"
     with_paths, _ = jax.tree_util.tree_flatten_with_path((dynamic_args, dynamic_kwargs))
-    leaves = [leaf for _, leaf in with_paths]
-    if len(leaves) != len(jaxpr.invars) or not all(isinstance(x, jax.Array) for x in leaves):
-        return None, "the step's inputs are not all arrays"
-    found = data_axis(leaves)
+    if not len(with_paths) == len(jaxpr.invars) == len(input_shardings):
+        return None, "the step's inputs are not one array per argument leaf"
+    found = data_axis(input_shardings)
     if found is None:
         return None, "no input is sharded over a mesh axis (no data axis)"
     mesh, axis = found
     devices = set(mesh.devices.flat)
-    replicated = [x.sharding.is_fully_replicated and x.sharding.device_set == devices for x in leaves]
+    replicated = [s.is_fully_replicated and s.device_set == devices for s in input_shardings]
     num_shards = mesh.shape[axis]
     inputs = [v.aval for v in jaxpr.invars]
     outputs = [v.aval for v in jaxpr.outvars]
@@ -249,12 +245,15 @@ def _with_dynamic(args: tuple, kwargs: dict, old_dynamic: tuple, new_dynamic: tu
     return tuple(out), {k: new_kwargs.get(k, v) for k, v in kwargs.items()}
 
 
-def relower(fn, layout: Layout, args: tuple, kwargs: dict, dynamic: tuple, default_out_shardings) -> tuple:
+def relower(fn, layout: Layout, args: tuple, kwargs: dict, dynamic: tuple, default: Any) -> tuple:
     """(lowered, resharded dynamic args, kwargs): the user's function jitted again with its own
-    jit options, the state leaves in `layout`'s sharding at input and output, every other output
-    in the sharding the unmodified step gave it."""
-    resharded = layout.reshard(*dynamic)
-    out_leaves, out_tree = jax.tree.flatten(default_out_shardings)
+    jit options but its shardings: the state leaves in `layout`'s sharding at input and output,
+    every other leaf in the sharding the unmodified step's executable (`default`) gives it (the
+    user's `in_shardings`/`out_shardings`, where the jit fixed them)."""
+    leaves, tree = jax.tree.flatten(dynamic)
+    leaves = [jax.device_put(x, s) for x, s in zip(leaves, jax.tree.leaves(default.input_shardings))]
+    resharded = layout.reshard(*jax.tree.unflatten(tree, leaves))
+    out_leaves, out_tree = jax.tree.flatten(default.output_shardings)
     for j, spec in layout.outputs.items():
         out_leaves[j] = NamedSharding(layout.mesh, spec)
     jitted = jax.jit(
@@ -318,15 +317,16 @@ def sharded_step(fn, step: Captured, args: tuple, kwargs: dict, backend, check: 
     (the call as made) lowered again with the sharded update, or `step` itself with a warning
     when no leaf qualifies. `check`: run both once and fall back when their outputs differ
     beyond the validation tolerance (the partitioner may sum in another order)."""
-    layout, reason = find_layout(fn, args, kwargs, step.args, step.kwargs)
+    input_shardings = jax.tree.leaves(step.default_compiled.input_shardings)
+    layout, reason = find_layout(fn, args, kwargs, step.args, step.kwargs, input_shardings)
     if layout is None:
         return step, None, not_applicable(reason, stacklevel + 1)
     lowered, (dynamic_args, dynamic_kwargs) = relower(
-        fn, layout, args, kwargs, (step.args, step.kwargs), step.default_compiled.output_shardings
+        fn, layout, args, kwargs, (step.args, step.kwargs), step.default_compiled
     )
     sharded = capture(lowered, backend, dynamic_args, dynamic_kwargs)
     leaves = jax.tree.leaves((step.args, step.kwargs))
-    held = {i: x.aval for i, x in enumerate(leaves) if x.sharding.is_fully_replicated}
+    held = {i: jax.typeof(x) for i, x in enumerate(leaves) if input_shardings[i].is_fully_replicated}
     info = {
         "mode": "sharded",
         "requested": "sharded",
