@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from disco_jax import _api, _plan, optimize_distributed, zoo
+from disco_jax import _api, _capture, _compile, _graph, _plan, _strategy, backends, optimize_distributed, zoo
 from disco_jax.sharding import update
 
 from _steps import make_step
@@ -203,3 +203,27 @@ def test_search_is_the_replicated_update_until_the_search_chooses():
         "reason": "the search does not choose the weight update yet",
     }
     assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(out[1]))
+
+
+def test_a_fusion_and_bucketing_plan_is_enacted_on_the_sharded_module(tmp_path):
+    """The HLO pass rewrites the re-lowered module: a plan with one all-reduce per gradient, made
+    for the sharded program, is applied and the parameters are still all-gathered."""
+    step, params, opt_state, batches = flax_adam_step()
+    args = (params, opt_state, *batches[0])
+    default = step.lower(*args).compile()
+    layout, _ = update.find_layout(step, args, {}, args, {}, jax.tree.leaves(default.input_shardings))
+    lowered, (sharded_args, _) = update.relower(step, layout, args, {}, (args, {}), default)
+    graph = _graph.build_graph(_capture.capture(lowered)[0], backends.CPU)
+    per_gradient = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "test")
+    machine = _plan.MachineKey.current(_compile.step_devices(sharded_args, {}))
+    plan = _plan.Plan(graph.fingerprint, graph.module.name, machine, False, per_gradient.to_json(graph), "by hand")
+    _plan.save_plan(plan, tmp_path)
+
+    enacting = optimize_distributed(search=False, weight_update="sharded", plan_dir=tmp_path, **FAST)(step)
+    reference = step(*args)
+    out = enacting(*args)
+    report = enacting.last_report
+    assert report.applied and report.fingerprint == graph.fingerprint
+    assert report.default_counts["all-reduce"] == 1 and report.plan_counts["all-reduce"] == len(graph.gradients) > 1
+    assert update.collectives(enacting.executable(*out[:2], *batches[0]).as_text())["all-gather"] == 5
+    np.testing.assert_allclose(float(out[2]), float(reference[2]), rtol=1e-6)
