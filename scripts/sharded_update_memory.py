@@ -6,9 +6,10 @@ figures are what the step report records from the compiled executables
 (`compiled.memory_analysis()` and the input shardings): the bytes of the leaves the replicated step
 holds whole on every device (parameters, optimizer state, model state), XLA's argument bytes, and
 the collectives in each compiled module. The losses of the first three steps are compared with the
-unmodified step's.
+unmodified step's. `--pairs N`: also the step time, sharded over replicated, as the median of N
+interleaved pairs (alternating which runs first) with its interquartile range.
 
-    python scripts/sharded_update_memory.py [--models mlp transformer ...] [--json out.json]
+    python scripts/sharded_update_memory.py [--models mlp transformer ...] [--pairs 30] [--json out.json]
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 import warnings
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -28,7 +30,25 @@ import optax  # noqa: E402
 from disco_jax import PlanWarning, optimize_distributed, zoo  # noqa: E402
 
 
-def measure(name: str) -> dict:
+def interleaved_ratio(first, second, pairs: int) -> list[float]:
+    """Quartiles of the per-pair ratios time(second) / time(first), in interleaved pairs."""
+
+    def timed(f) -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(f())
+        return time.perf_counter() - start
+
+    ratios = []
+    for i in range(pairs):
+        if i % 2:
+            b, a = timed(second), timed(first)
+        else:
+            a, b = timed(first), timed(second)
+        ratios.append(b / a)
+    return [float(q) for q in np.percentile(ratios, [25, 50, 75])]
+
+
+def measure(name: str, pairs: int) -> dict:
     step, state, batch = zoo.make_train_step(zoo.get_model(name, "tiny"), optax.adam(1e-3), zoo.data_mesh(), "jit")
     sharded = optimize_distributed(search=False, weight_update="sharded", verbose=False)(step)
     with warnings.catch_warnings():
@@ -40,6 +60,9 @@ def measure(name: str) -> dict:
             s_mine, loss = sharded(s_mine, batch)
             mine.append(float(loss))
     report = sharded.last_report.weight_update
+    ratio = None
+    if pairs:
+        ratio = interleaved_ratio(lambda: step(s_ref, batch), lambda: sharded(s_mine, batch), pairs)
     return {
         "model": name,
         "mode": report["mode"],
@@ -48,12 +71,14 @@ def measure(name: str) -> dict:
         "collectives": report.get("collectives"),
         "max_loss_rel_diff": float(np.max(np.abs(np.subtract(mine, reference)) / np.abs(reference))),
         "prepared": len(sharded.reports),
+        "time_ratio_quartiles": ratio,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(zoo.MODELS))
+    parser.add_argument("--pairs", type=int, default=0)
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = []
@@ -61,7 +86,7 @@ def main() -> None:
     header = f"{'model':12} {'leaves':>6} {'params+state B/dev':>26} {'ratio':>6} {'XLA args B/dev':>22}"
     print(header + "  collectives (sharded)")
     for name in args.models:
-        row = measure(name)
+        row = measure(name, args.pairs)
         rows.append(row)
         if row["mode"] != "sharded":
             print(f"{name:12} not sharded")
@@ -74,6 +99,9 @@ def main() -> None:
             f"{rep['argument_size_in_bytes']:>10} -> {sh['argument_size_in_bytes']:>9}  {coll}  "
             f"loss rel diff {row['max_loss_rel_diff']:.1e}"
         )
+        if row["time_ratio_quartiles"]:
+            low, median, high = row["time_ratio_quartiles"]
+            print(f"{'':12} step time sharded/replicated {median:.3f}x (IQR {low:.3f}-{high:.3f}, {args.pairs} pairs)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

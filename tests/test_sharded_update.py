@@ -227,3 +227,25 @@ def test_a_fusion_and_bucketing_plan_is_enacted_on_the_sharded_module(tmp_path):
     assert report.default_counts["all-reduce"] == 1 and report.plan_counts["all-reduce"] == len(graph.gradients) > 1
     assert update.collectives(enacting.executable(*out[:2], *batches[0]).as_text())["all-gather"] == 5
     np.testing.assert_allclose(float(out[2]), float(reference[2]), rtol=1e-6)
+
+
+def test_static_and_donated_arguments_survive_the_relowering():
+    step, args = make_step("jit", optimizer=optax.adam(1e-2))
+    inner = step.__wrapped__
+
+    def scaled(params, opt_state, x, y, scale):
+        params, opt_state, loss = inner(params, opt_state, x, y)
+        return params, opt_state, loss * scale
+
+    jitted = jax.jit(scaled, static_argnames=("scale",), donate_argnums=(1,))
+    copy = lambda tree: jax.tree.map(lambda a: a.copy(), tree)  # noqa: E731
+    _, _, reference = jitted(args[0], copy(args[1]), *args[2:], scale=2.0)
+    sharded = optimize_distributed(search=False, weight_update="sharded", **FAST)(jitted)
+    with pytest.warns(_plan.PlanWarning, match="no plan"):
+        params, state, loss = sharded(args[0], copy(args[1]), *args[2:], scale=2.0)
+    np.testing.assert_allclose(float(loss), float(reference), rtol=1e-6)
+    mu = jax.tree.leaves(state[0].mu)
+    assert mu[1].sharding.spec == P("data")
+    _, _, loss = sharded(params, state, *args[2:], scale=2.0)
+    assert all(x.is_deleted() for x in mu)  # the sharded state was donated to the second call
+    assert len(sharded.reports) == 1
