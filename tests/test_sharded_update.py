@@ -249,3 +249,18 @@ def test_static_and_donated_arguments_survive_the_relowering():
     _, _, loss = sharded(params, state, *args[2:], scale=2.0)
     assert all(x.is_deleted() for x in mu)  # the sharded state was donated to the second call
     assert len(sharded.reports) == 1
+
+
+def test_only_state_updated_elementwise_and_read_by_nothing_else_is_chosen():
+    def step(w, m, v, count, x):
+        g = x.T @ jnp.tanh(x @ w)
+        m = 0.9 * m + 0.1 * g
+        v = 0.9 * v + 0.1 * g * g
+        return w - m / (jnp.sqrt(v) + 1e-8), m, v, count + 1, jnp.sum(v)  # v is also reduced
+
+    shapes = [(16, 16), (16, 16), (16, 16), (), (32, 16)]
+    closed = jax.make_jaxpr(step)(*[jnp.zeros(s) for s in shapes])
+    inputs, outputs = [v.aval for v in closed.jaxpr.invars], [v.aval for v in closed.jaxpr.outvars]
+    state, updated = update.choose_layout(closed.jaxpr, inputs, outputs, [True, True, True, True, False], 8)
+    assert (state, updated) == ([1], [1])  # m only: w feeds a dot, v a reduction, count is a scalar
+    assert update.choose_layout(closed.jaxpr, inputs, outputs, [True, True, True, True, False], 3) == ([], [])
