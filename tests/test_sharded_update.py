@@ -233,20 +233,21 @@ def test_static_and_donated_arguments_survive_the_relowering():
     step, args = make_step("jit", optimizer=optax.adam(1e-2))
     inner = step.__wrapped__
 
-    def scaled(params, opt_state, x, y, scale):
+    def scaled(params, opt_state, x, y, shift, scale):
         params, opt_state, loss = inner(params, opt_state, x, y)
-        return params, opt_state, loss * scale
+        return params, opt_state, loss * scale + shift
 
+    # `shift` is a dynamic Python float, `scale` static, the optimizer state donated.
     jitted = jax.jit(scaled, static_argnames=("scale",), donate_argnums=(1,))
     copy = lambda tree: jax.tree.map(lambda a: a.copy(), tree)  # noqa: E731
-    _, _, reference = jitted(args[0], copy(args[1]), *args[2:], scale=2.0)
+    _, _, reference = jitted(args[0], copy(args[1]), *args[2:], 1.0, scale=2.0)
     sharded = optimize_distributed(search=False, weight_update="sharded", **FAST)(jitted)
     with pytest.warns(_plan.PlanWarning, match="no plan"):
-        params, state, loss = sharded(args[0], copy(args[1]), *args[2:], scale=2.0)
+        params, state, loss = sharded(args[0], copy(args[1]), *args[2:], 1.0, scale=2.0)
     np.testing.assert_allclose(float(loss), float(reference), rtol=1e-6)
     mu = jax.tree.leaves(state[0].mu)
     assert mu[1].sharding.spec == P("data")
-    _, _, loss = sharded(params, state, *args[2:], scale=2.0)
+    _, _, loss = sharded(params, state, *args[2:], 1.0, scale=2.0)
     assert all(x.is_deleted() for x in mu)  # the sharded state was donated to the second call
     assert len(sharded.reports) == 1
 

@@ -251,7 +251,8 @@ def relower(fn, layout: Layout, args: tuple, kwargs: dict, dynamic: tuple, defau
     every other leaf in the sharding the unmodified step's executable (`default`) gives it (the
     user's `in_shardings`/`out_shardings`, where the jit fixed them)."""
     leaves, tree = jax.tree.flatten(dynamic)
-    leaves = [jax.device_put(x, s) for x, s in zip(leaves, jax.tree.leaves(default.input_shardings))]
+    shardings = jax.tree.leaves(default.input_shardings)
+    leaves = [jax.device_put(x, s) if isinstance(x, jax.Array) else x for x, s in zip(leaves, shardings)]
     resharded = layout.reshard(*jax.tree.unflatten(tree, leaves))
     out_leaves, out_tree = jax.tree.flatten(default.output_shardings)
     for j, spec in layout.outputs.items():
