@@ -4,7 +4,10 @@
                        └─ enact phase:  load → apply
 
 `prepare` is what the decorator calls for a new program (argument signature and static values).
-It returns the executable the program runs and fills a `StepReport`. With several processes every
+It returns the executable the program runs and fills a `StepReport`. With
+`weight_update="sharded"` the captured step is first lowered again with its optimizer state
+sharded over the data axis (`sharding.update.sharded_step`), and that program goes through the
+phases; the first call then reshards its arguments (`sharding.update.Resharding`). With several processes every
 process runs the same executables in the same order (profiling, calibration and validation run
 the step: collectives); process 0 alone searches, its strategy is broadcast before validation and
 its plan after, and in the enact phase process 0's plan is the one every process applies.
