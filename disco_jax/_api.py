@@ -20,6 +20,7 @@ import jax
 
 from disco_jax._pipeline import Options, StepReport, prepare, search_enabled
 from disco_jax._search import SearchConfig
+from disco_jax.sharding.update import Resharding
 
 
 class _StaticArgs:
@@ -63,11 +64,14 @@ class _StaticArgs:
 @dataclasses.dataclass(frozen=True)
 class _Prepared:
     """What one program (argument signature and static values) runs: a compiled executable that
-    takes the dynamic arguments only, or the user's jitted function (`takes_static`)."""
+    takes the dynamic arguments only, or the user's jitted function (`takes_static`). `steady`:
+    what the calls after it run, when this one moves its arguments to other shardings first
+    (the sharded weight update's first call)."""
 
     run: Callable
     static: tuple
     takes_static: bool
+    steady: _Prepared | None = None
 
 
 class OptimizedStep:
@@ -115,7 +119,7 @@ class OptimizedStep:
             except (TypeError, ValueError):
                 pass  # not this program: the executable refused the arguments before running
         prepared, dynamic_args, dynamic_kwargs = self._lookup(args, kwargs)
-        self._last = prepared
+        self._last = prepared.steady or prepared
         if prepared.takes_static:
             return prepared.run(*args, **kwargs)
         return prepared.run(*dynamic_args, **dynamic_kwargs)
@@ -128,7 +132,11 @@ class OptimizedStep:
         prepared = self._prepared.get(key)
         if prepared is None:
             run = self._prepare(args, kwargs, dynamic_args, dynamic_kwargs)
-            prepared = self._prepared[key] = _Prepared(run, static, takes_static=run is self._fn)
+            steady = None
+            if isinstance(run, Resharding):  # the program of the arguments as the step returns them
+                steady = _Prepared(run.steady, static, takes_static=False)
+                self._prepared[(_signature(*run.reshard(dynamic_args, dynamic_kwargs)), static)] = steady
+            prepared = self._prepared[key] = _Prepared(run, static, takes_static=run is self._fn, steady=steady)
         return prepared, dynamic_args, dynamic_kwargs
 
     def _prepare(self, args, kwargs, dynamic_args, dynamic_kwargs) -> Callable:
@@ -143,13 +151,24 @@ def _signature(args, kwargs):
     array's shape, dtype and sharding (hashable objects; no string formatting)."""
     leaves, tree = jax.tree.flatten((args, kwargs))
     return tree, tuple(
-        (leaf.shape, leaf.dtype, leaf.sharding)
+        (leaf.shape, leaf.dtype, _sharding_key(leaf.sharding))
         if isinstance(leaf, jax.Array)
         else (type(leaf), tuple(leaf.shape), str(leaf.dtype))
         if hasattr(leaf, "shape")
         else (type(leaf),)  # Python scalars are traced, their value does not matter
         for leaf in leaves
     )
+
+
+def _sharding_key(sharding):
+    """A sharding as a key: `NamedSharding`s that differ only in trailing unsplit dimensions
+    (`P()`, `P(None)`: what a step is given and what it returns) are one key."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec)
+        while spec and spec[-1] is None:
+            spec = spec[:-1]
+        return sharding.mesh, spec, sharding.memory_kind
+    return sharding
 
 
 _SEARCH_PARAMETERS = ("alpha", "beta", "seed", "budget_s", "max_unchanged")
@@ -163,6 +182,7 @@ def optimize_distributed(
     plan_dir: str | os.PathLike | None = None,
     validation_pairs: int = 20,
     measured_candidates: int = 4,
+    weight_update: str = "replicated",
     verbose: bool = True,
     **kwargs,
 ):
@@ -184,7 +204,15 @@ def optimize_distributed(
     faster or slower with 95% confidence; README "Never slower"). measured_candidates: per round of
     the measured search, the best distinct candidates compiled and timed against the unmodified step
     (the fastest goes to validation; 0: the search's best, unmeasured). verbose: progress and the
-    summary on stderr (the `disco_jax` logger gets them either way)."""
+    summary on stderr (the `disco_jax` logger gets them either way).
+
+    weight_update: "replicated" (default): every device updates the whole optimizer state, as XLA's
+    data-parallel step does. "sharded": `jax.jit` steps keep their optimizer state (leaves read
+    from the jaxpr: replicated, updated elementwise, a dimension the data axis divides) sharded
+    over the data axis; each device updates its slice and the parameters are all-gathered
+    (README "Sharded weight update"); where no leaf qualifies (e.g. `shard_map` steps) one
+    warning and the replicated update. "search": the per-parameter choice of the search, not
+    implemented yet: for now the same as "replicated" (the report says so)."""
     if search not in (None, True, False):
         raise TypeError(f"search must be None, True or False, got {search!r}")
     overrides = {k: kwargs.pop(k) for k in _SEARCH_PARAMETERS if k in kwargs}
@@ -195,6 +223,7 @@ def optimize_distributed(
         validation_pairs=validation_pairs,
         verbose=verbose,
         measured_candidates=measured_candidates,
+        weight_update=weight_update,
     )
     jit_kwargs = kwargs
 

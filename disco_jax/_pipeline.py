@@ -4,7 +4,10 @@
                        └─ enact phase:  load → apply
 
 `prepare` is what the decorator calls for a new program (argument signature and static values).
-It returns the executable the program runs and fills a `StepReport`. With several processes every
+It returns the executable the program runs and fills a `StepReport`. With
+`weight_update="sharded"` the captured step is first lowered again with its optimizer state
+sharded over the data axis (`sharding.update.sharded_step`), and that program goes through the
+phases; the first call then reshards its arguments (`sharding.update.Resharding`). With several processes every
 process runs the same executables in the same order (profiling, calibration and validation run
 the step: collectives); process 0 alone searches, its strategy is broadcast before validation and
 its plan after, and in the enact phase process 0's plan is the one every process applies.
@@ -26,6 +29,7 @@ from disco_jax._console import Ui
 from disco_jax._profiling import calibrate, profile
 from disco_jax._strategy import Strategy
 from disco_jax.cost import CostModel
+from disco_jax.sharding import update
 
 ENABLE_SEARCH_ENV = "ENABLE_SEARCH"
 
@@ -46,15 +50,20 @@ class Options:
     `plan_dir`: where plans are stored (None: `$DISCO_JAX_PLAN_DIR` or the user cache);
     `validation_pairs`: interleaved timing pairs when validating a plan; `verbose`: print to stderr;
     `measured_candidates`: distinct candidates per round the measured search (`_tuning`) compiles
-    and times against XLA's plan before one goes to validation (0: validate the search's best)."""
+    and times against XLA's plan before one goes to validation (0: validate the search's best);
+    `weight_update`: 'sharded' keeps the optimizer state sharded over the data axis
+    (`disco_jax.sharding.update`), 'replicated' is XLA's data-parallel update, 'search' is
+    'replicated' until the search makes the per-parameter choice."""
 
     search: _search.SearchConfig = _search.SearchConfig()
     plan_dir: str | None = None
     validation_pairs: int = 20
     verbose: bool = True
     measured_candidates: int = 4
+    weight_update: str = "replicated"
 
     def __post_init__(self):
+        update.check_weight_update(self.weight_update)
         if not isinstance(self.measured_candidates, int) or self.measured_candidates < 0:
             raise ValueError(f"measured_candidates must be a non-negative integer, got {self.measured_candidates!r}")
 
@@ -88,6 +97,7 @@ class StepReport:
     search: dict | None = None
     process_index: int | None = None
     plan_from_process: int | None = None
+    weight_update: dict | None = None  # mode, sharded leaves, per-device memory (`sharding.update`)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -128,6 +138,18 @@ def prepare(
         report.reason = "unsupported backend"
         return fn
     step = capture(fn.lower(*args, **kwargs), backend, dynamic_args, dynamic_kwargs)
+    layout = None
+    if options.weight_update == "sharded":  # the program to optimize is the step lowered again
+        step, layout, report.weight_update = update.sharded_step(fn, step, args, kwargs, backend, search, stacklevel=6)
+    else:
+        reason = "the search does not choose the weight update yet" if options.weight_update == "search" else None
+        report.weight_update = {"mode": "replicated", "requested": options.weight_update, "reason": reason}
+    run = _phase(step, options, search, report, ui)
+    return run if layout is None else update.Resharding(run, layout)
+
+
+def _phase(step: Captured, options: Options, search: bool, report: StepReport, ui: Ui) -> Any:
+    """Capture done: check that the processes agree, then the search or the enact phase."""
     graph = step.graph
     report.fingerprint, report.module, report.graph = graph.fingerprint, graph.module.name, graph.summary()
     report.default_counts = compiled_stats(step.default_compiled.as_text())
@@ -225,6 +247,7 @@ def search_phase(step: Captured, options: Options, report: StepReport, ui: Ui) -
         simulated=simulated,
         measured=verdict.measured,
         search=search_info,
+        weight_update=report.weight_update or {},
     )
     if step.scope is not None:  # process 0 measured and decided for everyone
         plan = _plan.Plan.from_json(_distributed.broadcast_json(f"{step.scope}/plan", plan.to_json()))
@@ -332,6 +355,16 @@ def store(plan: _plan.Plan, timeline: dict, plan_dir: str | None) -> str | None:
 def enact_phase(step: Captured, options: Options, report: StepReport, ui: Ui) -> Any:
     plan = load(step, options.plan_dir, report)
     if plan is None:
+        return step.default_compiled
+    recorded = (plan.weight_update or {}).get("leaves")
+    if recorded is not None and recorded != (report.weight_update or {}).get("leaves"):
+        warnings.warn(
+            f"disco-jax: plan {report.plan_path} shards other optimizer-state leaves than this step; "
+            "running the unmodified step",
+            _plan.PlanWarning,
+            stacklevel=7,
+        )
+        report.reason = "the plan's weight update differs"
         return step.default_compiled
     if plan.use_default:
         ui.say(f"{step.graph.module.name}: plan keeps XLA's default ({plan.reason})")

@@ -61,6 +61,9 @@ class Plan:
     simulated: dict = dataclasses.field(default_factory=dict)  # {'default': {...}, 'plan': {...}}
     measured: dict = dataclasses.field(default_factory=dict)  # validation: times, errors, tolerance
     search: dict = dataclasses.field(default_factory=dict)  # search statistics and options
+    # The weight update the plan was made for: mode, data axis, the sharding of each optimizer-state
+    # leaf it shards, per-device memory (`disco_jax.sharding.update`); {} in plans made before it.
+    weight_update: dict = dataclasses.field(default_factory=dict)
     created: float = dataclasses.field(default_factory=time.time)
     format_version: int = PLAN_FORMAT_VERSION
 

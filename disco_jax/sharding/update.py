@@ -1,0 +1,368 @@
+"""The sharded weight update (Xu et al. 2020, "Automatic Cross-Replica Sharding of Weight Update in
+Data-Parallel Training"; ZeRO stage 1) for `jax.jit` + `NamedSharding` data-parallel steps.
+
+In a data-parallel step every device holds the whole optimizer state and repeats the whole
+update. Here the optimizer state is kept sharded over the data axis between steps: each device
+updates its own slice of each state tensor and the new parameters are all-gathered. Nothing is
+rewritten by hand: the user's function is lowered again with input and output shardings that
+keep that state sharded (`P("data")` on one dimension) and everything else as the unmodified step
+has it, and XLA's SPMD partitioner emits the collectives.
+
+Which input leaves are such state is read from the step's jaxpr (`choose_layout`): a leaf that is
+replicated over the data axis, has a dimension the axis size divides, is used by elementwise
+operations only (transitively, through nested jits and custom derivatives), and whose
+elementwise descendants include an output of its shape and dtype that depends elementwise on
+such leaves only (its updated value). Adam's `mu`/`nu` and SGD's momentum qualify; parameters do
+not (they feed the forward pass's dots), nor scalar step counters (no divisible dimension), nor
+anything inside a `shard_map` (its collectives are written in the function: the update there is
+whatever the function computes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import warnings
+from typing import Any
+
+import jax
+from jax.extend import core as jax_core
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from disco_jax import _distributed, _validate
+from disco_jax._compile import Captured, capture
+from disco_jax.sharding import rules
+
+# The proven rules (`disco-jax rules`) a sharded update rests on; the plan cites them.
+JUSTIFYING_RULES = ("sharded_optimizer_state", "sharded_weight_update")
+
+WEIGHT_UPDATES = ("search", "sharded", "replicated")
+
+# Primitives that compute each output element from the same element of each operand.
+ELEMENTWISE = frozenset(
+    "abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type copy copy_p "
+    "cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite le "
+    "lgamma log log1p logistic lt max min mul ne neg nextafter not one_minus_square or pow real "
+    "reduce_precision rem round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan tanh "
+    "xor".split()
+)
+# Primitives that call a jaxpr on their operands one to one: followed inside.
+_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_CALLS = frozenset("pjit jit closed_call core_call custom_jvp_call custom_vjp_call remat checkpoint".split())
+
+
+def check_weight_update(value: Any) -> str:
+    if value not in WEIGHT_UPDATES:
+        raise ValueError(f"weight_update must be one of {', '.join(map(repr, WEIGHT_UPDATES))}, got {value!r}")
+    return value
+
+
+# ------------------------------------------------------------------------- which leaves to shard
+
+
+def _inner_jaxpr(eqn) -> Any:
+    if eqn.primitive.name not in _CALLS:
+        return None
+    for name in _CALL_PARAMS:
+        inner = eqn.params.get(name)
+        if inner is not None:
+            return getattr(inner, "jaxpr", inner)
+    return None
+
+
+def elementwise_origins(jaxpr, in_origins: list[frozenset], consumed: set[int]) -> list[frozenset]:
+    """Per output of `jaxpr`: the inputs (by `in_origins` labels) it is computed from through
+    shape-preserving elementwise operations only. Labels that reach any other operation (a dot,
+    a reduction, a broadcast, a collective, control flow, a `shard_map`) go into `consumed`."""
+    env: dict = {}
+
+    def origin(atom) -> frozenset:
+        return frozenset() if isinstance(atom, jax_core.Literal) else env.get(atom, frozenset())
+
+    for var, labels in zip(jaxpr.invars, in_origins):
+        env[var] = labels
+    for eqn in jaxpr.eqns:
+        operands = [origin(a) for a in eqn.invars]
+        inner = _inner_jaxpr(eqn)
+        if inner is not None and len(inner.invars) == len(operands) and len(inner.outvars) == len(eqn.outvars):
+            results = elementwise_origins(inner, operands, consumed)
+        elif eqn.primitive.name in ELEMENTWISE and len(eqn.outvars) == 1:
+            shape, labels = eqn.outvars[0].aval.shape, frozenset()
+            for atom, operand in zip(eqn.invars, operands):
+                if atom.aval.shape == shape:
+                    labels |= operand
+                else:
+                    consumed.update(operand)
+            results = [labels]
+        else:
+            for operand in operands:
+                consumed.update(operand)
+            results = [frozenset()] * len(eqn.outvars)
+        for var, labels in zip(eqn.outvars, results):
+            env[var] = labels
+    return [origin(v) for v in jaxpr.outvars]
+
+
+def split_dimension(shape: tuple[int, ...], num_shards: int) -> int | None:
+    """The first dimension `num_shards` divides (None: the leaf cannot be split evenly)."""
+    return next((d for d, size in enumerate(shape) if size >= num_shards and size % num_shards == 0), None)
+
+
+def spec_for(shape: tuple[int, ...], axis: str, num_shards: int) -> P:
+    d = split_dimension(shape, num_shards)
+    return P(*([None] * d), axis)
+
+
+def choose_layout(jaxpr, inputs: list, outputs: list, replicated: list[bool], num_shards: int):
+    """(input leaves to shard, outputs that are their updated values), by index. `inputs` /
+    `outputs`: avals of the jaxpr's inputs and outputs; `replicated`: per input, whether it is
+    held whole on every device of the data axis."""
+    consumed: set[int] = set()
+    origins = elementwise_origins(jaxpr, [frozenset({i}) for i in range(len(inputs))], consumed)
+    state = {
+        i
+        for i, aval in enumerate(inputs)
+        if replicated[i] and i not in consumed and split_dimension(aval.shape, num_shards) is not None
+    }
+    while True:  # an output is a state's update when it depends elementwise on state leaves only
+        updated = {
+            j
+            for j, labels in enumerate(origins)
+            if labels
+            and labels <= state
+            and all((inputs[i].shape, inputs[i].dtype) == (outputs[j].shape, outputs[j].dtype) for i in labels)
+        }
+        kept = {i for i in state if any(i in origins[j] for j in updated)}
+        if kept == state:
+            return sorted(state), sorted(updated)
+        state = kept
+
+
+# ------------------------------------------------------------------------------------ enactment
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the sharded update keeps what: the data axis, its size, and per input leaf (index
+    into the call's dynamic leaves) and per output leaf the `PartitionSpec` of the leaves it
+    shards. `paths` names the input leaves (`jax.tree_util.keystr`) for the plan."""
+
+    mesh: Any
+    axis: str
+    num_shards: int
+    inputs: dict[int, P]
+    outputs: dict[int, P]
+    paths: dict[int, str]
+
+    def to_json(self) -> dict:
+        return {
+            "axis": self.axis,
+            "num_shards": self.num_shards,
+            "leaves": {self.paths[i]: [d for d in spec] for i, spec in sorted(self.inputs.items())},
+        }
+
+    def reshard(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call's dynamic arguments with the sharded leaves moved to their sharding (a no-op
+        for leaves that have it already)."""
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        for i, spec in self.inputs.items():
+            target = NamedSharding(self.mesh, spec)
+            if leaves[i].sharding != target:
+                leaves[i] = jax.device_put(leaves[i], target)
+        return jax.tree.unflatten(tree, leaves)
+
+
+def data_axis(shardings: list) -> tuple[Any, str] | None:
+    """(mesh, axis name) the batch is split over: the first axis of the first `NamedSharding`
+    that is not replicated."""
+    for sharding in shardings:
+        if isinstance(sharding, NamedSharding) and not sharding.is_fully_replicated:
+            for entry in sharding.spec:
+                if isinstance(entry, str):
+                    return sharding.mesh, entry
+    return None
+
+
+def find_layout(
+    fn, args: tuple, kwargs: dict, dynamic_args: tuple, dynamic_kwargs: dict, input_shardings: list
+) -> tuple[Layout | None, str]:
+    """The sharded-update layout of one call of the jitted `fn`, or (None, why not).
+    `input_shardings`: per dynamic leaf, its sharding in the unmodified step's executable."""
+    if getattr(fn, "_jit_info", None) is None or not hasattr(fn, "__wrapped__"):
+        return None, "the step is not a jax.jit function"
+    traced = fn.trace(*args, **kwargs)
+    jaxpr = getattr(traced.jaxpr, "jaxpr", traced.jaxpr)
+    if any(eqn.primitive.name == "shard_map" for eqn in jaxpr.eqns):
+        return None, "the step is a shard_map step (its collectives are written in the function)"
+    with_paths, _ = jax.tree_util.tree_flatten_with_path((dynamic_args, dynamic_kwargs))
+    if not len(with_paths) == len(jaxpr.invars) == len(input_shardings):
+        return None, "the step's inputs are not one array per argument leaf"
+    found = data_axis(input_shardings)
+    if found is None:
+        return None, "no input is sharded over a mesh axis (no data axis)"
+    mesh, axis = found
+    devices = set(mesh.devices.flat)
+    replicated = [s.is_fully_replicated and s.device_set == devices for s in input_shardings]
+    num_shards = mesh.shape[axis]
+    inputs = [v.aval for v in jaxpr.invars]
+    outputs = [v.aval for v in jaxpr.outvars]
+    state, updated = choose_layout(jaxpr, inputs, outputs, replicated, num_shards)
+    if not state:
+        return None, "no replicated optimizer state updated elementwise with a dimension divisible by the data axis"
+    return Layout(
+        mesh,
+        axis,
+        num_shards,
+        {i: spec_for(inputs[i].shape, axis, num_shards) for i in state},
+        {j: spec_for(outputs[j].shape, axis, num_shards) for j in updated},
+        {i: jax.tree_util.keystr(with_paths[i][0]) for i in state},
+    ), f"{len(state)} optimizer-state leaves sharded {num_shards} ways over {axis!r}"
+
+
+def _jit_options(info) -> dict:
+    options = {
+        "static_argnums": info.static_argnums,
+        "static_argnames": info.static_argnames,
+        "donate_argnums": info.donate_argnums,
+        "donate_argnames": info.donate_argnames,
+        "keep_unused": info.keep_unused,
+    }
+    if info.compiler_options_kvs:
+        options["compiler_options"] = dict(info.compiler_options_kvs)
+    return options
+
+
+def _with_dynamic(args: tuple, kwargs: dict, old_dynamic: tuple, new_dynamic: tuple) -> tuple[tuple, dict]:
+    """The call `(args, kwargs)` with its dynamic arguments replaced (static ones stay)."""
+    new_args, new_kwargs = new_dynamic
+    positional = iter(new_args)
+    remaining = list(old_dynamic[0])
+    out = []
+    for a in args:
+        if remaining and a is remaining[0]:
+            remaining.pop(0)
+            out.append(next(positional))
+        else:
+            out.append(a)
+    return tuple(out), {k: new_kwargs.get(k, v) for k, v in kwargs.items()}
+
+
+def relower(fn, layout: Layout, args: tuple, kwargs: dict, dynamic: tuple, default: Any) -> tuple:
+    """(lowered, resharded dynamic args, kwargs): the user's function jitted again with its own
+    jit options but its shardings: the state leaves in `layout`'s sharding at input and output,
+    every other leaf in the sharding the unmodified step's executable (`default`) gives it (the
+    user's `in_shardings`/`out_shardings`, where the jit fixed them)."""
+    leaves, tree = jax.tree.flatten(dynamic)
+    shardings = jax.tree.leaves(default.input_shardings)
+    leaves = [jax.device_put(x, s) if isinstance(x, jax.Array) else x for x, s in zip(leaves, shardings)]
+    resharded = layout.reshard(*jax.tree.unflatten(tree, leaves))
+    out_leaves, out_tree = jax.tree.flatten(default.output_shardings)
+    for j, spec in layout.outputs.items():
+        out_leaves[j] = NamedSharding(layout.mesh, spec)
+    jitted = jax.jit(
+        fn.__wrapped__, out_shardings=jax.tree.unflatten(out_tree, out_leaves), **_jit_options(fn._jit_info)
+    )
+    call_args, call_kwargs = _with_dynamic(args, kwargs, dynamic, resharded)
+    return jitted.lower(*call_args, **call_kwargs), resharded
+
+
+def memory(compiled: Any, held: dict[int, Any]) -> dict:
+    """Per-device bytes from the compiled executable: its memory analysis (arguments, outputs,
+    temporaries, aliased) and the bytes of the `held` input leaves (index -> aval: parameters and
+    optimizer state, the leaves the replicated step holds whole on every device) under its input
+    shardings."""
+    analysis = compiled.memory_analysis()
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
+    figures = {f: int(getattr(analysis, f)) for f in fields if analysis is not None and hasattr(analysis, f)}
+    shardings = jax.tree.leaves(compiled.input_shardings)
+    figures["params_and_state_bytes_per_device"] = sum(
+        math.prod(shardings[i].shard_shape(aval.shape)) * aval.dtype.itemsize for i, aval in held.items()
+    )
+    return figures
+
+
+class Resharding:
+    """What the first call of a sharded-update program runs: its state arguments moved to the
+    layout's sharding (once: the step returns them sharded), then the executable (`steady`,
+    which later calls reach directly)."""
+
+    def __init__(self, steady: Any, layout: Layout):
+        self.steady, self.layout = steady, layout
+
+    def reshard(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return self.layout.reshard(args, kwargs)
+
+    def __call__(self, *args, **kwargs):
+        args, kwargs = self.layout.reshard(args, kwargs)
+        return self.steady(*args, **kwargs)
+
+    def as_text(self) -> str:
+        return self.steady.as_text()
+
+
+def not_applicable(reason: str, stacklevel: int) -> dict:
+    warnings.warn(
+        f"disco-jax: sharded weight update not applicable ({reason}); running the replicated update",
+        UserWarning,
+        stacklevel=stacklevel,
+    )
+    return {"mode": "replicated", "requested": "sharded", "reason": reason}
+
+
+def collectives(text: str) -> dict[str, int]:
+    """Collectives and slices in a compiled module's text (all computations)."""
+    ops = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute", "dynamic-slice")
+    return {op: len(re.findall(rf"\s{op}(?:-start)?\(", text)) for op in ops}
+
+
+def sharded_step(fn, step: Captured, args: tuple, kwargs: dict, backend, check: bool, stacklevel: int):
+    """(the program to optimize, its `Layout` or None, what the report and plan record): `step`
+    (the call as made) lowered again with the sharded update, or `step` itself with a warning
+    when no leaf qualifies. `check`: run both once and fall back when their outputs differ
+    beyond the validation tolerance (the partitioner may sum in another order)."""
+    input_shardings = jax.tree.leaves(step.default_compiled.input_shardings)
+    layout, reason = find_layout(fn, args, kwargs, step.args, step.kwargs, input_shardings)
+    if layout is None:
+        return step, None, not_applicable(reason, stacklevel + 1)
+    # The layout's conditions (state updated elementwise, N divides the split dimension) are the
+    # side conditions of the rules that make the sharded update equal the replicated one.
+    try:
+        cited = {name: str(rules.require(name)) for name in JUSTIFYING_RULES}
+    except rules.RuleNotProven as e:
+        return step, None, not_applicable(f"the rule it rests on is not proven here ({e})", stacklevel + 1)
+    lowered, (dynamic_args, dynamic_kwargs) = relower(
+        fn, layout, args, kwargs, (step.args, step.kwargs), step.default_compiled
+    )
+    sharded = capture(lowered, backend, dynamic_args, dynamic_kwargs)
+    leaves = jax.tree.leaves((step.args, step.kwargs))
+    held = {i: jax.typeof(x) for i, x in enumerate(leaves) if input_shardings[i].is_fully_replicated}
+    info = {
+        "mode": "sharded",
+        "requested": "sharded",
+        "reason": reason,
+        **layout.to_json(),
+        "rules": cited,
+        "memory": {
+            "replicated": memory(step.default_compiled, held),
+            "sharded": memory(sharded.default_compiled, held),
+        },
+        "collectives": {
+            "replicated": collectives(step.default_compiled.as_text()),
+            "sharded": collectives(sharded.default_compiled.as_text()),
+        },
+    }
+    if check:
+        reference = _distributed.addressable(step.runner(step.default_compiled)())
+        nudged_args, nudged_kwargs = _validate.nudge((step.args, step.kwargs))
+        floor = _validate.sensitivity(
+            reference, _distributed.addressable(step.runner(step.default_compiled, nudged_args, nudged_kwargs)())
+        )
+        out = _distributed.addressable(sharded.runner(sharded.default_compiled)())
+        comparison = _validate.compare_outputs(reference, out, bitwise=False, floor=floor)
+        info["check"] = dataclasses.asdict(comparison)
+        if not comparison.within_tolerance:
+            reason = f"its outputs differ from the replicated update's, max abs error {comparison.max_abs_error:.3g}"
+            return step, None, not_applicable(reason, stacklevel + 1)
+    return sharded, layout, info

@@ -1,0 +1,111 @@
+"""Per-device memory of parameters plus optimizer state, replicated against sharded weight update.
+
+For each zoo model (tiny config, `jax.jit` style, optax.adam) on 8 virtual CPU devices, the step is
+decorated with `@optimize_distributed(search=False, weight_update="sharded")` and called once; the
+figures are what the step report records from the compiled executables
+(`compiled.memory_analysis()` and the input shardings): the bytes of the leaves the replicated step
+holds whole on every device (parameters, optimizer state, model state), XLA's argument bytes, and
+the collectives in each compiled module. The losses of the first three steps are compared with the
+unmodified step's. `--pairs N`: also the step time, sharded over replicated, as the median of N
+interleaved pairs (alternating which runs first) with its interquartile range.
+
+    python scripts/sharded_update_memory.py [--models mlp transformer ...] [--pairs 30] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import warnings
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from disco_jax import PlanWarning, optimize_distributed, zoo  # noqa: E402
+
+
+def interleaved_ratio(first, second, pairs: int) -> list[float]:
+    """Quartiles of the per-pair ratios time(second) / time(first), in interleaved pairs."""
+
+    def timed(f) -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(f())
+        return time.perf_counter() - start
+
+    ratios = []
+    for i in range(pairs):
+        if i % 2:
+            b, a = timed(second), timed(first)
+        else:
+            a, b = timed(first), timed(second)
+        ratios.append(b / a)
+    return [float(q) for q in np.percentile(ratios, [25, 50, 75])]
+
+
+def measure(name: str, pairs: int) -> dict:
+    step, state, batch = zoo.make_train_step(zoo.get_model(name, "tiny"), optax.adam(1e-3), zoo.data_mesh(), "jit")
+    sharded = optimize_distributed(search=False, weight_update="sharded", verbose=False)(step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlanWarning)
+        reference, mine, s_ref, s_mine = [], [], state, state
+        for _ in range(3):
+            s_ref, loss = step(s_ref, batch)
+            reference.append(float(loss))
+            s_mine, loss = sharded(s_mine, batch)
+            mine.append(float(loss))
+    report = sharded.last_report.weight_update
+    ratio = None
+    if pairs:
+        ratio = interleaved_ratio(lambda: step(s_ref, batch), lambda: sharded(s_mine, batch), pairs)
+    return {
+        "model": name,
+        "mode": report["mode"],
+        "sharded_leaves": len(report.get("leaves", {})),
+        "memory": report.get("memory"),
+        "collectives": report.get("collectives"),
+        "max_loss_rel_diff": float(np.max(np.abs(np.subtract(mine, reference)) / np.abs(reference))),
+        "prepared": len(sharded.reports),
+        "time_ratio_quartiles": ratio,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=list(zoo.MODELS))
+    parser.add_argument("--pairs", type=int, default=0)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rows = []
+    print(f"{len(jax.devices())} {jax.devices()[0].platform} devices, jax {jax.__version__}")
+    header = f"{'model':12} {'leaves':>6} {'params+state B/dev':>26} {'ratio':>6} {'XLA args B/dev':>22}"
+    print(header + "  collectives (sharded)")
+    for name in args.models:
+        row = measure(name, args.pairs)
+        rows.append(row)
+        if row["mode"] != "sharded":
+            print(f"{name:12} not sharded")
+            continue
+        rep, sh = row["memory"]["replicated"], row["memory"]["sharded"]
+        a, b = rep["params_and_state_bytes_per_device"], sh["params_and_state_bytes_per_device"]
+        coll = {k: v for k, v in row["collectives"]["sharded"].items() if v}
+        print(
+            f"{name:12} {row['sharded_leaves']:>6} {a:>12} -> {b:>10} {b / a:>6.3f} "
+            f"{rep['argument_size_in_bytes']:>10} -> {sh['argument_size_in_bytes']:>9}  {coll}  "
+            f"loss rel diff {row['max_loss_rel_diff']:.1e}"
+        )
+        if row["time_ratio_quartiles"]:
+            low, median, high = row["time_ratio_quartiles"]
+            print(f"{'':12} step time sharded/replicated {median:.3f}x (IQR {low:.3f}-{high:.3f}, {args.pairs} pairs)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
