@@ -173,3 +173,13 @@ def test_adam_step_on_a100_xla_plan_reproduces_xla_program():
     plan, status = _compile.compile_strategy(lowered, graph, _strategy.xla_default(graph))
     assert status == "rewritten"
     assert _compile.compiled_stats(plan.as_text()) == _compile.compiled_stats(compiled.as_text())
+
+
+@pytest.mark.parametrize("model", ["transformer"])
+def test_xla_buckets_cover_every_gradient_once_as_xla_compiled(model):
+    """XLA's combined all-reduces read back onto the graph: every gradient in exactly one bucket,
+    as many buckets as XLA compiled all-reduces (slices of merged dots, a reassociated scatter)."""
+    lowered = zoo.lower_abstract(zoo.get_model(model, "tiny"), optax.adam(1e-3), targets.mesh("h100-sxm", 8), "jit")
+    graph, compiled = _compile.capture_graph(lowered, backends.GPU)
+    assert sorted(g for b in graph.xla_buckets for g in b) == list(range(len(graph.gradients)))
+    assert len(graph.xla_buckets) == _compile.compiled_stats(compiled.as_text())["all-reduce"]

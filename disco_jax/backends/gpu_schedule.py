@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from disco_jax import _hlo
 from disco_jax._strategy import components
+from disco_jax.backends.gpu_buckets import carriers, read_allreduces
 from disco_jax.cost.work import KernelWork, Work, instruction_work
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class _OpMapper:
             o = self.by_name.get(name)
             if o is not None and self._same(o, inst):
                 return o
-            if not re.search(r"\.\d+$", name):
+            if not re.search(r"\.(\d+|clone)$", name):  # `reduce.69.1.clone.1` -> `reduce.69`
                 break
             name = name.rsplit(".", 1)[0]
         if inst.opcode in ("dot", "convolution") and "_fusion_" in fusion_name:
@@ -142,10 +143,6 @@ class _OpMapper:
             and known <= {s for v in op.operands for s in sources[v]}
         ]
         return candidates[0] if len(candidates) == 1 else None
-
-
-def _single(origin) -> int | None:
-    return origin if isinstance(origin, int) else None
 
 
 def _called(module: _hlo.HloModuleText, inst: _hlo.Instruction) -> list[_hlo.Computation]:
@@ -205,7 +202,8 @@ def scheduled_kernels(graph: Graph, text: str) -> list[ScheduledKernel]:
     entry = module.entry
     shapes = {i.name: i.outputs for i in entry.instructions}
     by_name = entry.by_name()
-    by_producer = {g.producer: g.id for g in graph.gradients}
+    carrier = carriers(graph)
+    reads: dict[int, list[tuple[int | None, int]]] = {}  # all-reduce kernel -> (gradient, elements) per slot
     starts: dict[str, int] = {}
     kernels: list[ScheduledKernel] = []
     for pos, inst in enumerate(entry.instructions):
@@ -218,42 +216,53 @@ def scheduled_kernels(graph: Graph, text: str) -> list[ScheduledKernel]:
             continue
         comps = _called(module, inst) if inst.opcode in ("fusion", "custom-call") else []
         if comps:
-            outer = [_single(_origin(module, by_name, mapper, n)) for n in inst.operands]
+            outer = [_origin(module, by_name, mapper, n) for n in inst.operands]
             ops = {o for c in comps for o in mapper.computation(c, outer, inst.name).values()}
         else:
             ops = {mapper.op(inst)}
         ops.discard(None)
-        gradients: tuple[int, ...] = ()
         kind = _kind(inst, comps)
         if inst.opcode in ("all-reduce", "all-reduce-start"):
-            producers = [_origin(module, by_name, mapper, n) for n in inst.operands]
-            gradients = tuple(g for p in _flatten(producers) if (g := by_producer.get(p)) is not None)
+            slots = [n for operand in inst.operands for n in _parts(module, by_name, operand)]
+            reads[len(kernels)] = [
+                (carrier.get(_origin(module, by_name, mapper, n)), by_name[n].outputs[0].elements)  # type: ignore[arg-type]
+                for n in slots
+            ]
         if inst.opcode.endswith("-start"):
             starts[inst.name] = len(kernels)
         kernels.append(
-            ScheduledKernel(inst.name, kind, pos, pos, frozenset(ops), gradients, _work(inst, comps, shapes))  # type: ignore[arg-type]
+            ScheduledKernel(inst.name, kind, pos, pos, frozenset(ops), (), _work(inst, comps, shapes))  # type: ignore[arg-type]
         )
+    for k, gradients in zip(reads, read_allreduces(graph, list(reads.values()))):
+        kernels[k] = dataclasses.replace(kernels[k], gradients=tuple(gradients))
     return kernels
 
 
-def _flatten(items: list) -> list[int]:
-    out: list[int] = []
-    for i in items:
-        out.extend(_flatten(i) if isinstance(i, list) else [i] if i is not None else [])
-    return out
+def _parts(module, by_name: dict, name: str) -> list[str]:
+    """The entry values XLA concatenated into the flat buffer `name` of a combined all-reduce
+    (through bitcasts), in order; [name] when it is no concatenation."""
+    inst = by_name.get(name)
+    while inst is not None and inst.opcode in ("bitcast", "copy") and inst.operands[0] in by_name:
+        inst = by_name[inst.operands[0]]
+    if inst is not None and inst.opcode == "concatenate":
+        return [p for n in inst.operands for p in _parts(module, by_name, n)]
+    if inst is not None and inst.opcode == "fusion":
+        comp = module.computation(inst.attr("calls").lstrip("%"))
+        root = comp.root
+        params = [_param(comp, n) for n in root.operands] if root.opcode == "concatenate" else []
+        if params and all(p is not None for p in params):  # the combiner's flat buffer
+            return [p for k in params for p in _parts(module, by_name, inst.operands[int(k)])]  # type: ignore[arg-type]
+    return [name]
 
 
-def _origin(module, by_name: dict, mapper: _OpMapper, name: str):
-    """The graph op(s) whose value an entry value of the scheduled module carries, looking through
-    bitcasts, get-tuple-elements of multi-output fusions and XLA's concatenation of the buffers
-    it combines into one all-reduce (a list for a concatenation, in its operand order)."""
+def _origin(module, by_name: dict, mapper: _OpMapper, name: str) -> int | None:
+    """The graph op whose value an entry value of the scheduled module carries, looking through
+    bitcasts and get-tuple-elements of multi-output fusions."""
     inst = by_name.get(name)
     if inst is None:
         return None
     if inst.opcode in ("bitcast", "copy"):
         return _origin(module, by_name, mapper, inst.operands[0])
-    if inst.opcode == "concatenate":
-        return [_origin(module, by_name, mapper, n) for n in inst.operands]
     index = None
     if inst.opcode == "get-tuple-element":
         index = int(inst.attr("index"))
@@ -264,9 +273,6 @@ def _origin(module, by_name: dict, mapper: _OpMapper, name: str):
         return mapper.op(inst)
     comp = module.computation(inst.attr("calls").lstrip("%"))
     root = comp.root
-    params = [_param(comp, n) for n in root.operands] if root.opcode == "concatenate" else []
-    if params and all(p is not None for p in params):  # the combiner's flat buffer
-        return [_origin(module, by_name, mapper, inst.operands[int(p)]) for p in params]
     if root.opcode == "tuple" and index is not None:
         root = comp.by_name()[root.operands[index]]
     while root.opcode == "bitcast":
