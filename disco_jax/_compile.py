@@ -168,9 +168,11 @@ def capture_graph(
     compile. Where the hook stage comes before XLA's own fusion and combining (XLA:GPU), the
     graph also carries those decisions, read at the backend's `decisions_stage` of the same
     compile. Needs no device: a step lowered for compile-only devices (`disco_jax.targets`)
-    captures the same way."""
+    captures the same way. The compile runs with the backend's `decisions_options` (XLA's plan as
+    the graph can express it); the executable is XLA's under them."""
     stages = (backend.hook_stage,) + ((backend.decisions_stage,) if backend.decisions_stage else ())
-    texts, compiled = _capture.capture_stages(lowered, stages, compiler_options, platform=backend.platform)
+    options = {**backend.decisions_options, **(compiler_options or {})} or None
+    texts, compiled = _capture.capture_stages(lowered, stages, options, platform=backend.platform)
     graph = build_graph(texts[backend.hook_stage], backend)
     if backend.decisions_stage and backend.read_decisions is not None:
         graph = backend.read_decisions(graph, texts[backend.decisions_stage])
@@ -181,5 +183,7 @@ def capture(lowered: jax.stages.Lowered, backend: Backend, args: tuple, kwargs: 
     """Capture `lowered` at `backend`'s hook stage and compile it unmodified (one compile).
     `args`/`kwargs`: the call's dynamic arguments."""
     graph, default_compiled = capture_graph(lowered, backend)
+    if backend.decisions_options:  # the unmodified step is XLA's own, all its passes on
+        default_compiled = lowered.compile()
     devices = step_devices(args, kwargs)
     return Captured(lowered, graph, default_compiled, args, kwargs, devices, MachineKey.current(devices))

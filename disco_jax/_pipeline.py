@@ -342,7 +342,8 @@ def store(plan: _plan.Plan, timeline: dict, plan_dir: str | None) -> str | None:
     """Write the plan and its simulated timelines; None (with a warning) when it cannot be written."""
     try:
         path = _plan.save_plan(plan, plan_dir)
-        _files.write_json_atomic(path.with_suffix(".timeline.json"), timeline)
+        if timeline:
+            _files.write_json_atomic(path.with_suffix(".timeline.json"), timeline)
         return str(path)
     except OSError as e:
         warnings.warn(f"disco-jax: {e}; the plan is used for this run only", _plan.PlanWarning, stacklevel=7)
@@ -370,7 +371,7 @@ def enact_phase(step: Captured, options: Options, report: StepReport, ui: Ui) ->
         ui.say(f"{step.graph.module.name}: plan keeps XLA's default ({plan.reason})")
         report.reason = plan.reason
         return step.default_compiled
-    return apply(step, plan, report, ui)
+    return apply(step, plan, options, report, ui)
 
 
 def load(step: Captured, plan_dir: str | None, report: StepReport) -> _plan.Plan | None:
@@ -397,9 +398,10 @@ def load(step: Captured, plan_dir: str | None, report: StepReport) -> _plan.Plan
     return plan
 
 
-def apply(step: Captured, plan: _plan.Plan, report: StepReport, ui: Ui) -> Any:
+def apply(step: Captured, plan: _plan.Plan, options: Options, report: StepReport, ui: Ui) -> Any:
     """Compile the step with the plan; XLA's executable (with a warning) when the plan does not
-    fit this module or XLA did not keep its all-reduces."""
+    fit this module or XLA did not keep its all-reduces. A plan searched for a machine one did
+    not have (`disco_jax.offline`) and not measured yet is measured here first (`first_run`)."""
     graph = step.graph
     try:
         strategy = Strategy.from_json(graph, plan.strategy)
@@ -423,9 +425,39 @@ def apply(step: Captured, plan: _plan.Plan, report: StepReport, ui: Ui) -> Any:
         )
         report.reason = "plan not enacted by XLA"
         return step.default_compiled
+    if "offline" in plan.search and not plan.measured:
+        return first_run(step, plan, strategy, compiled, options, report, ui)
     report.applied, report.reason = True, plan.reason
     ui.say(
         f"{graph.module.name}: applied plan {os.path.basename(report.plan_path)} "
         f"({counts['all-reduce']} all-reduces, {counts['fusion']} fusions)"
     )
     return compiled
+
+
+def first_run(
+    step: Captured, plan: _plan.Plan, strategy: Strategy, compiled: Any, options: Options, report: StepReport, ui: Ui
+) -> Any:
+    """Validate a stored plan searched offline and never measured, as the search phase validates its own
+    (outputs, then the acceptance rule), and store the verdict in the plan: applied only when
+    measured faster; later runs read the verdict."""
+    ui.say(f"{step.graph.module.name}: plan {os.path.basename(report.plan_path)} was never measured; measuring it")
+    simulated = plan.simulated or {}
+    try:
+        ratio = simulated["plan"]["iteration_us"] / simulated["default"]["iteration_us"]
+    except (KeyError, TypeError, ZeroDivisionError):
+        ratio = float("nan")
+    verdict = validate(step, step.runner(step.default_compiled), strategy, compiled, options.validation_pairs, ratio)
+    plan = dataclasses.replace(
+        plan,
+        use_default=verdict.use_default,
+        strategy=None if verdict.use_default else plan.strategy,
+        reason=verdict.reason,
+        measured=verdict.measured,
+    )
+    if jax.process_index() == 0:
+        store(plan, {}, options.plan_dir)
+    report.measured, report.plan, report.reason = plan.measured, plan.to_json(), plan.reason
+    report.applied = not plan.use_default
+    ui.say(f"{step.graph.module.name}: {plan.reason}")
+    return step.default_compiled if plan.use_default else compiled

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from disco_jax import _capture, _compile, _graph, _plan, _validate, backends, optimize_distributed, zoo
+from disco_jax import _capture, _compile, _graph, _plan, _validate, backends, optimize_distributed, targets, zoo
 from disco_jax._files import write_json_atomic
 from disco_jax.eval import baselines, bench, clusters, report, rows
 
@@ -199,3 +199,23 @@ def test_headline_counts_plans_applied_rejected_and_applied_but_slower():
     assert "Plans: **3 applied**, 1 rejected (XLA's plan kept)" in text
     assert "measured slower than JAX_default afterwards: **2** (median ratio above 1; bert 1.020" in text
     assert "dlrm 1.040 [1.040-1.040]), 1 of them with the 95% interval above 1." in text
+
+
+def test_gpu_cluster_row_is_costed_on_the_program_xla_gpu_compiled():
+    """A cluster row on XLA:GPU's module (deviceless, H100 target): JAX_default is XLA:GPU's own
+    combining as compiled, and disco-jax's plan is enacted, compiled and simulated as compiled."""
+    lowered = zoo.lower_abstract(zoo.get_model("mlp", "tiny"), optax.adam(1e-3), targets.mesh("h100-sxm", 8), "jit")
+    graph, compiled = _compile.capture_graph(lowered, backends.GPU)
+    cluster = clusters.get_cluster("8xH100-NVLink")
+    assert cluster.target == "h100-sxm" and clusters.get_cluster("clusterA-12x1080Ti").target is None
+    row = rows.simulated_row(graph, cluster, budget_s=1.0, lowered=lowered)
+    xla_allreduces = _compile.compiled_stats(compiled.as_text())["all-reduce"]
+    assert row["strategies"]["JAX_default"]["buckets"] == len(graph.xla_buckets) == xla_allreduces
+    disco = row["strategies"][rows.DISCO]
+    enacted = disco["enacted"]
+    assert enacted["status"] == "rewritten"
+    assert enacted["compiled"]["all-reduce"] == enacted["planned_buckets"] == enacted["compiled_buckets"]
+    assert enacted["simulated"] is not None and disco["simulated"] == enacted["simulated"]
+    assert "searched" in disco
+    assert row["time_us"][rows.DISCO] == enacted["simulated"]["iteration_us"]
+    json.dumps(row)

@@ -21,9 +21,11 @@ __all__ = ["Backend", "Rewriter", "CPU", "GPU", "register", "for_platform", "sup
 _REGISTRY: dict[str, Backend] = {}
 
 
-def register(backend: Backend) -> Backend:
-    """Make `backend` the one `for_platform(backend.platform)` returns."""
-    _REGISTRY[backend.platform] = backend
+def register(backend: Backend, *aliases: str) -> Backend:
+    """Make `backend` the one `for_platform` returns for `backend.platform` and for `aliases`
+    (the names JAX reports devices and its default backend by, where they differ)."""
+    for name in (backend.platform, *aliases):
+        _REGISTRY[name] = backend
     return backend
 
 
@@ -35,8 +37,8 @@ def for_platform(platform: str) -> Backend | None:
 def supported_platforms(*, decorator: bool = False) -> tuple[str, ...]:
     """Platforms with a backend (`decorator`: only those `@optimize_distributed` searches and
     enacts plans on, `Backend.decorator_ready`)."""
-    return tuple(sorted(p for p, b in _REGISTRY.items() if b.decorator_ready or not decorator))
+    return tuple(sorted({b.platform for b in _REGISTRY.values() if b.decorator_ready or not decorator}))
 
 
 register(CPU)
-register(GPU)
+register(GPU, "gpu")  # JAX calls CUDA devices and their backend "gpu"; XLA's plugin, "cuda"

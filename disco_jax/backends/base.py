@@ -39,6 +39,10 @@ class Backend:
       comes before them (XLA:GPU: POST_SCHEDULER); None when the captured module already holds them.
     read_decisions: `(graph, module text at decisions_stage) -> graph` with XLA's fusions, buckets
       and schedule mapped onto the graph's ops (`xla_groups`, `xla_buckets`, ...).
+    decisions_options: XLA compile options of the compile XLA's own decisions are read from: passes
+      that rewrite the graph in ways the IR cannot express are off there and in every rewritten
+      compile (XLA:GPU: all-reduce reassociation, which turns the sum of two reduced gradients into
+      one all-reduce of their sum), so that XLA's plan as read and any plan compile alike.
     decorator_ready: whether `@optimize_distributed` searches and enacts plans on this backend's
       devices. False: the backend captures, rewrites and compiles (deviceless too), but its search
       and enact phases have not run on a device of its kind yet, so the decorator runs the
@@ -56,4 +60,5 @@ class Backend:
     rewrite_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     decisions_stage: str | None = None
     read_decisions: Callable[[Graph, str], Graph] | None = None
+    decisions_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     decorator_ready: bool = True

@@ -28,15 +28,25 @@ from disco_jax._strategy import Strategy, is_valid
 from disco_jax.backends.base import Backend
 from disco_jax.backends.gpu_schedule import with_xla_decisions
 
-# Ops XLA:GPU's loop and reduction emitters generate inside kLoop / kInput fusions.
+# Ops XLA:GPU's loop and reduction emitters generate inside kLoop / kInput fusions. A gather is
+# one of them (XLA:GPU fuses an embedding lookup with its index arithmetic and its consumers; as an
+# opaque op, a fusion around it would read as a dependency cycle), so is an in-place
+# dynamic-update-slice.
 FUSIBLE = ELEMENTWISE | frozenset(
-    "broadcast reshape transpose copy slice concatenate pad reduce iota reverse bitcast dynamic-slice".split()
+    "broadcast reshape transpose copy slice concatenate pad reduce iota reverse bitcast dynamic-slice gather "
+    "dynamic-update-slice".split()
 )
 # A reduce's result is needed whole before a consumer can use it: XLA:GPU fuses it with a consumer
 # only as a multi-output sibling, never as a producer; so does the search.
 NO_PRODUCER_FUSION = frozenset({"reduce"})
-# XLA's all-reduce combiner off: the plan's buckets are the all-reduces that run.
-REWRITE_OPTIONS = {"xla_gpu_all_reduce_combine_threshold_bytes": "0"}
+# All-reduce reassociation (all-reduce(a) + all-reduce(b) -> all-reduce(a + b), which XLA:GPU runs
+# after the hook) moves a sum of reduced gradients before the all-reduce: the graph cannot express
+# that, so XLA's decisions are read, and plans compiled, without it (tiny RNNLM: XLA's default
+# program has 40 all-reduces for 52 gradients; read with reassociation, its fusions made
+# dependency cycles on the graph).
+DECISIONS_OPTIONS = {"xla_disable_hlo_passes": "all-reduce-reassociate"}
+# And XLA's all-reduce combiner off: the plan's buckets are the all-reduces that run.
+REWRITE_OPTIONS = {**DECISIONS_OPTIONS, "xla_gpu_all_reduce_combine_threshold_bytes": "0"}
 
 
 def collective_options(
@@ -81,8 +91,8 @@ class GpuRewriter:
     * Fusion: where a fusible op reads a fusible op's value and no group of the plan holds
       both, the value passes through `tuple` -> `opt-barrier` -> `get-tuple-element`: XLA:GPU cannot fuse across it,
       and removes it after fusion.
-    Not imposed (XLA:GPU decides): edges at ops not found in XLA's scheduled module, that a
-    group is fused at all (XLA may leave it apart), whether
+    Not imposed (XLA:GPU decides): edges XLA left unfused between two kernels the plan keeps as
+    XLA formed them, that a group is fused at all (XLA may leave it apart), whether
     an op next to a dot joins the gemm fusion as its prologue or epilogue (edges between opaque
     and fusible ops are never cut: the strategy's groups hold fusible ops only), a duplicate's
     recomputation, and the order of the kernels (its scheduler runs after us).
@@ -107,12 +117,21 @@ def _cut_fusions(graph: Graph, s: Strategy, body: list[_hlo.Instruction]) -> lis
             groups_of.setdefault(o, []).append(gi)
     shapes = {i.name: i.shape for i in body}
 
-    # Ops found in XLA's scheduled module. An edge touching one that was not (a name a pass
-    # changed beyond recognition) is left to XLA: XLA's own plan would otherwise cut edges XLA fused.
-    known = set().union(*(k.ops for k in graph.xla_schedule)) if graph.xla_schedule else None
+    # Where the plan keeps XLA's kernels on both sides of an edge XLA left unfused, the edge is left
+    # to XLA (it leaves it unfused again), so XLA's own plan compiles to XLA's own program even where
+    # the reading of its fusions is imperfect. Every other edge the plan separates is cut: XLA's
+    # fusion decisions are not local (an op whose fusion the plan opens may join another one).
+    # Without XLA's decisions (a graph read at the hook stage alone) every separated edge is cut.
+    xla_holders: dict[int, set[frozenset[int]]] = {}
+    for g in graph.xla_groups if graph.xla_schedule else ():
+        for o in g:
+            xla_holders.setdefault(o, set()).add(g)
+
+    def kept(o: int) -> bool:
+        return {s.groups[gi] for gi in groups_of.get(o, [])} == xla_holders.get(o)
 
     def separated(v: int, u: int) -> bool:
-        if known is not None and (v not in known or u not in known):
+        if graph.xla_schedule and kept(v) and kept(u) and not xla_holders[v] & xla_holders[u]:
             return False
         # A barrier cuts the edge for every copy of u, so it goes only where no group holds both.
         return all(v not in s.groups[gi] for gi in groups_of.get(u, []))
@@ -238,11 +257,12 @@ GPU = Backend(
     xla_buckets=xla_buckets,
     baseline_options={
         "JAX_op_fusion": dict(REWRITE_OPTIONS),
-        "JAX_default": {},
+        "JAX_default": dict(DECISIONS_OPTIONS),
     },
     rewrite_options=REWRITE_OPTIONS,
     decisions_stage="POST_SCHEDULER",
     read_decisions=with_xla_decisions,
+    decisions_options=DECISIONS_OPTIONS,
     # Compiled and rewritten deviceless only: no plan has run on a GPU yet (issue 15), and the
     # simulator does not cost XLA:GPU's kernels (gemm fusions, the schedule) yet.
     decorator_ready=False,

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from disco_jax import _hlo
 from disco_jax._strategy import components
+from disco_jax.backends.gpu_buckets import carriers, read_allreduces
 from disco_jax.cost.work import KernelWork, Work, instruction_work
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class _OpMapper:
             o = self.by_name.get(name)
             if o is not None and self._same(o, inst):
                 return o
-            if not re.search(r"\.\d+$", name):
+            if not re.search(r"\.(\d+|clone)$", name):  # `reduce.69.1.clone.1` -> `reduce.69`
                 break
             name = name.rsplit(".", 1)[0]
         if inst.opcode in ("dot", "convolution") and "_fusion_" in fusion_name:
@@ -142,10 +143,6 @@ class _OpMapper:
             and known <= {s for v in op.operands for s in sources[v]}
         ]
         return candidates[0] if len(candidates) == 1 else None
-
-
-def _single(origin) -> int | None:
-    return origin if isinstance(origin, int) else None
 
 
 def _called(module: _hlo.HloModuleText, inst: _hlo.Instruction) -> list[_hlo.Computation]:
@@ -205,7 +202,8 @@ def scheduled_kernels(graph: Graph, text: str) -> list[ScheduledKernel]:
     entry = module.entry
     shapes = {i.name: i.outputs for i in entry.instructions}
     by_name = entry.by_name()
-    by_producer = {g.producer: g.id for g in graph.gradients}
+    carrier = carriers(graph)
+    reads: dict[int, list[tuple[int | None, int]]] = {}  # all-reduce kernel -> (gradient, elements) per slot
     starts: dict[str, int] = {}
     kernels: list[ScheduledKernel] = []
     for pos, inst in enumerate(entry.instructions):
@@ -218,42 +216,53 @@ def scheduled_kernels(graph: Graph, text: str) -> list[ScheduledKernel]:
             continue
         comps = _called(module, inst) if inst.opcode in ("fusion", "custom-call") else []
         if comps:
-            outer = [_single(_origin(module, by_name, mapper, n)) for n in inst.operands]
+            outer = [_origin(module, by_name, mapper, n) for n in inst.operands]
             ops = {o for c in comps for o in mapper.computation(c, outer, inst.name).values()}
         else:
             ops = {mapper.op(inst)}
         ops.discard(None)
-        gradients: tuple[int, ...] = ()
         kind = _kind(inst, comps)
         if inst.opcode in ("all-reduce", "all-reduce-start"):
-            producers = [_origin(module, by_name, mapper, n) for n in inst.operands]
-            gradients = tuple(g for p in _flatten(producers) if (g := by_producer.get(p)) is not None)
+            slots = [n for operand in inst.operands for n in _parts(module, by_name, operand)]
+            reads[len(kernels)] = [
+                (carrier.get(_origin(module, by_name, mapper, n)), by_name[n].outputs[0].elements)  # type: ignore[arg-type]
+                for n in slots
+            ]
         if inst.opcode.endswith("-start"):
             starts[inst.name] = len(kernels)
         kernels.append(
-            ScheduledKernel(inst.name, kind, pos, pos, frozenset(ops), gradients, _work(inst, comps, shapes))  # type: ignore[arg-type]
+            ScheduledKernel(inst.name, kind, pos, pos, frozenset(ops), (), _work(inst, comps, shapes))  # type: ignore[arg-type]
         )
+    for k, gradients in zip(reads, read_allreduces(graph, list(reads.values()))):
+        kernels[k] = dataclasses.replace(kernels[k], gradients=tuple(gradients))
     return kernels
 
 
-def _flatten(items: list) -> list[int]:
-    out: list[int] = []
-    for i in items:
-        out.extend(_flatten(i) if isinstance(i, list) else [i] if i is not None else [])
-    return out
+def _parts(module, by_name: dict, name: str) -> list[str]:
+    """The entry values XLA concatenated into the flat buffer `name` of a combined all-reduce
+    (through bitcasts), in order; [name] when it is no concatenation."""
+    inst = by_name.get(name)
+    while inst is not None and inst.opcode in ("bitcast", "copy") and inst.operands[0] in by_name:
+        inst = by_name[inst.operands[0]]
+    if inst is not None and inst.opcode == "concatenate":
+        return [p for n in inst.operands for p in _parts(module, by_name, n)]
+    if inst is not None and inst.opcode == "fusion":
+        comp = module.computation(inst.attr("calls").lstrip("%"))
+        root = comp.root
+        params = [_param(comp, n) for n in root.operands] if root.opcode == "concatenate" else []
+        if params and all(p is not None for p in params):  # the combiner's flat buffer
+            return [p for k in params for p in _parts(module, by_name, inst.operands[int(k)])]  # type: ignore[arg-type]
+    return [name]
 
 
-def _origin(module, by_name: dict, mapper: _OpMapper, name: str):
-    """The graph op(s) whose value an entry value of the scheduled module carries, looking through
-    bitcasts, get-tuple-elements of multi-output fusions and XLA's concatenation of the buffers
-    it combines into one all-reduce (a list for a concatenation, in its operand order)."""
+def _origin(module, by_name: dict, mapper: _OpMapper, name: str) -> int | None:
+    """The graph op whose value an entry value of the scheduled module carries, looking through
+    bitcasts and get-tuple-elements of multi-output fusions."""
     inst = by_name.get(name)
     if inst is None:
         return None
     if inst.opcode in ("bitcast", "copy"):
         return _origin(module, by_name, mapper, inst.operands[0])
-    if inst.opcode == "concatenate":
-        return [_origin(module, by_name, mapper, n) for n in inst.operands]
     index = None
     if inst.opcode == "get-tuple-element":
         index = int(inst.attr("index"))
@@ -264,9 +273,6 @@ def _origin(module, by_name: dict, mapper: _OpMapper, name: str):
         return mapper.op(inst)
     comp = module.computation(inst.attr("calls").lstrip("%"))
     root = comp.root
-    params = [_param(comp, n) for n in root.operands] if root.opcode == "concatenate" else []
-    if params and all(p is not None for p in params):  # the combiner's flat buffer
-        return [_origin(module, by_name, mapper, inst.operands[int(p)]) for p in params]
     if root.opcode == "tuple" and index is not None:
         root = comp.by_name()[root.operands[index]]
     while root.opcode == "bitcast":
@@ -282,6 +288,122 @@ def _param(comp: _hlo.Computation, name: str) -> str | None:
     return inst.literal if inst.opcode == "parameter" else None
 
 
+def _bridged(graph: Graph, part: frozenset[int], mapped: set[int]) -> set[int]:
+    """Unmapped fusible ops on a path from `part` back to `part` through unmapped fusible ops."""
+
+    def unmapped(o: int) -> bool:
+        return o >= 0 and o not in mapped and graph.ops[o].kind == "fusible"
+
+    def reach(step) -> set[int]:
+        found: set[int] = set()
+        stack = [x for o in part for x in step(o) if unmapped(x)]
+        while stack:
+            o = stack.pop()
+            if o not in found:
+                found.add(o)
+                stack.extend(x for x in step(o) if unmapped(x))
+        return found
+
+    sources = graph.free_sources
+    forward = reach(graph.consumers)
+    if not forward:
+        return set()
+    backward = reach(lambda o: [s for v in graph.ops[o].operands for s in sources[v]])
+    return forward & backward
+
+
+def _choose_homes(
+    graph: Graph, groups: list[frozenset[int]], names: list[str], positions: list[float], op_position: dict[int, int]
+) -> dict[int, int]:
+    """Each fusible op's home group. An op XLA computes in several fusions (a broadcast of a
+    constant; a layer norm recomputed in the next residual's fusion) lives in the first of them
+    in XLA's schedule: its readers outside run after that one. Only when a reader outside them
+    runs before it (or is unscheduled) does it get a group of one (appended) as its home."""
+    holders: dict[int, list[int]] = {}
+    for gi, members in enumerate(groups):
+        for o in members:
+            holders.setdefault(o, []).append(gi)
+
+    def scheduled_at(u: int) -> float:
+        if u < 0:  # the module's output
+            return float("inf")
+        if graph.ops[u].kind == "fusible":
+            return min((positions[gi] for gi in holders.get(u, ())), default=float("inf"))
+        return op_position.get(u, float("inf"))
+
+    homes: dict[int, int] = {}
+    for o, held in holders.items():
+        first = min(held, key=lambda gi: positions[gi])
+        readers = [u for u in graph.consumers(o) if u < 0 or all(u not in groups[gi] for gi in held)]
+        if any(scheduled_at(u) < positions[first] for u in readers):
+            homes[o] = len(groups)
+            groups.append(frozenset([o]))
+            names.append(graph.ops[o].name)
+            positions.append(float("inf"))
+        else:
+            homes[o] = first
+    return homes
+
+
+def _providers(
+    graph: Graph, members: frozenset[int], homes: dict[int, int], bucket_of: dict[int, int], o: int
+) -> set[int]:
+    """Nodes of `_group_cycle`'s graph that op `o` (of a kernel with `members`) reads from."""
+    out: set[int] = set()
+    for v in graph.ops[o].operands:
+        for src in graph.free_sources[v]:
+            if src in members:
+                continue
+            kind = graph.ops[src].kind
+            if kind == "fusible":
+                out.add(homes[src])
+            elif kind == "opaque":
+                out.add(-1 - src)
+            elif kind == "reduced" and src in bucket_of:
+                out.add(bucket_of[src])
+    return out
+
+
+def _bucket_nodes(graph: Graph, buckets: list[tuple[int, ...]]) -> dict[int, int]:
+    """Reduced-value op -> its all-reduce's node in `_group_cycle`'s graph (-1 - len(ops) - bucket)."""
+    return {graph.gradients[g].reduced: -1 - len(graph.ops) - b for b, bucket in enumerate(buckets) for g in bucket}
+
+
+def _group_cycle(
+    graph: Graph, groups: list[frozenset[int]], homes: dict[int, int], buckets: list[tuple[int, ...]]
+) -> list[int] | None:
+    """A dependency cycle among groups (by index), opaque ops (op o as -1 - o) and all-reduces
+    (bucket b as -1 - len(ops) - b), in order (each node reads from the next, the last from the
+    first); None when there is none."""
+    bucket_of = _bucket_nodes(graph, buckets)
+    deps: dict[int, set[int]] = {}
+    for gi, members in enumerate(groups):
+        deps[gi] = set().union(*(_providers(graph, members, homes, bucket_of, o) for o in members)) - {gi}
+    for o in graph.opaque_ops:
+        deps[-1 - o] = _providers(graph, frozenset([o]), homes, bucket_of, o)
+    for b, bucket in enumerate(buckets):
+        producers = {graph.gradients[g].producer for g in bucket}
+        deps[-1 - len(graph.ops) - b] = {homes[p] if graph.ops[p].kind == "fusible" else -1 - p for p in producers}
+    state: dict[int, int] = {}  # 1: on the path, 2: done
+    for root in deps:
+        if root in state:
+            continue
+        path, iters = [root], [iter(deps[root])]
+        state[root] = 1
+        while path:
+            nxt = next(iters[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                iters.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt) :]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                iters.append(iter(deps.get(nxt, ())))
+    return None
+
+
 def with_xla_decisions(graph: Graph, text: str) -> Graph:
     """`graph` with XLA:GPU's fusions, all-reduce buckets and schedule as read from `text`, the
     same compile's POST_SCHEDULER module. Fusible ops XLA fused into one kLoop / kInput fusion
@@ -289,8 +411,9 @@ def with_xla_decisions(graph: Graph, text: str) -> Graph:
     epilogue); the others are groups of one. A gradient found in no all-reduce keeps an
     all-reduce of its own."""
     kernels = scheduled_kernels(graph, text)
-    groups, names, exports = [], [], []
-    seen: set[int] = set()
+    groups: list[frozenset[int]] = []
+    names: list[str] = []
+    positions: list[float] = []  # each group's kernel's place in XLA's schedule
     for k in kernels:
         members = frozenset(o for o in k.ops if graph.ops[o].kind == "fusible")
         if not members or k.kind == "collective":
@@ -301,31 +424,19 @@ def with_xla_decisions(graph: Graph, text: str) -> Graph:
         for part in parts:
             groups.append(part)
             names.append(k.name)
-            outside = [o for o in part if any(u not in part for u in graph.consumers(o))]
-            exports.append(sorted(outside) or [max(part)])
-            seen |= part
+            positions.append(k.position)
+    # Ops mapped to no kernel: XLA made most of them bitcasts inside a fusion. One that lies on a
+    # path between members of a group (through such ops only) is part of that fusion; left apart,
+    # it would read as a kernel the fusion both feeds and waits for.
+    mapped = set().union(*groups) if groups else set()
+    groups = [part | _bridged(graph, part, mapped) for part in groups]
+    seen = set().union(*groups) if groups else set()
     for o in graph.fusible_ops:
         if o not in seen:
             groups.append(frozenset([o]))
             names.append(graph.ops[o].name)
-            exports.append([o])
-    # An op XLA recomputes in several fusions (a broadcast of a constant) has no kernel of its
-    # own; where an op outside those fusions reads it, it gets a group of one as its home, so that
-    # no fusion appears to feed an op it (through others) depends on.
-    holders: dict[int, list[int]] = {}
-    for gi, members in enumerate(groups):
-        for o in members:
-            holders.setdefault(o, []).append(gi)
-    homes: dict[int, int] = {}
-    for o, held in holders.items():
-        outside = [u for u in graph.consumers(o) if u < 0 or all(u not in groups[gi] for gi in held)]
-        if len(held) > 1 and outside:
-            homes[o] = len(groups)
-            groups.append(frozenset([o]))
-            names.append(graph.ops[o].name)
-            exports.append([o])
-        else:
-            homes[o] = next((gi for gi in held if o in exports[gi]), held[0])
+            positions.append(float("inf"))
+    op_position = {o: k.position for k in kernels for o in k.ops if graph.ops[o].kind != "fusible"}
     buckets: list[tuple[int, ...]] = []
     carried: set[int] = set()
     for k in kernels:  # a gradient mapped to two all-reduces (an ambiguous name) counts once
@@ -334,6 +445,34 @@ def with_xla_decisions(graph: Graph, text: str) -> Graph:
             buckets.append(bucket)
             carried |= set(bucket)
     buckets += [(g.id,) for g in graph.gradients if g.id not in carried]
+    bucket_of = _bucket_nodes(graph, buckets)
+    base = len(groups)
+    while True:
+        del groups[base:], names[base:], positions[base:]
+        homes = _choose_homes(graph, groups, names, positions, op_position)
+        cycle = _group_cycle(graph, groups, homes, buckets)
+        if cycle is None:
+            break
+        # A cycle means a member was mapped to the wrong fusion or a recomputed op to the wrong
+        # home (XLA's own schedule has none): the members of each fusion on it that read from
+        # the next kernel on it leave the fusion (an op no other fusion holds becomes a group of one).
+        cut = False
+        for a, b in zip(cycle, cycle[1:] + cycle[:1]):
+            if not 0 <= a < base or len(groups[a]) < 2:
+                continue
+            readers = {o for o in groups[a] if b in _providers(graph, groups[a], homes, bucket_of, o)}
+            if readers and readers != groups[a]:
+                groups[a] -= readers
+                cut = True
+                held = set().union(*(g for gi, g in enumerate(groups[:base]) if gi != a))
+                for o in sorted(readers - held):
+                    groups.insert(base, frozenset([o]))
+                    names.insert(base, graph.ops[o].name)
+                    positions.insert(base, float("inf"))
+                    base += 1
+        if not cut:
+            raise ValueError(f"XLA's kernels as read form a dependency cycle the reader cannot undo: {cycle}")
+    exports = [sorted(o for o in g if any(u not in g for u in graph.consumers(o))) or [max(g)] for g in groups]
     return dataclasses.replace(
         graph,
         xla_groups=groups,

@@ -130,11 +130,15 @@ def run_model(
     simulated = [p for p in todo if p not in MEASURED_PLATFORMS]
     if not simulated or jax.process_index() != 0:
         return
-    log(f"{model}: capturing the paper config")
-    graph, info = capture_paper_model(model, style)
-    log(f"{model}: captured in {info['capture_s']:.1f} s: {graph.summary()}")
+    captures: dict[str | None, tuple] = {}  # one capture per target (None: XLA:CPU)
     for name in simulated:
         cluster = clusters.get_cluster(name)
+        if cluster.target not in captures:
+            on = cluster.target or "XLA:CPU"
+            log(f"{model}: capturing the paper config ({on})")
+            captures[cluster.target] = capture_paper_model(model, style, cluster.target)
+            log(f"{model}: captured in {captures[cluster.target][1]['capture_s']:.1f} s")
+        graph, info, lowered = captures[cluster.target]
         started = time.perf_counter()
         log(f"{model}: simulating {name} (search budget {budget_s:g} s)")
         last = [0.0]
@@ -144,7 +148,14 @@ def run_model(
                 last[0] = elapsed
                 log(f"{model}: {name}: search {elapsed:.0f}/{budget_s:g} s, {n} candidates, best {best / 1e3:.2f} ms")
 
-        row = simulated_row(graph, cluster, budget_s=budget_s, seed=seed, progress=progress)
+        row = simulated_row(
+            graph,
+            cluster,
+            budget_s=budget_s,
+            seed=seed,
+            progress=progress,
+            lowered=lowered if cluster.target else None,
+        )
         row = {
             **common_fields(model, name, style, graph.summary(), KERNELS_ANALYTICAL, cluster.num_devices),
             **info,

@@ -172,6 +172,9 @@ class Cluster:
     intra: Link
     inter: Link | None
     source: str  # where the cluster itself comes from
+    # The `disco_jax.targets` GPU target its steps are captured and compiled for with XLA:GPU
+    # (deviceless); None: no target XLA:GPU compiles for here, the step is XLA:CPU's module.
+    target: str | None = None
 
     @property
     def num_devices(self) -> int:
@@ -223,6 +226,7 @@ class Cluster:
             "gpus_per_node": self.gpus_per_node,
             "nodes": self.nodes,
             "num_devices": self.num_devices,
+            "target": self.target,
             "allreduce": self.allreduce_model().to_json(),
             "sources": self.sources(),
         }
@@ -307,6 +311,21 @@ H100_SXM = DeviceSpec(
     memory_efficiency=Quantity(0.8, "fraction", _ASSUMED_MEMORY_EFFICIENCY, assumption=True),
 )
 
+A100_SXM = DeviceSpec(
+    name="NVIDIA A100 SXM4 80GB",
+    fp32_flops=Quantity(19.5e12, "FLOP/s", "NVIDIA A100 Tensor Core GPU datasheet: FP32 19.5 TFLOPS"),
+    dot_flops=Quantity(
+        156e12,
+        "FLOP/s",
+        "NVIDIA A100 datasheet: TF32 Tensor Core 156 TFLOPS dense (312 with sparsity); JAX's default "
+        "float32 dot precision may use TF32 (docs.jax.dev/en/latest/201/precision.html)",
+    ),
+    memory_bandwidth=Quantity(2.039e12, "B/s", "NVIDIA A100 datasheet: HBM2e 2,039 GB/s (80GB SXM)"),
+    launch_us=Quantity(5.0, "us", _ASSUMED_LAUNCH, assumption=True),
+    dot_efficiency=Quantity(0.5, "fraction", _ASSUMED_DOT_EFFICIENCY, assumption=True),
+    memory_efficiency=Quantity(0.8, "fraction", _ASSUMED_MEMORY_EFFICIENCY, assumption=True),
+)
+
 PCIE3_X16 = Link(
     name="PCIe 3.0 x16 (two GPUs in one machine, no NVLink)",
     bandwidth=Quantity(
@@ -340,6 +359,16 @@ NVLINK4 = Link(
     efficiency=Quantity(0.8, "fraction", _ASSUMED_LINK_EFFICIENCY, assumption=True),
 )
 
+NVLINK3 = Link(
+    name="NVLink 3 (NVSwitch, DGX/HGX A100)",
+    bandwidth=Quantity(
+        300e9, "B/s", "NVIDIA A100 datasheet: NVLink 600 GB/s per GPU, bidirectional = 300 GB/s per direction"
+    ),
+    step_latency_ll_us=Quantity(0.47, "us", NCCL_TUNING + ": hwLat[NVLink][Ring][LL]"),
+    step_latency_simple_us=Quantity(3.4, "us", NCCL_TUNING + ": hwLat[NVLink][Ring][Simple]"),
+    efficiency=Quantity(0.8, "fraction", _ASSUMED_LINK_EFFICIENCY, assumption=True),
+)
+
 INFINIBAND_NDR_PER_GPU = Link(
     name="InfiniBand NDR 400 Gb/s, one NIC per GPU (DGX H100: 8 ConnectX-7)",
     bandwidth=Quantity(
@@ -362,6 +391,8 @@ CLUSTER_A = Cluster(
     intra=PCIE3_X16,
     inter=ETHERNET_100G_SHARED_BY_2,
     source="DisCo paper, section 6.1 (Testbed, cluster A)",
+    # No target: XLA:GPU here cannot compile for compute capability 6.1 (its ptxas refuses sm_61,
+    # "ptxas too old"), so cluster A costs XLA:CPU's module.
 )
 
 H100_NVLINK_8 = Cluster(
@@ -373,6 +404,7 @@ H100_NVLINK_8 = Cluster(
     intra=NVLINK4,
     inter=None,
     source="NVIDIA DGX H100 system (8 H100 SXM5, 4th-gen NVSwitch)",
+    target="h100-sxm",
 )
 
 H100_IB_4X8 = Cluster(
@@ -384,9 +416,35 @@ H100_IB_4X8 = Cluster(
     intra=NVLINK4,
     inter=INFINIBAND_NDR_PER_GPU,
     source="NVIDIA DGX H100 SuperPOD building block (8 GPUs and 8 ConnectX-7 NDR NICs per node)",
+    target="h100-sxm",
 )
 
 CLUSTERS: dict[str, Cluster] = {c.name: c for c in (CLUSTER_A, H100_NVLINK_8, H100_IB_4X8)}
+
+
+# GPU target (`disco_jax.targets`) -> the GPU and its node's interconnect, for `node_of`.
+TARGET_NODES: dict[str, tuple[DeviceSpec, Link]] = {"h100-sxm": (H100_SXM, NVLINK4), "a100-sxm": (A100_SXM, NVLINK3)}
+
+
+def node_of(target: str, devices: int) -> Cluster:
+    """One node of `devices` GPUs of a shipped target over its NVLink/NVSwitch (a plan for a
+    cluster one does not have, `disco_jax.offline`)."""
+    if target not in TARGET_NODES:
+        raise ValueError(f"no cluster model for GPU target {target!r}; known: {', '.join(sorted(TARGET_NODES))}")
+    if not isinstance(devices, int) or not 1 <= devices <= 8:
+        raise ValueError(f"one node holds 1 to 8 GPUs, got {devices!r}; pass a multi-node Cluster instead")
+    device, link = TARGET_NODES[target]
+    return Cluster(
+        name=f"{devices}x{target}",
+        description=f"one node: {devices} x {device.name} over {link.name}",
+        device=device,
+        gpus_per_node=devices,
+        nodes=1,
+        intra=link,
+        inter=None,
+        source=f"{device.name} and {link.name} datasheet figures (see each number)",
+        target=target,
+    )
 
 
 def get_cluster(name: str) -> Cluster:
@@ -418,6 +476,7 @@ __all__ = [
     "Quantity",
     "RooflineEstimator",
     "get_cluster",
+    "node_of",
     "hierarchical_allreduce_us",
     "ring_allreduce_us",
 ]

@@ -245,6 +245,11 @@ def _platform_tables(prow: list[dict]) -> list[str]:
             devices=r0["num_devices"],
             kernels=r0["kernels"],
             cluster=(r0.get("cluster") or {}).get("description", ""),
+            captured=(
+                f"XLA:GPU for `{r0.get('target')}`, deviceless"
+                if r0.get("captured_on") == "xla-gpu"
+                else "XLA:CPU (its fusion; XLA:GPU's all-reduce combiner emulated)"
+            ),
         )
     lines = []
     for r in prow:

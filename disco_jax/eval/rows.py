@@ -34,9 +34,11 @@ from disco_jax import (
     backtracking_search,
     simulate,
     start_candidates,
+    targets,
     zoo,
 )
-from disco_jax._compile import capture
+from disco_jax._compile import capture, capture_graph, compile_strategy, compiled_stats
+from disco_jax._strategy import xla_default
 from disco_jax.eval import baselines, clusters
 
 CPU_PLATFORM = "cpu-8dev"
@@ -167,18 +169,31 @@ def outputs_json(comparison) -> dict:
 
 
 def simulated_row(
-    graph: Graph, cluster: clusters.Cluster, *, budget_s: float, seed: int = 0, progress: Callable | None = None
+    graph: Graph,
+    cluster: clusters.Cluster,
+    *,
+    budget_s: float,
+    seed: int = 0,
+    progress: Callable | None = None,
+    lowered: jax.stages.Lowered | None = None,
 ) -> dict:
-    """One cluster row for a captured graph: baselines simulated (XLA's all-reduce combining is
-    XLA:GPU's combiner), disco-jax searched."""
+    """One cluster row for a captured graph: baselines simulated, disco-jax searched.
+
+    `lowered`: the step lowered for the cluster's GPU target when `graph` is XLA:GPU's module
+    (`capture_paper_model`): the baselines then take XLA:GPU's fusions and combining as it
+    compiled them (JAX_default is XLA's own program), and disco-jax's plan is enacted through the
+    GPU rewriter, compiled deviceless, and its time simulated from the module XLA:GPU produced
+    (`enacted_json`). Without it (XLA:CPU's module), XLA's all-reduce combining is XLA:GPU's
+    combiner emulated on the graph."""
     estimator = ChainEstimator([cluster.kernel_estimator()])
     allreduce = cluster.allreduce_model()
 
-    def simulated(s: Strategy):
-        return simulate(graph, s, estimator, allreduce)
+    def simulated(s: Strategy, on: Graph = graph):
+        return simulate(on, s, estimator, allreduce)
 
+    combine = backends.GPU.xla_buckets if lowered is not None else baselines.xla_gpu_buckets
     candidates = baselines.all_baselines(
-        graph, combine=baselines.xla_gpu_buckets, kernel_time_us=lambda ks: estimator.estimate(graph, ks)
+        graph, combine=combine, kernel_time_us=lambda ks: estimator.estimate(graph, ks)
     )
     strategies: dict[str, dict] = {}
     for b in candidates:
@@ -209,6 +224,12 @@ def simulated_row(
         "buckets": len(result.best.buckets),
         "valid": True,
     }
+    if lowered is not None:
+        enacted = enacted_json(lowered, graph, result.best, simulated)
+        strategies[DISCO]["enacted"] = enacted
+        if enacted["simulated"] is not None:  # the program XLA:GPU compiled is what would run
+            strategies[DISCO]["searched"] = strategies[DISCO]["simulated"]
+            strategies[DISCO]["simulated"] = enacted["simulated"]
     times = {k: (v["simulated"] or {}).get("iteration_us") for k, v in strategies.items()}
     fo = min(v["simulated"]["full_overlap_us"] for v in strategies.values() if v["simulated"])
     return {
@@ -224,16 +245,45 @@ def simulated_row(
     }
 
 
-def capture_paper_model(name: str, style: str) -> tuple[Graph, dict]:
-    """The paper-size step of a zoo model, captured at the hook without running it."""
+def enacted_json(lowered: jax.stages.Lowered, graph: Graph, plan: Strategy, simulated: Callable) -> dict:
+    """A plan on XLA:GPU's module, enacted by the GPU rewriter and compiled deviceless: what the
+    compiled program holds (all-reduces, fusions) and its simulated time, read from the compiled
+    module with XLA's decisions (`backends.GPU.read_decisions`); `simulated` is None where that
+    reading does not give a valid strategy."""
+    compiled, status = compile_strategy(lowered, graph, plan)
+    text = compiled.as_text()
+    as_compiled = backends.GPU.read_decisions(graph, text)
+    sim = simulated(xla_default(as_compiled), as_compiled)
+    return {
+        "status": status,
+        "compiled": compiled_stats(text),
+        "planned_buckets": len(plan.buckets),
+        "compiled_buckets": len(as_compiled.xla_buckets),
+        "simulated": None if sim is None else sim.to_json(),
+    }
+
+
+def capture_paper_model(name: str, style: str, target: str | None = None) -> tuple[Graph, dict, jax.stages.Lowered]:
+    """The paper-size step of a zoo model, captured at the hook without running it: XLA:GPU's
+    module compiled deviceless for `target` (`disco_jax.targets`), or XLA:CPU's when None."""
     spec = zoo.get_model(name, "paper")
     started = time.perf_counter()
-    lowered = zoo.lower_abstract(spec, optax.adam(1e-3), zoo.data_mesh(PAPER_DEVICES), style)
-    graph = capture(lowered, backends.CPU, (), {}).graph
-    return graph, {
-        "capture_s": time.perf_counter() - started,
-        "parameters": spec.param_count(),
-        "global_batch": spec.default_global_batch,
-        "per_device_batch": spec.default_global_batch // PAPER_DEVICES,
-        "description": spec.description,
-    }
+    if target is None:
+        lowered = zoo.lower_abstract(spec, optax.adam(1e-3), zoo.data_mesh(PAPER_DEVICES), style)
+        graph = capture(lowered, backends.CPU, (), {}).graph
+    else:
+        lowered = zoo.lower_abstract(spec, optax.adam(1e-3), targets.mesh(target, PAPER_DEVICES), style)
+        graph, _ = capture_graph(lowered, backends.GPU)
+    return (
+        graph,
+        {
+            "captured_on": "xla-cpu" if target is None else "xla-gpu",
+            "target": target,
+            "capture_s": time.perf_counter() - started,
+            "parameters": spec.param_count(),
+            "global_batch": spec.default_global_batch,
+            "per_device_batch": spec.default_global_batch // PAPER_DEVICES,
+            "description": spec.description,
+        },
+        lowered,
+    )
