@@ -100,6 +100,9 @@ class Graph:
     _consumers: dict[int, tuple[int, ...]] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _inputs: dict[frozenset[int], tuple[int, ...]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self):
         users: list[list[int]] = [[] for _ in self.ops]
@@ -109,11 +112,11 @@ class Graph:
         self.users = [tuple(u) for u in users]
         self.output_set = frozenset(self.outputs)
 
-    @property
+    @functools.cached_property
     def fusible_ops(self) -> list[int]:
         return [op.id for op in self.ops if op.kind == "fusible"]
 
-    @property
+    @functools.cached_property
     def opaque_ops(self) -> list[int]:
         return [op.id for op in self.ops if op.kind == "opaque"]
 
@@ -160,6 +163,19 @@ class Graph:
             if o in self.output_set:
                 out.append(-1)
             found = self._consumers[o] = tuple(out)
+        return found
+
+    def kernel_inputs(self, members: frozenset[int]) -> tuple[int, ...]:
+        """The non-free ops outside a kernel whose values it reads (through free ops)."""
+        found = self._inputs.get(members)
+        if found is None:
+            sources, seen = self.free_sources, {}
+            for o in sorted(members):
+                for operand in self.ops[o].operands:
+                    for src in sources[operand]:
+                        if src not in members:
+                            seen[src] = None
+            found = self._inputs[members] = tuple(seen)
         return found
 
     @functools.cached_property

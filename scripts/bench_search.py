@@ -114,13 +114,7 @@ def run_one(name: str, config: str, args) -> dict:
     search_config = SearchConfig(budget_s=args.budget_s, seed=args.seed)
     if args.mode != "backtracking":
         search_config = dataclasses.replace(search_config, mode=args.mode)
-    if hasattr(model, "evaluator"):
-        evaluate = model.evaluator(graph)
-    else:
-
-        def evaluate(s):
-            r = model.simulate(graph, s)
-            return None if r is None else r.iteration_us
+    evaluate = model.evaluator(graph)
 
     last = [0.0]
 

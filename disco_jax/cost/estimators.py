@@ -135,6 +135,9 @@ class CalibratedEstimator:
                     self.gain[o] = kernel / total
         self.default_ratio = float(np.median(ratios)) if ratios else 1.0
 
+    def warm_up(self) -> None:
+        _warm_up(self.base)
+
     def _alone(self, kernel: frozenset[int]) -> dict[int, float]:
         ops = sorted(kernel)
         return {o: float(b or 0.0) for o, b in zip(ops, self.base.estimate(self.graph, [frozenset([o]) for o in ops]))}
@@ -167,6 +170,12 @@ class ChainEstimator:
         self.name = "+".join(e.name for e in self.estimators)
         self._cache: dict[tuple[int, frozenset[int]], tuple[float, str]] = {}
 
+    def warm_up(self) -> None:
+        """Let each estimator prepare what it would otherwise do during a search (the GNN
+        compiles its batch shapes)."""
+        for e in self.estimators:
+            _warm_up(e)
+
     def estimate(self, graph, kernels):
         return [t for t, _ in self.estimate_with_source(graph, kernels)]
 
@@ -187,6 +196,12 @@ class ChainEstimator:
         for k in missing:
             self._cache[(gid, k)] = (0.0, "none")
         return [self._cache[(gid, k)] for k in kernels]
+
+
+def _warm_up(estimator: Estimator) -> None:
+    method = getattr(estimator, "warm_up", None)
+    if callable(method):
+        method()
 
 
 def chain(*estimators: Estimator) -> ChainEstimator:

@@ -402,6 +402,20 @@ class CostModel:
     sources: dict
     params: SimulatorParams = SimulatorParams()
 
+    def evaluator(self, graph: Graph) -> Callable[[Strategy], float | None]:
+        """The search's cost function on `graph`: a strategy's simulated iteration time, None
+        when it is invalid. The estimators prepare first (`ChainEstimator.warm_up`: the GNN
+        compiles its batch shapes), so the search compiles nothing."""
+        warm_up = getattr(self.estimator, "warm_up", None)
+        if callable(warm_up):
+            warm_up()
+
+        def cost(strategy: Strategy) -> float | None:
+            step = simulate(graph, strategy, self.estimator, self.allreduce, self.params)
+            return None if step is None else step.iteration_us
+
+        return cost
+
     def simulate(
         self, graph: Graph, strategy: Strategy, record: bool = False, params: SimulatorParams | None = None
     ) -> SimulatedStep | None:
