@@ -8,8 +8,8 @@ touched is re-examined, never every group of the strategy:
   needs are dropped);
 * a group is *dead* when no consumer reads a value from it (every consumer of every op it homes
   computes that op itself); removing one re-homes its ops and may kill others, so the dead check
-  runs over a worklist: the touched groups and the homes of the producers of every op whose set of
-  holding groups changed (only their exports can have changed);
+  runs over a worklist: the touched groups and the homes of the producers of every member of a
+  changed group (only their exports can have changed);
 * the exports of those groups are what the backend must be able to emit (`Backend.emittable`): an
   edit the backend cannot emit is refused there, so moves do not produce such candidates.
 
@@ -57,16 +57,17 @@ class StrategyEdit:
         self.homes = list(homes)
         self.index = list(index)
         self.touched: set[int] = set()  # groups whose members or homed ops changed
-        self.changed_ops: set[int] = set()  # ops whose holding groups changed
+        self.changed_ops: set[int] = set()  # members of changed groups (before and after)
 
     def set_group(self, gi: int, members: frozenset[int]) -> None:
         old = self.groups[gi]
         for o in old - members:
             self.index[o] = tuple(x for x in self.index[o] if x != gi)
-            self.changed_ops.add(o)
         for o in members - old:
             self.index[o] = tuple(sorted((*self.index[o], gi)))
-            self.changed_ops.add(o)
+        # Whether a producer's value is read from its home depends on every group its consumers
+        # are in, so every member of a changed group counts as changed.
+        self.changed_ops |= old | members
         self.groups[gi] = members
         self.touched.add(gi)
 

@@ -53,7 +53,11 @@ class Strategy:
     def fusion_key(self) -> frozenset:
         """Identity of the op-fusion decisions alone: two strategies with equal fusion keys
         compute every value with the same kernels (only their all-reduces may differ)."""
-        return frozenset((g, frozenset(o for o in g if self.homes[o] == gi)) for gi, g in enumerate(self.groups))
+        homed: list[list[int]] = [[] for _ in self.groups]
+        for o, h in enumerate(self.homes):
+            if h >= 0:
+                homed[h].append(o)
+        return frozenset(zip(self.groups, map(frozenset, homed)))
 
     @property
     def fused_groups(self) -> list[frozenset[int]]:
@@ -175,7 +179,8 @@ def kernel_dag(graph: Graph, s: Strategy) -> KernelDag | None:
         return None
     sources = graph.free_sources
     kinds, members, group_index, anchor = [], [], [], []
-    provider: dict[int, int] = {}
+    # provider[o]: the kernel whose output holds op o's value (fusible ops: their home group).
+    provider = list(s.homes)
     for gi, g in enumerate(s.groups):
         kinds.append(GROUP), members.append(g), group_index.append(gi), anchor.append(max(g))
     for o in graph.opaque_ops:
@@ -187,20 +192,13 @@ def kernel_dag(graph: Graph, s: Strategy) -> KernelDag | None:
             provider[graph.gradients[gid].reduced] = k
         kinds.append(BUCKET), members.append(frozenset(b)), group_index.append(-1)
         anchor.append(max(graph.gradients[gid].producer for gid in b) + 0.5)
-    homes = s.homes
-
-    def provider_of(o: int) -> int:
-        return homes[o] if graph.ops[o].kind == "fusible" else provider[o]
-
     deps: list[tuple[int, ...]] = []
+    inputs = graph.kernel_inputs
     for k, kind in enumerate(kinds):
-        d: set[int] = set()
         if kind == BUCKET:
-            for gid in members[k]:
-                for src in sources[graph.gradients[gid].producer]:
-                    d.add(provider_of(src))
+            d = {provider[src] for gid in members[k] for src in sources[graph.gradients[gid].producer]}
         else:
-            d = {provider_of(src) for src in graph.kernel_inputs(members[k])}
+            d = {provider[src] for src in inputs(members[k])}
         d.discard(k)
         deps.append(tuple(d))
     # Kahn's algorithm, earliest original position first.
