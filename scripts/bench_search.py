@@ -15,7 +15,7 @@ unchanged for 1000 candidates):
 Printed per model: graph size (ops), candidates per second, share of invalid candidates, time to
 Algorithm 1's stop criterion (or "not reached in budget", or when the queue emptied), and the
 simulated speed-up of the best candidate over the best start. `--mode restarts` / `mcmc` run the
-search's other modes (`SearchConfig.mode`). Progress goes to stderr.
+search's other modes (`SearchConfig.mode`; several, comma-separated, search the same capture). Progress goes to stderr.
 
     python scripts/bench_search.py [--models transformer:tiny,bert:paper] [--budget-s 20]
         [--mode backtracking] [--json out.json] [--cprofile out.prof]
@@ -30,7 +30,6 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 
 import argparse  # noqa: E402
 import cProfile  # noqa: E402
-import dataclasses  # noqa: E402
 import json  # noqa: E402
 import pstats  # noqa: E402
 import sys  # noqa: E402
@@ -96,7 +95,7 @@ def cluster_cost_model(graph, cluster_name: str):
     return model, [b.strategy for b in extra], f"{cluster_name} (analytical-scaled)"
 
 
-def run_one(name: str, config: str, args) -> dict:
+def run_model(name: str, config: str, args) -> list[dict]:
     started = time.perf_counter()
     log(f"{name}:{config}: capturing")
     graph = capture_model(name, config)
@@ -111,10 +110,12 @@ def run_one(name: str, config: str, args) -> dict:
         if s.key() not in seen:
             seen.add(s.key())
             starts.append(s)
-    search_config = SearchConfig(budget_s=args.budget_s, seed=args.seed)
-    if args.mode != "backtracking":
-        search_config = dataclasses.replace(search_config, mode=args.mode)
     evaluate = model.evaluator(graph)
+    return [search(name, config, graph, kernels, evaluate, starts, mode, args) for mode in args.mode.split(",")]
+
+
+def search(name, config, graph, kernels, evaluate, starts, mode, args) -> dict:
+    search_config = SearchConfig(budget_s=args.budget_s, seed=args.seed, mode=mode)
 
     last = [0.0]
 
@@ -129,7 +130,7 @@ def run_one(name: str, config: str, args) -> dict:
     result = backtracking_search(graph, evaluate, search_config, starts=starts, progress=progress)
     if profiler is not None:
         profiler.disable()
-        path = f"{args.cprofile}.{name}.{config}"
+        path = f"{args.cprofile}.{name}.{config}.{mode}"
         profiler.dump_stats(path)
         pstats.Stats(path, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
     start_best = min(result.start_costs.values())
@@ -141,7 +142,8 @@ def run_one(name: str, config: str, args) -> dict:
         "fusible_ops": len(graph.fusible_ops),
         "gradients": len(graph.gradients),
         "kernels": kernels,
-        "mode": args.mode,
+        "mode": mode,
+        "restarts": result.restarts,
         "budget_s": args.budget_s,
         "candidates": result.evaluated,
         "candidates_per_second": round(result.candidates_per_second, 1),
@@ -177,7 +179,9 @@ def main(argv=None) -> None:
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="name[:config],... (config: tiny|paper)")
     parser.add_argument("--budget-s", type=float, default=20.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mode", default="backtracking", choices=("backtracking", "restarts", "mcmc"))
+    parser.add_argument(
+        "--mode", default="backtracking", help="search modes, comma-separated: backtracking,restarts,mcmc"
+    )
     parser.add_argument("--cluster", default="8xH100-NVLink", help="simulated cluster for paper configs")
     parser.add_argument("--no-gnn", action="store_true", help="tiny configs: leave the GNN out of the chain")
     parser.add_argument("--json", help="write one record per model to this file")
@@ -187,9 +191,9 @@ def main(argv=None) -> None:
     for item in args.models.split(","):
         name, _, config = item.strip().partition(":")
         for c in [config] if config else list(zoo.CONFIGS):
-            r = run_one(name, c, args)
-            records.append(r)
-            print(describe(r), flush=True)
+            for r in run_model(name, c, args):
+                records.append(r)
+                print(describe(r), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
