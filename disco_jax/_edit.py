@@ -111,14 +111,62 @@ class StrategyEdit:
     def exports(self, gi: int) -> list[int]:
         """The ops group `gi` hands to kernels that do not compute them themselves
         (`_strategy.group_exports` for one group)."""
-        graph, groups, index = self.graph, self.groups, self.index
+        graph, groups, index, ops = self.graph, self.groups, self.index, self.graph.ops
         out = []
         for o in sorted(self.homed(gi)):
             for u in graph.consumers(o):
-                if u < 0 or graph.ops[u].kind != "fusible" or any(o not in groups[x] for x in index[u]):
+                if u < 0 or ops[u].kind != "fusible":
+                    out.append(o)
+                    break
+                if not all(o in groups[x] for x in index[u]):
                     out.append(o)
                     break
         return out
+
+    def reaches(self, start: int, target: int, buckets: Sequence[Sequence[int]], limit: int = 4096) -> bool:
+        """Whether group `target` depends on group `start` through some other kernel (a group,
+        an opaque op or an all-reduce): merging the two while the merged kernel hands out
+        `start`'s values would close a cycle. Values produced after `target`'s last op are not
+        followed, nor more than `limit` kernels: a cycle found is certain, one missed is left to
+        `kernel_dag`'s full check."""
+        graph, ops, groups, index, homes = self.graph, self.graph.ops, self.groups, self.index, self.homes
+        last = max(groups[target])
+        bucket_of = {gid: bi for bi, b in enumerate(buckets) for gid in b}
+        seen: set[tuple[str, int]] = {("group", start)}
+        stack = [("group", start)]
+        while stack:
+            kind, k = stack.pop()
+            if kind == "group":
+                values = [o for o in groups[k] if homes[o] == k]
+            elif kind == "opaque":
+                values = [k]
+            else:
+                values = [graph.gradients[gid].reduced for gid in buckets[k]]
+            for v in values:
+                if v > last:
+                    continue
+                for u in graph.consumers(v):
+                    if u < 0:
+                        continue
+                    op = ops[u]
+                    if op.kind == "fusible":
+                        found = [("group", x) for x in index[u] if v not in groups[x]]
+                    elif op.kind == "reduced":
+                        found = [("bucket", bucket_of[op.gradient])]
+                    else:
+                        found = [("opaque", u)]
+                    for node in found:
+                        if node in seen:
+                            continue
+                        if node == ("group", target):
+                            if (kind, k) != ("group", start):
+                                return True
+                            continue
+                        if len(seen) >= limit:
+                            return False
+                        seen.add(node)
+                        stack.append(node)
+        return False
 
     def normalize(self) -> bool:
         """Prune the touched groups, remove the groups that became dead, and check that the
@@ -151,6 +199,6 @@ class StrategyEdit:
 
     def _dead(self, gi: int) -> bool:
         """No consumer reads from the group, and each op it homes is held by another group."""
-        if self.exports(gi):
+        if any(len(self.index[o]) < 2 for o in self.homed(gi)):
             return False
-        return all(len(self.index[o]) > 1 for o in self.homed(gi))
+        return not self.exports(gi)

@@ -121,6 +121,11 @@ class Graph:
         return [op.id for op in self.ops if op.kind == "opaque"]
 
     @functools.cached_property
+    def opaque_kernels(self) -> list[frozenset[int]]:
+        """One kernel per opaque op, in `opaque_ops` order (the same objects every time)."""
+        return [frozenset([o]) for o in self.opaque_ops]
+
+    @functools.cached_property
     def op_work(self) -> list[Work]:
         """Per op: its flops, elements, transcendentals and bytes (`disco_jax.cost.work.op_work`)."""
         return [op_work(self, op.id) for op in self.ops]

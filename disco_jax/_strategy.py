@@ -50,14 +50,12 @@ class Strategy:
         """Identity of the decisions (group order and origin do not matter)."""
         return self.fusion_key(), frozenset(self.buckets)
 
-    def fusion_key(self) -> frozenset:
+    def fusion_key(self) -> tuple:
         """Identity of the op-fusion decisions alone: two strategies with equal fusion keys
-        compute every value with the same kernels (only their all-reduces may differ)."""
-        homed: list[list[int]] = [[] for _ in self.groups]
-        for o, h in enumerate(self.homes):
-            if h >= 0:
-                homed[h].append(o)
-        return frozenset(zip(self.groups, map(frozenset, homed)))
+        compute every value with the same kernels (only their all-reduces may differ): the set
+        of groups, and per op the members of its home group (None for ops no group holds)."""
+        by_index = [*self.groups, None]  # a home of -1 reads None
+        return frozenset(self.groups), tuple(map(by_index.__getitem__, self.homes))
 
     @property
     def fused_groups(self) -> list[frozenset[int]]:
@@ -149,6 +147,7 @@ class KernelDag:
     deps: list[tuple[int, ...]]
     order: list[int]  # topological order, following the original program where free to choose
     group_index: list[int]  # for GROUP kernels: index into strategy.groups, else -1
+    users: list[list[int]] | None = None  # per kernel, the kernels that depend on it (ascending)
 
 
 def group_exports(graph: Graph, s: Strategy) -> list[list[int]]:
@@ -183,9 +182,9 @@ def kernel_dag(graph: Graph, s: Strategy) -> KernelDag | None:
     provider = list(s.homes)
     for gi, g in enumerate(s.groups):
         kinds.append(GROUP), members.append(g), group_index.append(gi), anchor.append(max(g))
-    for o in graph.opaque_ops:
+    for o, kernel in zip(graph.opaque_ops, graph.opaque_kernels):
         provider[o] = len(kinds)
-        kinds.append(OPAQUE), members.append(frozenset([o])), group_index.append(-1), anchor.append(o)
+        kinds.append(OPAQUE), members.append(kernel), group_index.append(-1), anchor.append(o)
     for b in s.buckets:
         k = len(kinds)
         for gid in b:
@@ -221,7 +220,7 @@ def kernel_dag(graph: Graph, s: Strategy) -> KernelDag | None:
                 heapq.heappush(heap, (anchor[u], u))
     if len(order) != len(kinds):
         return None
-    return KernelDag(kinds, members, deps, order, group_index)
+    return KernelDag(kinds, members, deps, order, group_index, users)
 
 
 # --------------------------------------------------------------------------- moves
@@ -262,6 +261,8 @@ def fuse_producer(graph: Graph, s: Strategy, rng: random.Random, duplicate: bool
     if any(graph.ops[o].opcode in no_producer and any(u in group for u in graph.users[o]) for o in producer):
         return None
     edit = StrategyEdit(graph, s.groups, s.homes, s.group_index())
+    if not duplicate and edit.reaches(pi, gi, s.buckets):
+        return None  # the merged kernel would feed a kernel it waits for: a cycle
     edit.set_group(gi, group | producer)
     if not duplicate:
         # Non-duplicate: the merged kernel exports the producer's values (a multi-output fusion).
@@ -329,6 +330,12 @@ def merge_buckets(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | N
     if graph.gradients[s.buckets[a][0]].compat != graph.gradients[s.buckets[b][0]].compat:
         return None
     merged = tuple(sorted(s.buckets[a] + s.buckets[b], key=lambda g: graph.gradients[g].producer))
+    # An all-reduce cannot carry a value computed from another of its own results (batch-norm
+    # statistics reduced in the forward pass feed later gradients): that would be a cycle.
+    carried = sum(1 << g for g in merged)
+    depends = graph.reduced_dependencies
+    if any(depends[g] & carried for g in merged):
+        return None
     buckets = [bk for i, bk in enumerate(s.buckets) if i not in (a, b)] + [merged]
     return dataclasses.replace(s, buckets=tuple(buckets))
 

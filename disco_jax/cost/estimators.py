@@ -168,7 +168,7 @@ class ChainEstimator:
     def __init__(self, estimators: Sequence[Estimator]):
         self.estimators = list(estimators)
         self.name = "+".join(e.name for e in self.estimators)
-        self._cache: dict[tuple[int, frozenset[int]], tuple[float, str]] = {}
+        self._cache: dict[int, dict[frozenset[int], tuple[float, str]]] = {}  # per graph, per kernel
 
     def warm_up(self) -> None:
         """Let each estimator prepare what it would otherwise do during a search (the GNN
@@ -180,8 +180,8 @@ class ChainEstimator:
         return [t for t, _ in self.estimate_with_source(graph, kernels)]
 
     def estimate_with_source(self, graph, kernels) -> list[tuple[float, str]]:
-        gid = id(graph)
-        missing = [k for k in dict.fromkeys(kernels) if (gid, k) not in self._cache]
+        cache = self._cache.setdefault(id(graph), {})
+        missing = [k for k in dict.fromkeys(kernels) if k not in cache]
         for est in self.estimators:
             if not missing:
                 break
@@ -191,11 +191,11 @@ class ChainEstimator:
                 if t is None:
                     still.append(k)
                 else:
-                    self._cache[(gid, k)] = (max(float(t), 0.0), est.name)
+                    cache[k] = (max(float(t), 0.0), est.name)
             missing = still
         for k in missing:
-            self._cache[(gid, k)] = (0.0, "none")
-        return [self._cache[(gid, k)] for k in kernels]
+            cache[k] = (0.0, "none")
+        return [cache[k] for k in kernels]
 
 
 def _warm_up(estimator: Estimator) -> None:

@@ -311,20 +311,26 @@ def simulate(
     if dag is None:
         return None
     n = len(dag.kinds)
-    compute = [k for k in range(n) if dag.kinds[k] != BUCKET]
+    kinds = dag.kinds
+    compute = [k for k in range(n) if kinds[k] != BUCKET]
     costs = [0.0] * n
     times = estimator.estimate(graph, [dag.members[k] for k in compute])
+    scale, overhead = float(params.compute_scale), params.kernel_overhead_us
     for k, t in zip(compute, times):
-        costs[k] = params.kernel_us(t or 0.0)
+        costs[k] = float(t or 0.0) * scale + overhead
     for k in range(n):
-        if dag.kinds[k] == BUCKET:
+        if kinds[k] == BUCKET:
             costs[k] = params.bucket_us(allreduce, [graph.gradients[g].nbytes for g in dag.members[k]])
-    position = {k: i for i, k in enumerate(dag.order)}
-    users: list[list[int]] = [[] for _ in range(n)]
+    position = [0] * n
+    for i, k in enumerate(dag.order):
+        position[k] = i
+    users = dag.users
+    if users is None:
+        users = [[] for _ in range(n)]
+        for k, d in enumerate(dag.deps):
+            for p in d:
+                users[p].append(k)
     waiting = [len(d) for d in dag.deps]
-    for k, d in enumerate(dag.deps):
-        for p in d:
-            users[p].append(k)
     ready_at = [0.0] * n
     end = [0.0] * n
     heap = [(0.0, position[k], k) for k in range(n) if waiting[k] == 0 and dag.kinds[k] != BUCKET]
