@@ -17,7 +17,7 @@
 
 Everything downstream (strategy, simulator, rewrite) works on op ids of one `Graph`, and asks the
 graph its questions: `op_work` / `op_flops` (counted by `disco_jax.cost.work`), `free_sources`,
-`consumers(op)`, `reduced_dependencies`, `kernel_signature(kernel)`; each is computed once per
+`consumers(op)`, `reduced_dependencies`, `kernel_signature(kernel)`, `kernel_reads(kernel)`; each is computed once per
 graph and cached on it.
 """
 
@@ -100,7 +100,7 @@ class Graph:
     _consumers: dict[int, tuple[int, ...]] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
     )
-    _inputs: dict[frozenset[int], tuple[int, ...]] = dataclasses.field(
+    _inputs: dict[frozenset[int], tuple[int, tuple[int, ...]]] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -170,8 +170,9 @@ class Graph:
             found = self._consumers[o] = tuple(out)
         return found
 
-    def kernel_inputs(self, members: frozenset[int]) -> tuple[int, ...]:
-        """The non-free ops outside a kernel whose values it reads (through free ops)."""
+    def kernel_reads(self, members: frozenset[int]) -> tuple[int, tuple[int, ...]]:
+        """A kernel's last op, and the non-free ops outside it whose values it reads (through
+        free ops)."""
         found = self._inputs.get(members)
         if found is None:
             sources, seen = self.free_sources, {}
@@ -180,7 +181,7 @@ class Graph:
                     for src in sources[operand]:
                         if src not in members:
                             seen[src] = None
-            found = self._inputs[members] = tuple(seen)
+            found = self._inputs[members] = (max(members), tuple(seen))
         return found
 
     @functools.cached_property

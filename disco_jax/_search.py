@@ -113,10 +113,13 @@ def backtracking_search(
     """Search from `starts` (default: XLA's plan, the unfused graph and their variants; a later
     round of the measured search starts from its best measured candidate).
 
-    `cost(strategy)` returns the simulated iteration time, or None for an invalid strategy.
+    `cost(strategy)` returns the simulated iteration time, or None for an invalid strategy; a
+    `cost.many(strategies)` (`cost.SimulatedCost`), when there is one, costs the candidates of
+    one step together.
     `progress(best_cost, evaluated, elapsed_s)` is called after every step."""
     rng = random.Random(config.seed)
     started = time.perf_counter()
+    evaluate_many = getattr(cost, "many", None) or (lambda strategies: [cost(s) for s in strategies])
     tie = itertools.count()
     seen: set = set()
     queue: list = []
@@ -165,6 +168,7 @@ def backtracking_search(
             break
         current_cost, _, current = heapq.heappop(queue)
         walk_to = None
+        step: list[Strategy] = []  # this step's new candidates, evaluated together
         for move in moves.values():
             candidate = current
             for _ in range(rng.randint(0, config.beta)):
@@ -179,7 +183,8 @@ def backtracking_search(
                 unchanged += 1
                 continue
             seen.add(key)
-            c = cost(candidate)
+            step.append(candidate)
+        for candidate, c in zip(step, evaluate_many(step) if step else []):
             evaluated += 1
             if c is None:
                 invalid += 1

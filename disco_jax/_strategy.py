@@ -19,6 +19,7 @@ dependencies; the simulator and the rewrite both read that.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import random
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -176,38 +177,35 @@ def kernel_dag(graph: Graph, s: Strategy) -> KernelDag | None:
     or a fused group XLA cannot emit (`emittable`)."""
     if s.index is None and not emittable(graph, s):
         return None
-    sources = graph.free_sources
-    kinds, members, group_index, anchor = [], [], [], []
+    sources, reads, gradients = graph.free_sources, graph.kernel_reads, graph.gradients
+    num_groups, opaque = len(s.groups), graph.opaque_ops
+    bucket_sets = [frozenset(b) for b in s.buckets]
+    kinds = [GROUP] * num_groups + [OPAQUE] * len(opaque) + [BUCKET] * len(bucket_sets)
+    members = [*s.groups, *graph.opaque_kernels, *bucket_sets]
+    group_index = [*range(num_groups), *[-1] * (len(opaque) + len(bucket_sets))]
+    anchor: list[float] = [reads(g)[0] for g in s.groups]
+    anchor += opaque
+    anchor += [max(gradients[gid].producer for gid in b) + 0.5 for b in s.buckets]
     # provider[o]: the kernel whose output holds op o's value (fusible ops: their home group).
     provider = list(s.homes)
-    for gi, g in enumerate(s.groups):
-        kinds.append(GROUP), members.append(g), group_index.append(gi), anchor.append(max(g))
-    for o, kernel in zip(graph.opaque_ops, graph.opaque_kernels):
-        provider[o] = len(kinds)
-        kinds.append(OPAQUE), members.append(kernel), group_index.append(-1), anchor.append(o)
-    for b in s.buckets:
-        k = len(kinds)
+    for i, o in enumerate(opaque, num_groups):
+        provider[o] = i
+    for k, b in enumerate(s.buckets, num_groups + len(opaque)):
         for gid in b:
-            provider[graph.gradients[gid].reduced] = k
-        kinds.append(BUCKET), members.append(frozenset(b)), group_index.append(-1)
-        anchor.append(max(graph.gradients[gid].producer for gid in b) + 0.5)
+            provider[gradients[gid].reduced] = k
     deps: list[tuple[int, ...]] = []
-    inputs = graph.kernel_inputs
-    for k, kind in enumerate(kinds):
-        if kind == BUCKET:
-            d = {provider[src] for gid in members[k] for src in sources[graph.gradients[gid].producer]}
+    users: list[list[int]] = [[] for _ in kinds]
+    for k, m in enumerate(members):
+        if k < num_groups + len(opaque):
+            d = {provider[src] for src in reads(m)[1]}
         else:
-            d = {provider[src] for src in inputs(members[k])}
+            d = {provider[src] for gid in m for src in sources[gradients[gid].producer]}
         d.discard(k)
         deps.append(tuple(d))
-    # Kahn's algorithm, earliest original position first.
-    import heapq
-
-    indegree = [len(d) for d in deps]
-    users: list[list[int]] = [[] for _ in kinds]
-    for k, d in enumerate(deps):
         for p in d:
             users[p].append(k)
+    # Kahn's algorithm, earliest original position first.
+    indegree = [len(d) for d in deps]
     heap = [(anchor[k], k) for k in range(len(kinds)) if indegree[k] == 0]
     heapq.heapify(heap)
     order = []

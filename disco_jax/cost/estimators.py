@@ -123,6 +123,7 @@ class CalibratedEstimator:
         self.graph = graph
         self.share: dict[int, float] = {}
         self.gain: dict[int, float] = {}
+        self._op_cost: dict[int, float] = {}
         ratios = []
         for k, t in measured.items():
             alone = self._alone(k)
@@ -139,8 +140,13 @@ class CalibratedEstimator:
         _warm_up(self.base)
 
     def _alone(self, kernel: frozenset[int]) -> dict[int, float]:
+        """The base model's cost of each op of a kernel alone (asked once per op)."""
         ops = sorted(kernel)
-        return {o: float(b or 0.0) for o, b in zip(ops, self.base.estimate(self.graph, [frozenset([o]) for o in ops]))}
+        missing = [o for o in ops if o not in self._op_cost]
+        if missing:
+            for o, b in zip(missing, self.base.estimate(self.graph, [frozenset([o]) for o in missing])):
+                self._op_cost[o] = float(b or 0.0)
+        return {o: self._op_cost[o] for o in ops}
 
     def estimate(self, graph, kernels):
         if graph is not self.graph:

@@ -341,8 +341,10 @@ def simulate(
 
     def release(k: int):
         nonlocal channel_free
+        done = end[k]
         for u in users[k]:
-            ready_at[u] = max(ready_at[u], end[k])
+            if done > ready_at[u]:
+                ready_at[u] = done
             waiting[u] -= 1
             if waiting[u] == 0:
                 if dag.kinds[u] == BUCKET:
@@ -408,21 +410,40 @@ class CostModel:
     sources: dict
     params: SimulatorParams = SimulatorParams()
 
-    def evaluator(self, graph: Graph) -> Callable[[Strategy], float | None]:
-        """The search's cost function on `graph`: a strategy's simulated iteration time, None
-        when it is invalid. The estimators prepare first (`ChainEstimator.warm_up`: the GNN
-        compiles its batch shapes), so the search compiles nothing."""
+    def evaluator(self, graph: Graph) -> SimulatedCost:
+        """The search's cost function on `graph` (`SimulatedCost`). The estimators prepare first
+        (`ChainEstimator.warm_up`: the GNN compiles its batch shapes), so the search compiles
+        nothing."""
         warm_up = getattr(self.estimator, "warm_up", None)
         if callable(warm_up):
             warm_up()
-
-        def cost(strategy: Strategy) -> float | None:
-            step = simulate(graph, strategy, self.estimator, self.allreduce, self.params)
-            return None if step is None else step.iteration_us
-
-        return cost
+        return SimulatedCost(graph, self)
 
     def simulate(
         self, graph: Graph, strategy: Strategy, record: bool = False, params: SimulatorParams | None = None
     ) -> SimulatedStep | None:
         return simulate(graph, strategy, self.estimator, self.allreduce, params or self.params, record=record)
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatedCost:
+    """A strategy's simulated iteration time, None when it is invalid: `cost(strategy)`, or
+    `cost.many(strategies)` for the candidates of one search step, whose new kernels the
+    estimators then see in one call (the GNN predicts them in one batch)."""
+
+    graph: Graph
+    model: CostModel
+
+    def __call__(self, strategy: Strategy) -> float | None:
+        return self.many([strategy])[0]
+
+    def many(self, strategies: Sequence[Strategy]) -> list[float | None]:
+        graph, model = self.graph, self.model
+        dags = [kernel_dag(graph, s) for s in strategies]
+        kernels = {m: None for d in dags if d is not None for m, kind in zip(d.members, d.kinds) if kind != BUCKET}
+        model.estimator.estimate(graph, list(kernels))  # the estimators cache what they answer
+        out: list[float | None] = []
+        for s, d in zip(strategies, dags):
+            step = None if d is None else simulate(graph, s, model.estimator, model.allreduce, model.params, dag=d)
+            out.append(None if step is None else step.iteration_us)
+        return out
