@@ -34,7 +34,8 @@ KEEP = 64  # distinct candidates a SearchResult keeps for `top`, cheapest first
 class SearchConfig:
     """alpha: keep exploring candidates within alpha x best cost (>= 1). beta: each move is
     applied Random(0, beta) times per step. max_unchanged: stop after this many candidates
-    without a new best (the paper's 1000). budget_s: wall-clock limit. max_queue: memory bound."""
+    without a new best (the paper's 1000). budget_s: wall-clock limit. max_queue: memory bound.
+    mode: Algorithm 1, with restarts, or an MCMC walk (below); temperature: the walk's."""
 
     alpha: float = 1.05
     beta: int = 10
