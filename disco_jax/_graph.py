@@ -17,7 +17,7 @@
 
 Everything downstream (strategy, simulator, rewrite) works on op ids of one `Graph`, and asks the
 graph its questions: `op_work` / `op_flops` (counted by `disco_jax.cost.work`), `free_sources`,
-`consumers(op)`, `reduced_dependencies`, `kernel_signature(kernel)`; each is computed once per
+`consumers(op)`, `reduced_dependencies`, `kernel_signature(kernel)`, `kernel_reads(kernel)`; each is computed once per
 graph and cached on it.
 """
 
@@ -100,6 +100,9 @@ class Graph:
     _consumers: dict[int, tuple[int, ...]] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _inputs: dict[frozenset[int], tuple[int, tuple[int, ...]]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self):
         users: list[list[int]] = [[] for _ in self.ops]
@@ -109,13 +112,18 @@ class Graph:
         self.users = [tuple(u) for u in users]
         self.output_set = frozenset(self.outputs)
 
-    @property
+    @functools.cached_property
     def fusible_ops(self) -> list[int]:
         return [op.id for op in self.ops if op.kind == "fusible"]
 
-    @property
+    @functools.cached_property
     def opaque_ops(self) -> list[int]:
         return [op.id for op in self.ops if op.kind == "opaque"]
+
+    @functools.cached_property
+    def opaque_kernels(self) -> list[frozenset[int]]:
+        """One kernel per opaque op, in `opaque_ops` order (the same objects every time)."""
+        return [frozenset([o]) for o in self.opaque_ops]
 
     @functools.cached_property
     def op_work(self) -> list[Work]:
@@ -160,6 +168,20 @@ class Graph:
             if o in self.output_set:
                 out.append(-1)
             found = self._consumers[o] = tuple(out)
+        return found
+
+    def kernel_reads(self, members: frozenset[int]) -> tuple[int, tuple[int, ...]]:
+        """A kernel's last op, and the non-free ops outside it whose values it reads (through
+        free ops)."""
+        found = self._inputs.get(members)
+        if found is None:
+            sources, seen = self.free_sources, {}
+            for o in sorted(members):
+                for operand in self.ops[o].operands:
+                    for src in sources[operand]:
+                        if src not in members:
+                            seen[src] = None
+            found = self._inputs[members] = (max(members), tuple(seen))
         return found
 
     @functools.cached_property

@@ -264,11 +264,7 @@ def run_search(
 ) -> _search.SearchResult:
     """DisCo's backtracking search over the step's graph, costed by the simulator."""
     graph = step.graph
-
-    def cost(s: Strategy) -> float | None:
-        r = cost_model.simulate(graph, s)
-        return None if r is None else r.iteration_us
-
+    cost = cost_model.evaluator(graph)
     return ui.search(
         lambda progress: _search.backtracking_search(graph, cost, config, progress=progress), config, default_cost
     )

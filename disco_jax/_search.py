@@ -4,7 +4,9 @@ A priority queue holds candidate strategies by simulated cost. Each step dequeue
 applies every move a random number of times in 0..beta, and keeps the result as the best if it
 is cheaper, re-enqueueing it when its cost is within alpha of the best. The search ends when the
 queue is empty, the best has not changed for `max_unchanged` candidates, or the time budget is
-spent. Candidates already seen are not simulated twice.
+spent. Candidates already seen are not simulated twice. `SearchConfig.mode` adds what FlexFlow's
+search does where Algorithm 1 stalls (its queue empties quickly with alpha = 1.05): restarts from
+the cheapest candidates kept, or a Metropolis (MCMC) walk.
 
 `SearchResult.top(k)` keeps the cheapest distinct candidates the search costed (`KEEP` of them), so
 the measured search (`disco_jax._tuning`) can time the best few for real without simulating them
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
 import random
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -23,6 +26,7 @@ from collections.abc import Callable, Collection, Mapping
 from disco_jax._graph import Graph
 from disco_jax._strategy import MOVES, Move, Strategy, start_candidates
 
+MODES = ("backtracking", "restarts", "mcmc")
 KEEP = 64  # distinct candidates a SearchResult keeps for `top`, cheapest first
 
 
@@ -30,7 +34,8 @@ KEEP = 64  # distinct candidates a SearchResult keeps for `top`, cheapest first
 class SearchConfig:
     """alpha: keep exploring candidates within alpha x best cost (>= 1). beta: each move is
     applied Random(0, beta) times per step. max_unchanged: stop after this many candidates
-    without a new best (the paper's 1000). budget_s: wall-clock limit. max_queue: memory bound."""
+    without a new best (the paper's 1000). budget_s: wall-clock limit. max_queue: memory bound.
+    mode: Algorithm 1, with restarts, or an MCMC walk (below); temperature: the walk's."""
 
     alpha: float = 1.05
     beta: int = 10
@@ -38,8 +43,17 @@ class SearchConfig:
     budget_s: float = 60.0
     seed: int = 0
     max_queue: int = 4096
+    # 'backtracking': Algorithm 1. 'restarts': when its queue empties before the other stops,
+    # refill it with the cheapest candidates kept. 'mcmc': FlexFlow's Metropolis walk: one current
+    # strategy, a candidate replaces it when cheaper, or with probability exp(-(c/current - 1)/temperature).
+    mode: str = "backtracking"
+    temperature: float = 0.01
 
     def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {self.temperature}")
         if self.alpha < 1.0:
             raise ValueError(f"alpha must be >= 1, got {self.alpha}")
         if self.beta < 1:
@@ -59,6 +73,7 @@ class SearchResult:
     improvements: int
     seconds: float
     stop_reason: str
+    restarts: int = 0  # times the queue was refilled (mode 'restarts')
     # The cheapest distinct valid candidates costed (starts included), as (cost, strategy), cheapest first.
     candidates: list[tuple[float, Strategy]] = dataclasses.field(default_factory=list, repr=False)
 
@@ -99,10 +114,13 @@ def backtracking_search(
     """Search from `starts` (default: XLA's plan, the unfused graph and their variants; a later
     round of the measured search starts from its best measured candidate).
 
-    `cost(strategy)` returns the simulated iteration time, or None for an invalid strategy.
+    `cost(strategy)` returns the simulated iteration time, or None for an invalid strategy; a
+    `cost.many(strategies)` (`cost.SimulatedCost`), when there is one, costs the candidates of
+    one step together.
     `progress(best_cost, evaluated, elapsed_s)` is called after every step."""
     rng = random.Random(config.seed)
     started = time.perf_counter()
+    evaluate_many = getattr(cost, "many", None) or (lambda strategies: [cost(s) for s in strategies])
     tie = itertools.count()
     seen: set = set()
     queue: list = []
@@ -132,16 +150,26 @@ def backtracking_search(
             best, best_cost = s, c
     if best is None:
         raise ValueError("no valid start strategy for this module")
-    evaluated, invalid, duplicates, improvements, unchanged = len(start_costs), 0, 0, 0, 0
+    evaluated, invalid, duplicates, improvements, unchanged, restarts = len(start_costs), 0, 0, 0, 0, 0
     stop = "queue empty"
-    while queue:
+    if config.mode == "mcmc":
+        queue = [min(queue)]  # the walk starts from the cheapest start
+    while True:
+        if not queue:
+            if config.mode != "restarts" or not kept:
+                break
+            restarts += 1
+            queue = [(-negative, next(tie), s) for negative, _, s in kept]
+            heapq.heapify(queue)
         if unchanged >= config.max_unchanged:
             stop = f"best unchanged for {config.max_unchanged} candidates"
             break
         if time.perf_counter() - started > config.budget_s:
             stop = f"time budget of {config.budget_s:g} s spent"
             break
-        _, _, current = heapq.heappop(queue)
+        current_cost, _, current = heapq.heappop(queue)
+        walk_to = None
+        step: list[Strategy] = []  # this step's new candidates, evaluated together
         for move in moves.values():
             candidate = current
             for _ in range(rng.randint(0, config.beta)):
@@ -156,7 +184,8 @@ def backtracking_search(
                 unchanged += 1
                 continue
             seen.add(key)
-            c = cost(candidate)
+            step.append(candidate)
+        for candidate, c in zip(step, evaluate_many(step) if step else []):
             evaluated += 1
             if c is None:
                 invalid += 1
@@ -169,8 +198,15 @@ def backtracking_search(
                 unchanged = 0
             else:
                 unchanged += 1
-            if c <= config.alpha * best_cost:
+            if config.mode == "mcmc":
+                if walk_to is None and (
+                    c < current_cost or rng.random() < math.exp(-(c / current_cost - 1) / config.temperature)
+                ):
+                    walk_to = (c, next(tie), candidate)
+            elif c <= config.alpha * best_cost:
                 heapq.heappush(queue, (c, next(tie), candidate))
+        if config.mode == "mcmc":
+            queue = [walk_to or (current_cost, next(tie), current)]
         if len(queue) > config.max_queue:
             queue = heapq.nsmallest(config.max_queue // 2, queue)
             heapq.heapify(queue)
@@ -186,5 +222,6 @@ def backtracking_search(
         improvements,
         time.perf_counter() - started,
         stop,
+        restarts,
         [(-negative, s) for negative, _, s in sorted(kept, reverse=True)],
     )

@@ -19,9 +19,12 @@ dependencies; the simulator and the rewrite both read that.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import random
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
+
+from disco_jax._edit import StrategyEdit, group_index
 
 if TYPE_CHECKING:
     from disco_jax._graph import Graph
@@ -35,15 +38,25 @@ class Strategy:
     homes: tuple[int, ...]  # per op id: index into groups, or -1 for ops that are not fusible
     buckets: tuple[tuple[int, ...], ...]
     origin: str = ""
+    # Per op, the groups holding it (`_edit.group_index`): the moves hand it from parent to child
+    # updated, and refuse any change the backend cannot emit, so a strategy that has one is
+    # emittable when its first ancestor was (`kernel_dag` checks only those without); None: built
+    # when a move first needs it.
+    index: tuple[tuple[int, ...], ...] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def group_index(self) -> tuple[tuple[int, ...], ...]:
+        return self.index if self.index is not None else group_index(self.groups, len(self.homes))
 
     def key(self) -> tuple:
         """Identity of the decisions (group order and origin do not matter)."""
         return self.fusion_key(), frozenset(self.buckets)
 
-    def fusion_key(self) -> frozenset:
+    def fusion_key(self) -> tuple:
         """Identity of the op-fusion decisions alone: two strategies with equal fusion keys
-        compute every value with the same kernels (only their all-reduces may differ)."""
-        return frozenset((g, frozenset(o for o in g if self.homes[o] == gi)) for gi, g in enumerate(self.groups))
+        compute every value with the same kernels (only their all-reduces may differ): the set
+        of groups, and per op the members of its home group (None for ops no group holds)."""
+        by_index = [*self.groups, None]  # a home of -1 reads None
+        return frozenset(self.groups), tuple(map(by_index.__getitem__, self.homes))
 
     @property
     def fused_groups(self) -> list[frozenset[int]]:
@@ -135,6 +148,7 @@ class KernelDag:
     deps: list[tuple[int, ...]]
     order: list[int]  # topological order, following the original program where free to choose
     group_index: list[int]  # for GROUP kernels: index into strategy.groups, else -1
+    users: list[list[int]] | None = None  # per kernel, the kernels that depend on it (ascending)
 
 
 def group_exports(graph: Graph, s: Strategy) -> list[list[int]]:
@@ -161,51 +175,37 @@ def emittable(graph: Graph, s: Strategy, exports: list[list[int]] | None = None)
 def kernel_dag(graph: Graph, s: Strategy) -> KernelDag | None:
     """Kernels and their dependencies; None when the strategy is invalid: a dependency cycle,
     or a fused group XLA cannot emit (`emittable`)."""
-    if not emittable(graph, s):
+    if s.index is None and not emittable(graph, s):
         return None
-    sources = graph.free_sources
-    kinds, members, group_index, anchor = [], [], [], []
-    provider: dict[int, int] = {}
-    for gi, g in enumerate(s.groups):
-        kinds.append(GROUP), members.append(g), group_index.append(gi), anchor.append(max(g))
-    for o in graph.opaque_ops:
-        provider[o] = len(kinds)
-        kinds.append(OPAQUE), members.append(frozenset([o])), group_index.append(-1), anchor.append(o)
-    for b in s.buckets:
-        k = len(kinds)
+    sources, reads, gradients = graph.free_sources, graph.kernel_reads, graph.gradients
+    num_groups, opaque = len(s.groups), graph.opaque_ops
+    bucket_sets = [frozenset(b) for b in s.buckets]
+    kinds = [GROUP] * num_groups + [OPAQUE] * len(opaque) + [BUCKET] * len(bucket_sets)
+    members = [*s.groups, *graph.opaque_kernels, *bucket_sets]
+    group_index = [*range(num_groups), *[-1] * (len(opaque) + len(bucket_sets))]
+    anchor: list[float] = [reads(g)[0] for g in s.groups]
+    anchor += opaque
+    anchor += [max(gradients[gid].producer for gid in b) + 0.5 for b in s.buckets]
+    # provider[o]: the kernel whose output holds op o's value (fusible ops: their home group).
+    provider = list(s.homes)
+    for i, o in enumerate(opaque, num_groups):
+        provider[o] = i
+    for k, b in enumerate(s.buckets, num_groups + len(opaque)):
         for gid in b:
-            provider[graph.gradients[gid].reduced] = k
-        kinds.append(BUCKET), members.append(frozenset(b)), group_index.append(-1)
-        anchor.append(max(graph.gradients[gid].producer for gid in b) + 0.5)
-    homes = s.homes
-
-    def provider_of(o: int) -> int:
-        return homes[o] if graph.ops[o].kind == "fusible" else provider[o]
-
+            provider[gradients[gid].reduced] = k
     deps: list[tuple[int, ...]] = []
-    for k, kind in enumerate(kinds):
-        d: set[int] = set()
-        if kind == BUCKET:
-            for gid in members[k]:
-                for src in sources[graph.gradients[gid].producer]:
-                    d.add(provider_of(src))
+    users: list[list[int]] = [[] for _ in kinds]
+    for k, m in enumerate(members):
+        if k < num_groups + len(opaque):
+            d = {provider[src] for src in reads(m)[1]}
         else:
-            mem = members[k]
-            for o in mem:
-                for operand in graph.ops[o].operands:
-                    for src in sources[operand]:
-                        if src not in mem:
-                            d.add(provider_of(src))
+            d = {provider[src] for gid in m for src in sources[gradients[gid].producer]}
         d.discard(k)
         deps.append(tuple(d))
-    # Kahn's algorithm, earliest original position first.
-    import heapq
-
-    indegree = [len(d) for d in deps]
-    users: list[list[int]] = [[] for _ in kinds]
-    for k, d in enumerate(deps):
         for p in d:
             users[p].append(k)
+    # Kahn's algorithm, earliest original position first.
+    indegree = [len(d) for d in deps]
     heap = [(anchor[k], k) for k in range(len(kinds)) if indegree[k] == 0]
     heapq.heapify(heap)
     order = []
@@ -218,62 +218,30 @@ def kernel_dag(graph: Graph, s: Strategy) -> KernelDag | None:
                 heapq.heappush(heap, (anchor[u], u))
     if len(order) != len(kinds):
         return None
-    return KernelDag(kinds, members, deps, order, group_index)
+    return KernelDag(kinds, members, deps, order, group_index, users)
 
 
 # --------------------------------------------------------------------------- moves
 
 
-def _normalize(graph: Graph, groups: list[frozenset[int]], homes: list[int]) -> tuple[list, list] | None:
-    """Drop groups no consumer reads from (their ops are computed where they are used), and
-    duplicated members nothing in their group uses any more."""
-    for gi, g in enumerate(groups):
-        groups[gi] = prune(graph, g, [o for o in g if homes[o] == gi])
-    while True:
-        contains: dict[int, list[int]] = {}
-        for gi, g in enumerate(groups):
-            for o in g:
-                contains.setdefault(o, []).append(gi)
-        needed = [False] * len(groups)
-        for o in graph.fusible_ops:
-            h = homes[o]
-            for u in graph.consumers(o):
-                if u < 0 or graph.ops[u].kind != "fusible" or any(o not in groups[gi] for gi in contains.get(u, [])):
-                    needed[h] = True
-                    break
-        dead = [gi for gi, n in enumerate(needed) if not n]
-        if not dead:
-            return groups, homes
-        gi = dead[0]
-        for o in groups[gi]:
-            if homes[o] == gi:
-                others = [x for x in contains[o] if x != gi]
-                if not others:
-                    needed[gi] = True
-                    break
-                homes[o] = others[0]
-        if needed[gi]:
-            return groups, homes  # an op with no consumer at all: leave as is
-        groups.pop(gi)
-        homes[:] = [h - 1 if h > gi else h for h in homes]
+def normalize(graph: Graph, s: Strategy) -> Strategy | None:
+    """`s` normalized from scratch, as a move leaves its result: every group pruned, groups no
+    consumer reads from dropped (`StrategyEdit.normalize` with every group touched). None if the
+    backend cannot emit the result."""
+    edit = StrategyEdit(graph, s.groups, s.homes, group_index(s.groups, len(s.homes)))
+    edit.touched.update(range(len(s.groups)))
+    return _finish(s, edit)
 
 
-def prune(graph: Graph, group: frozenset[int], homed: list[int]) -> frozenset[int]:
-    """Keep the ops a group exports (homed) and those they need inside the group."""
-    keep, stack = set(), list(homed)
-    while stack:
-        o = stack.pop()
-        if o in keep:
-            continue
-        keep.add(o)
-        stack.extend(v for v in graph.ops[o].operands if v in group)
-    return frozenset(keep) if len(keep) != len(group) else group
+def _finish(s: Strategy, edit: StrategyEdit) -> Strategy | None:
+    if not edit.normalize():
+        return None  # the backend could not emit a group the move changed
+    return Strategy(tuple(edit.groups), tuple(edit.homes), s.buckets, s.origin, tuple(edit.index))
 
 
 def fuse_producer(graph: Graph, s: Strategy, rng: random.Random, duplicate: bool) -> Strategy | None:
     """DisCo moves (i)/(ii): fuse a random group with the home group of one of its producers."""
-    candidates = [gi for gi, g in enumerate(s.groups)]
-    gi = rng.choice(candidates)
+    gi = rng.randrange(len(s.groups))
     group = s.groups[gi]
     no_producer = graph.backend.no_producer_fusion
     producers = sorted(
@@ -290,31 +258,18 @@ def fuse_producer(graph: Graph, s: Strategy, rng: random.Random, duplicate: bool
     producer = s.groups[pi]
     if any(graph.ops[o].opcode in no_producer and any(u in group for u in graph.users[o]) for o in producer):
         return None
-    merged = group | producer
-    groups, homes = list(s.groups), list(s.homes)
-    groups[gi] = merged
-    if duplicate:
-        # The producer kernel stays for its other consumers (dropped by _normalize if none).
-        pass
-    else:
+    edit = StrategyEdit(graph, s.groups, s.homes, s.group_index())
+    if not duplicate and edit.reaches(pi, gi, s.buckets):
+        return None  # the merged kernel would feed a kernel it waits for: a cycle
+    edit.set_group(gi, group | producer)
+    if not duplicate:
+        # Non-duplicate: the merged kernel exports the producer's values (a multi-output fusion).
+        # Duplicate: the producer kernel stays for its other consumers (dropped when it has none).
         for o in producer:
-            if homes[o] == pi:
-                homes[o] = gi
-        groups[pi] = frozenset()
-    groups, homes = _compact(groups, homes)
-    normalized = _normalize(graph, groups, homes)
-    if normalized is None:
-        return None
-    return Strategy(tuple(normalized[0]), tuple(normalized[1]), s.buckets, s.origin)
-
-
-def _compact(groups: list[frozenset[int]], homes: list[int]) -> tuple[list, list]:
-    remap, kept = {}, []
-    for gi, g in enumerate(groups):
-        if g:
-            remap[gi] = len(kept)
-            kept.append(g)
-    return kept, [remap.get(h, -1) if h >= 0 else -1 for h in homes]
+            if edit.homes[o] == pi:
+                edit.rehome(o, gi)
+        edit.remove_group(pi)
+    return _finish(s, edit)
 
 
 def split_group(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | None:
@@ -325,21 +280,15 @@ def split_group(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | Non
     gi = rng.choice(fused)
     ordered = sorted(s.groups[gi])
     cut = rng.randrange(1, len(ordered))
-    groups, homes = list(s.groups), list(s.homes)
     parts = components(graph, ordered[:cut]) + components(graph, ordered[cut:])
-    groups[gi] = frozenset()
-    for part in parts:
-        idx = len(groups)
-        groups.append(part)
+    edit = StrategyEdit(graph, s.groups, s.homes, s.group_index())
+    edit.set_group(gi, parts[0])
+    for part in parts[1:]:
+        pi = edit.add_group(part)
         for o in part:
-            if homes[o] == gi:
-                homes[o] = idx
-    # Ops homed in the group but not in any part (cannot happen) would be orphaned.
-    groups, homes = _compact(groups, homes)
-    normalized = _normalize(graph, groups, homes)
-    if normalized is None:
-        return None
-    return Strategy(tuple(normalized[0]), tuple(normalized[1]), s.buckets, s.origin)
+            if edit.homes[o] == gi:
+                edit.rehome(o, pi)
+    return _finish(s, edit)
 
 
 def components(graph: Graph, members: Sequence[int]) -> list[frozenset[int]]:
@@ -379,6 +328,12 @@ def merge_buckets(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | N
     if graph.gradients[s.buckets[a][0]].compat != graph.gradients[s.buckets[b][0]].compat:
         return None
     merged = tuple(sorted(s.buckets[a] + s.buckets[b], key=lambda g: graph.gradients[g].producer))
+    # An all-reduce cannot carry a value computed from another of its own results (batch-norm
+    # statistics reduced in the forward pass feed later gradients): that would be a cycle.
+    carried = sum(1 << g for g in merged)
+    depends = graph.reduced_dependencies
+    if any(depends[g] & carried for g in merged):
+        return None
     buckets = [bk for i, bk in enumerate(s.buckets) if i not in (a, b)] + [merged]
     return dataclasses.replace(s, buckets=tuple(buckets))
 
@@ -425,4 +380,4 @@ def is_valid(graph: Graph, s: Strategy) -> bool:
         return False
     if any(len({graph.gradients[g].compat for g in b}) != 1 for b in s.buckets):
         return False
-    return kernel_dag(graph, s) is not None
+    return emittable(graph, s) and kernel_dag(graph, s) is not None

@@ -34,8 +34,9 @@ import numpy as np
 from disco_jax import _distributed, _hlo, _profile, _profiling, _search, _validate, cost
 from disco_jax._compile import Captured, Runner, compile_strategy, compiled_stats
 from disco_jax._console import Ui
+from disco_jax._edit import prune
 from disco_jax._graph import Graph
-from disco_jax._strategy import Strategy, group_exports, kernel_dag, prune, xla_default
+from disco_jax._strategy import Strategy, group_exports, kernel_dag, xla_default
 
 
 @dataclasses.dataclass(frozen=True)

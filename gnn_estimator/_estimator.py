@@ -55,6 +55,10 @@ class GnnEstimator:
         """The same network with a table of single-op kernel times (a new, empty cache)."""
         return GnnEstimator(self.trained, op_times_us, self.chunk)
 
+    def warm_up(self) -> None:
+        """Compile the network for the batch shapes a search asks for (`TrainedEstimator.warm_up`)."""
+        self.trained.warm_up()
+
     def _key(self, graph: Graph, kernel: frozenset[int]) -> tuple[str, tuple[int, ...]]:
         order = sorted(kernel)
         position = {o: i for i, o in enumerate(order)}

@@ -83,20 +83,42 @@ def _bucket(n: int, minimum: int) -> int:
     return size
 
 
+def level_sizes(level: int) -> tuple[int, int, int]:
+    """The padded (nodes, edges, graphs) of one shape level: 64 x 2^level nodes, 4 edges and a
+    quarter graph per node, so one compiled shape per level serves every batch that fits it."""
+    nodes = 64 << level
+    return nodes, 4 * nodes, max(16, nodes // 4)
+
+
+def shape_level(num_nodes: int, num_edges: int, num_graphs: int) -> int:
+    """The smallest level whose sizes hold a batch (one padding node and one padding graph)."""
+    level = 0
+    while True:
+        n, e, b = level_sizes(level)
+        if n >= num_nodes + 1 and e >= num_edges and b >= num_graphs + 1:
+            return level
+        level += 1
+
+
 def batch_graphs(
     features: Sequence[KernelFeatures],
     node_mean: np.ndarray,
     node_std: np.ndarray,
     kernel_mean: np.ndarray,
     kernel_std: np.ndarray,
+    sizes: tuple[int, int, int] | None = None,
 ) -> GraphBatch:
     """Normalize and pack kernels into one padded batch; sizes are bucketed (at least one padding
-    node and one padding graph), so repeated calls reuse a handful of compiled shapes."""
+    node and one padding graph), so repeated calls reuse a handful of compiled shapes. `sizes`:
+    (nodes, edges, graphs) to pad to instead (`shape_level`), each large enough."""
     n_nodes = sum(f.num_nodes for f in features)
     n_edges = sum(f.num_edges for f in features)
-    N = _bucket(n_nodes + 1, 64)
-    E = _bucket(n_edges, 128)
-    B = _bucket(len(features) + 1, 8)
+    if sizes is None:
+        N, E, B = _bucket(n_nodes + 1, 64), _bucket(n_edges, 128), _bucket(len(features) + 1, 8)
+    else:
+        N, E, B = sizes
+        if N < n_nodes + 1 or E < n_edges or B < len(features) + 1:
+            raise ValueError(f"batch of {n_nodes} nodes, {n_edges} edges, {len(features)} kernels exceeds {sizes}")
     nodes = np.zeros((N, len(NODE_FEATURES)), np.float32)
     kernel = np.zeros((B, len(KERNEL_FEATURES)), np.float32)
     senders = np.full((E,), N - 1, np.int32)

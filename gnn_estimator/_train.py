@@ -26,7 +26,15 @@ import optax
 
 from disco_jax.cost import AnalyticalEstimator, KernelWork, loop_work
 from gnn_estimator._features import KERNEL_FEATURES, NODE_FEATURES, KernelFeatures, featurize, without_times
-from gnn_estimator._model import FusedOpEstimator, GraphBatch, ModelConfig, batch_graphs, init_ensemble
+from gnn_estimator._model import (
+    FusedOpEstimator,
+    GraphBatch,
+    ModelConfig,
+    batch_graphs,
+    init_ensemble,
+    level_sizes,
+    shape_level,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +67,8 @@ class Normalization:
             raise ValueError("normalization does not match this feature list")
         return cls(**arrays)
 
-    def batch(self, features: Sequence[KernelFeatures]) -> GraphBatch:
-        return batch_graphs(features, self.node_mean, self.node_std, self.kernel_mean, self.kernel_std)
+    def batch(self, features: Sequence[KernelFeatures], sizes: tuple[int, int, int] | None = None) -> GraphBatch:
+        return batch_graphs(features, self.node_mean, self.node_std, self.kernel_mean, self.kernel_std, sizes)
 
 
 @dataclasses.dataclass
@@ -84,13 +92,32 @@ class TrainedEstimator:
 
     def predict_us(self, features: Sequence[KernelFeatures], chunk: int = 256) -> np.ndarray:
         """Predicted microseconds per kernel (exp of the members' mean log time); one jitted
-        call per `chunk` kernels."""
+        call per `chunk` kernels, padded to a shape level (`_model.shape_level`), so a search
+        that asks for a few new kernels at a time reuses the shapes `warm_up` compiled."""
         out = []
         for i in range(0, len(features), chunk):
             part = features[i : i + chunk]
-            log_us = self._apply(self.normalization.batch(part))
+            level = shape_level(sum(f.num_nodes for f in part), sum(f.num_edges for f in part), len(part))
+            log_us = self._apply(self.normalization.batch(part, level_sizes(level)))
             out.append(np.exp(np.asarray(log_us)[: len(part)]))
         return np.concatenate(out) if out else np.zeros((0,))
+
+    def warm_up(self, levels: int = 6) -> None:
+        """Compile the forward pass for the first `levels` shape levels (64 to 64 x 2^(levels-1)
+        nodes), so that predicting later compiles nothing for batches that fit them."""
+        for level in range(levels):
+            n, e, b = level_sizes(level)
+            batch = GraphBatch(
+                jnp.zeros((n, len(self.normalization.node_mean)), jnp.float32),
+                jnp.zeros((b, len(self.normalization.kernel_mean)), jnp.float32),
+                jnp.full((e,), n - 1, jnp.int32),
+                jnp.full((e,), n - 1, jnp.int32),
+                jnp.full((n,), b - 1, jnp.int32),
+                jnp.zeros((n,), jnp.float32),
+                jnp.zeros((e,), jnp.float32),
+                jnp.zeros((b,), jnp.float32),
+            )
+            jax.block_until_ready(self._apply(batch))
 
 
 def load_samples(path: str | Path, device_kind: str | None = None) -> list[dict]:

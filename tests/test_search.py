@@ -84,3 +84,31 @@ def test_a_later_round_starts_from_a_given_strategy(problem):
     result = _search.backtracking_search(graph, cost, _search.SearchConfig(budget_s=1, seed=5), starts=[start])
     assert result.start_costs == {"measured": cost(start)}
     assert result.best_cost <= cost(start) and result.top(1)[0][1] == result.best_cost
+
+
+def test_restarts_continue_where_backtracking_empties_its_queue(problem):
+    """alpha = 1 keeps only improvements queued: Algorithm 1 stops when they run out; restarts
+    follow the same path (same seed) and then refill the queue from the cheapest candidates."""
+    graph, cost = problem
+    base = dict(alpha=1.0, budget_s=60, max_unchanged=150, seed=1)
+    plain = _search.backtracking_search(graph, cost, _search.SearchConfig(**base))
+    again = _search.backtracking_search(graph, cost, _search.SearchConfig(mode="restarts", **base))
+    assert plain.stop_reason == "queue empty" and plain.restarts == 0
+    assert again.restarts > 0 and again.stop_reason.startswith("best unchanged")
+    assert again.best_cost <= plain.best_cost and again.evaluated > plain.evaluated
+
+
+def test_mcmc_walk_is_deterministic_and_never_worse_than_its_start(problem):
+    graph, cost = problem
+    config = _search.SearchConfig(mode="mcmc", budget_s=60, max_unchanged=100, seed=2)
+    a = _search.backtracking_search(graph, cost, config)
+    b = _search.backtracking_search(graph, cost, config)
+    assert a.best.key() == b.best.key() and a.evaluated == b.evaluated
+    assert a.best_cost <= min(a.start_costs.values()) and a.best_cost == pytest.approx(cost(a.best))
+    assert _strategy.is_valid(graph, a.best)
+
+
+@pytest.mark.parametrize("bad", [dict(mode="annealing"), dict(temperature=0.0)])
+def test_bad_search_modes_are_refused(bad):
+    with pytest.raises(ValueError):
+        _search.SearchConfig(**bad)

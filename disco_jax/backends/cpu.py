@@ -14,9 +14,10 @@ import dataclasses
 import re
 
 from disco_jax import _hlo
+from disco_jax._edit import prune
 from disco_jax._graph import ELEMENTWISE, Graph
 from disco_jax._rewrite import Emitter, fused_computation
-from disco_jax._strategy import BUCKET, GROUP, OPAQUE, Strategy, group_exports, kernel_dag, prune
+from disco_jax._strategy import BUCKET, GROUP, OPAQUE, Strategy, group_exports, kernel_dag
 from disco_jax.backends.base import Backend
 
 # Ops XLA:CPU's elemental emitter generates inside a kLoop fusion.

@@ -7,7 +7,8 @@
   estimator plugins (entry-point group ``disco_jax.estimators``; the GNN is one).
 * `allreduce`: the `AllReduceCost` protocol and the measured line `AllReduceCostModel`.
 * `simulator`: `simulate`, `SimulatorParams` and their multi-point `calibrate` (-> `Calibrated`:
-  the parameters, the misfit and each point), and `CostModel`.
+  the parameters, the misfit and each point), `CostModel`, and `SimulatedCost` (the search's
+  cost function, `CostModel.evaluator`).
 
 Data flow: profile table + plugins + analytical fit -> `chain(...)` -> `CostModel` (with the
 all-reduce cost) -> `simulate(graph, strategy)` for every candidate of the search.
@@ -35,6 +36,7 @@ from disco_jax.cost.simulator import (
     Calibrated,
     CalibrationPoint,
     CostModel,
+    SimulatedCost,
     SimulatedStep,
     SimulatorParams,
     calibrate,
@@ -70,6 +72,7 @@ __all__ = [
     "EstimatorFactory",
     "EstimatorPluginWarning",
     "KernelWork",
+    "SimulatedCost",
     "SimulatedStep",
     "SimulatorParams",
     "TableEstimator",

@@ -123,6 +123,7 @@ class CalibratedEstimator:
         self.graph = graph
         self.share: dict[int, float] = {}
         self.gain: dict[int, float] = {}
+        self._op_cost: dict[int, float] = {}
         ratios = []
         for k, t in measured.items():
             alone = self._alone(k)
@@ -135,9 +136,17 @@ class CalibratedEstimator:
                     self.gain[o] = kernel / total
         self.default_ratio = float(np.median(ratios)) if ratios else 1.0
 
+    def warm_up(self) -> None:
+        _warm_up(self.base)
+
     def _alone(self, kernel: frozenset[int]) -> dict[int, float]:
+        """The base model's cost of each op of a kernel alone (asked once per op)."""
         ops = sorted(kernel)
-        return {o: float(b or 0.0) for o, b in zip(ops, self.base.estimate(self.graph, [frozenset([o]) for o in ops]))}
+        missing = [o for o in ops if o not in self._op_cost]
+        if missing:
+            for o, b in zip(missing, self.base.estimate(self.graph, [frozenset([o]) for o in missing])):
+                self._op_cost[o] = float(b or 0.0)
+        return {o: self._op_cost[o] for o in ops}
 
     def estimate(self, graph, kernels):
         if graph is not self.graph:
@@ -165,14 +174,20 @@ class ChainEstimator:
     def __init__(self, estimators: Sequence[Estimator]):
         self.estimators = list(estimators)
         self.name = "+".join(e.name for e in self.estimators)
-        self._cache: dict[tuple[int, frozenset[int]], tuple[float, str]] = {}
+        self._cache: dict[int, dict[frozenset[int], tuple[float, str]]] = {}  # per graph, per kernel
+
+    def warm_up(self) -> None:
+        """Let each estimator prepare what it would otherwise do during a search (the GNN
+        compiles its batch shapes)."""
+        for e in self.estimators:
+            _warm_up(e)
 
     def estimate(self, graph, kernels):
         return [t for t, _ in self.estimate_with_source(graph, kernels)]
 
     def estimate_with_source(self, graph, kernels) -> list[tuple[float, str]]:
-        gid = id(graph)
-        missing = [k for k in dict.fromkeys(kernels) if (gid, k) not in self._cache]
+        cache = self._cache.setdefault(id(graph), {})
+        missing = [k for k in dict.fromkeys(kernels) if k not in cache]
         for est in self.estimators:
             if not missing:
                 break
@@ -182,11 +197,17 @@ class ChainEstimator:
                 if t is None:
                     still.append(k)
                 else:
-                    self._cache[(gid, k)] = (max(float(t), 0.0), est.name)
+                    cache[k] = (max(float(t), 0.0), est.name)
             missing = still
         for k in missing:
-            self._cache[(gid, k)] = (0.0, "none")
-        return [self._cache[(gid, k)] for k in kernels]
+            cache[k] = (0.0, "none")
+        return [cache[k] for k in kernels]
+
+
+def _warm_up(estimator: Estimator) -> None:
+    method = getattr(estimator, "warm_up", None)
+    if callable(method):
+        method()
 
 
 def chain(*estimators: Estimator) -> ChainEstimator:

@@ -311,20 +311,26 @@ def simulate(
     if dag is None:
         return None
     n = len(dag.kinds)
-    compute = [k for k in range(n) if dag.kinds[k] != BUCKET]
+    kinds = dag.kinds
+    compute = [k for k in range(n) if kinds[k] != BUCKET]
     costs = [0.0] * n
     times = estimator.estimate(graph, [dag.members[k] for k in compute])
+    scale, overhead = float(params.compute_scale), params.kernel_overhead_us
     for k, t in zip(compute, times):
-        costs[k] = params.kernel_us(t or 0.0)
+        costs[k] = float(t or 0.0) * scale + overhead
     for k in range(n):
-        if dag.kinds[k] == BUCKET:
+        if kinds[k] == BUCKET:
             costs[k] = params.bucket_us(allreduce, [graph.gradients[g].nbytes for g in dag.members[k]])
-    position = {k: i for i, k in enumerate(dag.order)}
-    users: list[list[int]] = [[] for _ in range(n)]
+    position = [0] * n
+    for i, k in enumerate(dag.order):
+        position[k] = i
+    users = dag.users
+    if users is None:
+        users = [[] for _ in range(n)]
+        for k, d in enumerate(dag.deps):
+            for p in d:
+                users[p].append(k)
     waiting = [len(d) for d in dag.deps]
-    for k, d in enumerate(dag.deps):
-        for p in d:
-            users[p].append(k)
     ready_at = [0.0] * n
     end = [0.0] * n
     heap = [(0.0, position[k], k) for k in range(n) if waiting[k] == 0 and dag.kinds[k] != BUCKET]
@@ -335,8 +341,10 @@ def simulate(
 
     def release(k: int):
         nonlocal channel_free
+        done = end[k]
         for u in users[k]:
-            ready_at[u] = max(ready_at[u], end[k])
+            if done > ready_at[u]:
+                ready_at[u] = done
             waiting[u] -= 1
             if waiting[u] == 0:
                 if dag.kinds[u] == BUCKET:
@@ -402,7 +410,40 @@ class CostModel:
     sources: dict
     params: SimulatorParams = SimulatorParams()
 
+    def evaluator(self, graph: Graph) -> SimulatedCost:
+        """The search's cost function on `graph` (`SimulatedCost`). The estimators prepare first
+        (`ChainEstimator.warm_up`: the GNN compiles its batch shapes), so the search compiles
+        nothing."""
+        warm_up = getattr(self.estimator, "warm_up", None)
+        if callable(warm_up):
+            warm_up()
+        return SimulatedCost(graph, self)
+
     def simulate(
         self, graph: Graph, strategy: Strategy, record: bool = False, params: SimulatorParams | None = None
     ) -> SimulatedStep | None:
         return simulate(graph, strategy, self.estimator, self.allreduce, params or self.params, record=record)
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatedCost:
+    """A strategy's simulated iteration time, None when it is invalid: `cost(strategy)`, or
+    `cost.many(strategies)` for the candidates of one search step, whose new kernels the
+    estimators then see in one call (the GNN predicts them in one batch)."""
+
+    graph: Graph
+    model: CostModel
+
+    def __call__(self, strategy: Strategy) -> float | None:
+        return self.many([strategy])[0]
+
+    def many(self, strategies: Sequence[Strategy]) -> list[float | None]:
+        graph, model = self.graph, self.model
+        dags = [kernel_dag(graph, s) for s in strategies]
+        kernels = {m: None for d in dags if d is not None for m, kind in zip(d.members, d.kinds) if kind != BUCKET}
+        model.estimator.estimate(graph, list(kernels))  # the estimators cache what they answer
+        out: list[float | None] = []
+        for s, d in zip(strategies, dags):
+            step = None if d is None else simulate(graph, s, model.estimator, model.allreduce, model.params, dag=d)
+            out.append(None if step is None else step.iteration_us)
+        return out

@@ -1,0 +1,204 @@
+"""One search move's change to a strategy, applied and normalized locally (incremental evaluation).
+
+A move copies its parent's groups, homes and *group index* (per op, the groups that hold it) into a
+`StrategyEdit`, changes a few groups through it, and asks it to `normalize`: only what the change
+touched is re-examined, never every group of the strategy:
+
+* groups whose members or homed ops changed are pruned (`prune`: members nothing they export
+  needs are dropped);
+* a group is *dead* when no consumer reads a value from it (every consumer of every op it homes
+  computes that op itself); removing one re-homes its ops and may kill others, so the dead check
+  runs over a worklist: the touched groups and the homes of the producers of every member of a
+  changed group (only their exports can have changed);
+* the exports of those groups are what the backend must be able to emit (`Backend.emittable`): an
+  edit the backend cannot emit is refused there, so moves do not produce such candidates.
+
+A removed group's slot is taken by the last group (swap-remove), so only the ops of two groups are
+re-indexed. `group_index(groups, num_ops)` builds the index from scratch (what the property test
+compares the maintained one with).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from disco_jax._graph import Graph
+
+
+def group_index(groups: Sequence[frozenset[int]], num_ops: int) -> tuple[tuple[int, ...], ...]:
+    """Per op id, the indexes (ascending) of the groups that hold it."""
+    index: list[list[int]] = [[] for _ in range(num_ops)]
+    for gi, g in enumerate(groups):
+        for o in g:
+            index[o].append(gi)
+    return tuple(tuple(x) for x in index)
+
+
+def prune(graph: Graph, group: frozenset[int], homed: Iterable[int]) -> frozenset[int]:
+    """Keep the ops a group exports (homed) and those they need inside the group."""
+    keep, stack = set(), list(homed)
+    while stack:
+        o = stack.pop()
+        if o in keep:
+            continue
+        keep.add(o)
+        stack.extend(v for v in graph.ops[o].operands if v in group)
+    return frozenset(keep) if len(keep) != len(group) else group
+
+
+class StrategyEdit:
+    """Groups, homes and the group index of a strategy being changed, copied from the parent."""
+
+    def __init__(self, graph: Graph, groups: Sequence[frozenset[int]], homes: Sequence[int], index: Sequence[tuple]):
+        self.graph = graph
+        self.groups = list(groups)
+        self.homes = list(homes)
+        self.index = list(index)
+        self.touched: set[int] = set()  # groups whose members or homed ops changed
+        self.changed_ops: set[int] = set()  # members of changed groups (before and after)
+
+    def set_group(self, gi: int, members: frozenset[int]) -> None:
+        old = self.groups[gi]
+        for o in old - members:
+            self.index[o] = tuple(x for x in self.index[o] if x != gi)
+        for o in members - old:
+            self.index[o] = tuple(sorted((*self.index[o], gi)))
+        # Whether a producer's value is read from its home depends on every group its consumers
+        # are in, so every member of a changed group counts as changed.
+        self.changed_ops |= old | members
+        self.groups[gi] = members
+        self.touched.add(gi)
+
+    def add_group(self, members: frozenset[int]) -> int:
+        self.groups.append(frozenset())
+        gi = len(self.groups) - 1
+        self.set_group(gi, members)
+        return gi
+
+    def rehome(self, o: int, gi: int) -> None:
+        self.touched.add(self.homes[o])
+        self.homes[o] = gi
+        self.touched.add(gi)
+
+    def remove_group(self, gi: int, renamed: list[set[int]] = ()) -> None:
+        """Drop an empty group (its ops re-homed first); the last group takes its slot, and the
+        sets in `renamed` (and `touched`) follow the rename."""
+        self.set_group(gi, frozenset())
+        last = len(self.groups) - 1
+        if last != gi:
+            moved = self.groups[last]
+            self.groups[gi] = moved
+            for o in moved:
+                self.index[o] = tuple(sorted(gi if x == last else x for x in self.index[o]))
+                self.changed_ops.add(o)
+                if self.homes[o] == last:
+                    self.homes[o] = gi
+        self.groups.pop()
+        self.touched.discard(gi)
+        for ids in (self.touched, *renamed):
+            if last in ids:
+                ids.discard(last)
+                ids.add(gi)
+            ids.discard(len(self.groups))
+        if last != gi:
+            self.touched.add(gi)
+
+    def homed(self, gi: int) -> list[int]:
+        return [o for o in self.groups[gi] if self.homes[o] == gi]
+
+    def exports(self, gi: int) -> list[int]:
+        """The ops group `gi` hands to kernels that do not compute them themselves
+        (`_strategy.group_exports` for one group)."""
+        graph, groups, index, ops = self.graph, self.groups, self.index, self.graph.ops
+        out = []
+        for o in sorted(self.homed(gi)):
+            for u in graph.consumers(o):
+                if u < 0 or ops[u].kind != "fusible":
+                    out.append(o)
+                    break
+                if not all(o in groups[x] for x in index[u]):
+                    out.append(o)
+                    break
+        return out
+
+    def reaches(self, start: int, target: int, buckets: Sequence[Sequence[int]], limit: int = 4096) -> bool:
+        """Whether group `target` depends on group `start` through some other kernel (a group,
+        an opaque op or an all-reduce): merging the two while the merged kernel hands out
+        `start`'s values would close a cycle. Values produced after `target`'s last op are not
+        followed, nor more than `limit` kernels: a cycle found is certain, one missed is left to
+        `kernel_dag`'s full check."""
+        graph, ops, groups, index, homes = self.graph, self.graph.ops, self.groups, self.index, self.homes
+        last = max(groups[target])
+        bucket_of = {gid: bi for bi, b in enumerate(buckets) for gid in b}
+        seen: set[tuple[str, int]] = {("group", start)}
+        stack = [("group", start)]
+        while stack:
+            kind, k = stack.pop()
+            if kind == "group":
+                values = [o for o in groups[k] if homes[o] == k]
+            elif kind == "opaque":
+                values = [k]
+            else:
+                values = [graph.gradients[gid].reduced for gid in buckets[k]]
+            for v in values:
+                if v > last:
+                    continue
+                for u in graph.consumers(v):
+                    if u < 0:
+                        continue
+                    op = ops[u]
+                    if op.kind == "fusible":
+                        found = [("group", x) for x in index[u] if v not in groups[x]]
+                    elif op.kind == "reduced":
+                        found = [("bucket", bucket_of[op.gradient])]
+                    else:
+                        found = [("opaque", u)]
+                    for node in found:
+                        if node in seen:
+                            continue
+                        if node == ("group", target):
+                            if (kind, k) != ("group", start):
+                                return True
+                            continue
+                        if len(seen) >= limit:
+                            return False
+                        seen.add(node)
+                        stack.append(node)
+        return False
+
+    def normalize(self) -> bool:
+        """Prune the touched groups, remove the groups that became dead, and check that the
+        backend can emit every group whose exports may have changed; False when it cannot."""
+        graph = self.graph
+        for gi in sorted(self.touched):
+            g = self.groups[gi]
+            pruned = prune(graph, g, self.homed(gi))
+            if pruned is not g:
+                self.set_group(gi, pruned)
+        checked: set[int] = set()
+        sources = graph.free_sources
+        while True:
+            checked |= self.touched
+            for u in self.changed_ops:
+                for v in graph.ops[u].operands:
+                    for src in sources[v]:
+                        if graph.ops[src].kind == "fusible":
+                            checked.add(self.homes[src])
+            self.changed_ops.clear()
+            dead = next((gi for gi in sorted(checked) if gi < len(self.groups) and self._dead(gi)), None)
+            if dead is None:
+                break
+            for o in self.homed(dead):
+                self.rehome(o, next(x for x in self.index[o] if x != dead))
+            self.remove_group(dead, [checked])
+        checked = {gi for gi in checked if gi < len(self.groups)}
+        exports = [self.exports(gi) for gi in sorted(checked)]
+        return graph.backend.emittable(graph, None, exports)
+
+    def _dead(self, gi: int) -> bool:
+        """No consumer reads from the group, and each op it homes is held by another group."""
+        if any(len(self.index[o]) < 2 for o in self.homed(gi)):
+            return False
+        return not self.exports(gi)
