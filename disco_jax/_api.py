@@ -182,7 +182,8 @@ def optimize_distributed(
     plan_dir: str | os.PathLike | None = None,
     validation_pairs: int = 20,
     measured_candidates: int = 4,
-    weight_update: str = "replicated",
+    weight_update: str = "search",
+    memory_limit_bytes: int | None = None,
     verbose: bool = True,
     **kwargs,
 ):
@@ -206,13 +207,12 @@ def optimize_distributed(
     (the fastest goes to validation; 0: the search's best, unmeasured). verbose: progress and the
     summary on stderr (the `disco_jax` logger gets them either way).
 
-    weight_update: "replicated" (default): every device updates the whole optimizer state, as XLA's
-    data-parallel step does. "sharded": `jax.jit` steps keep their optimizer state (leaves read
-    from the jaxpr: replicated, updated elementwise, a dimension the data axis divides) sharded
-    over the data axis; each device updates its slice and the parameters are all-gathered
-    (README "Sharded weight update"); where no leaf qualifies (e.g. `shard_map` steps) one
-    warning and the replicated update. "search": the per-parameter choice of the search, not
-    implemented yet: for now the same as "replicated" (the report says so)."""
+    weight_update: "search" (default): the search decides per parameter group between XLA's
+    replicated update and the sharded one (README "Sharded weight update"), the sharded one kept
+    only when measured faster or needed to fit `memory_limit_bytes` (per device; None: no limit).
+    "sharded": `jax.jit` steps keep their optimizer state sharded over the data axis, each device
+    updating its slice (one warning and the replicated update where no leaf qualifies, e.g. a
+    `shard_map` step). "replicated": every device updates the whole optimizer state."""
     if search not in (None, True, False):
         raise TypeError(f"search must be None, True or False, got {search!r}")
     overrides = {k: kwargs.pop(k) for k in _SEARCH_PARAMETERS if k in kwargs}
@@ -224,6 +224,7 @@ def optimize_distributed(
         verbose=verbose,
         measured_candidates=measured_candidates,
         weight_update=weight_update,
+        memory_limit_bytes=memory_limit_bytes,
     )
     jit_kwargs = kwargs
 

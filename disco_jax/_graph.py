@@ -30,6 +30,7 @@ import re
 from typing import TYPE_CHECKING
 
 from disco_jax import _hlo
+from disco_jax.cost.allreduce import COLLECTIVES
 from disco_jax.cost.work import ELEMENTWISE, Work, op_work
 
 if TYPE_CHECKING:
@@ -124,6 +125,18 @@ class Graph:
     def opaque_kernels(self) -> list[frozenset[int]]:
         """One kernel per opaque op, in `opaque_ops` order (the same objects every time)."""
         return [frozenset([o]) for o in self.opaque_ops]
+
+    @functools.cached_property
+    def collective_ops(self) -> dict[int, tuple[str, int]]:
+        """Opaque collectives: op id -> (collective, per-device bytes of its larger side; '-done': 0)."""
+        out = {}
+        for o in self.opaque_ops:
+            op = self.ops[o]
+            name = op.opcode.removesuffix("-start").removesuffix("-done")
+            if name in COLLECTIVES:
+                moved = max(op.output_bytes, sum(self.ops[i].output_bytes for i in op.operands))
+                out[o] = (name, 0 if op.opcode.endswith("-done") else moved)
+        return out
 
     @functools.cached_property
     def op_work(self) -> list[Work]:

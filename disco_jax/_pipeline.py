@@ -29,7 +29,7 @@ from disco_jax._console import Ui
 from disco_jax._profiling import calibrate, profile
 from disco_jax._strategy import Strategy
 from disco_jax.cost import CostModel
-from disco_jax.sharding import update
+from disco_jax.sharding import choice, update
 
 ENABLE_SEARCH_ENV = "ENABLE_SEARCH"
 
@@ -52,18 +52,22 @@ class Options:
     `measured_candidates`: distinct candidates per round the measured search (`_tuning`) compiles
     and times against XLA's plan before one goes to validation (0: validate the search's best);
     `weight_update`: 'sharded' keeps the optimizer state sharded over the data axis
-    (`disco_jax.sharding.update`), 'replicated' is XLA's data-parallel update, 'search' is
-    'replicated' until the search makes the per-parameter choice."""
+    (`disco_jax.sharding.update`), 'replicated' is XLA's data-parallel update, 'search' chooses
+    per parameter group (`disco_jax.sharding.choice`) within `memory_limit_bytes` per device."""
 
     search: _search.SearchConfig = _search.SearchConfig()
     plan_dir: str | None = None
     validation_pairs: int = 20
     verbose: bool = True
     measured_candidates: int = 4
-    weight_update: str = "replicated"
+    weight_update: str = "search"
+    memory_limit_bytes: int | None = None
 
     def __post_init__(self):
         update.check_weight_update(self.weight_update)
+        limit = self.memory_limit_bytes
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
+            raise ValueError(f"memory_limit_bytes must be a positive integer or None, got {limit!r}")
         if not isinstance(self.measured_candidates, int) or self.measured_candidates < 0:
             raise ValueError(f"measured_candidates must be a non-negative integer, got {self.measured_candidates!r}")
 
@@ -138,36 +142,54 @@ def prepare(
         report.reason = "unsupported backend"
         return fn
     step = capture(fn.lower(*args, **kwargs), backend, dynamic_args, dynamic_kwargs)
-    layout = None
+    layout, costs = None, None
     if options.weight_update == "sharded":  # the program to optimize is the step lowered again
         step, layout, report.weight_update = update.sharded_step(fn, step, args, kwargs, backend, search, stacklevel=6)
+    elif options.weight_update == "search" and step.graph.gradients:
+        agree(step, report)  # before anything collective
+        if search:
+            costs = profiled(step, options, ui)
+            chosen, layout, report.weight_update = choice.choose(
+                fn, step, args, kwargs, backend, costs[0], options.memory_limit_bytes, options.validation_pairs, ui
+            )
+            if layout is not None:
+                if jax.process_index() == 0:
+                    store(choice.decision_plan(step, report.weight_update), {}, options.plan_dir)
+                step, costs = chosen, None
+        else:
+            step, layout, report.weight_update = choice.recall(fn, step, args, kwargs, backend, options.plan_dir)
     else:
-        reason = "the search does not choose the weight update yet" if options.weight_update == "search" else None
-        report.weight_update = {"mode": "replicated", "requested": options.weight_update, "reason": reason}
-    run = _phase(step, options, search, report, ui)
+        report.weight_update = {"mode": "replicated", "requested": options.weight_update, "reason": None}
+    run = _phase(step, options, search, report, ui, costs)
     return run if layout is None else update.Resharding(run, layout)
 
 
-def _phase(step: Captured, options: Options, search: bool, report: StepReport, ui: Ui) -> Any:
-    """Capture done: check that the processes agree, then the search or the enact phase."""
-    graph = step.graph
-    report.fingerprint, report.module, report.graph = graph.fingerprint, graph.module.name, graph.summary()
-    report.default_counts = compiled_stats(step.default_compiled.as_text())
+def agree(step: Captured, report: StepReport) -> None:
+    """Before anything collective runs: with several processes, every process must hold the same
+    program, machine, versions and phase, or all of them fail here with one message."""
     if _distributed.is_multiprocess():
-        # Before anything collective runs: every process must hold the same program, machine,
-        # versions and phase, or all of them fail here with one message.
         step.scope = _distributed.new_scope("step")
         report.process_index = jax.process_index()
         _distributed.agree(
             f"{step.scope}/program",
-            {"fingerprint": graph.fingerprint, "phase": report.phase, **dataclasses.asdict(step.machine)},
+            {"fingerprint": step.graph.fingerprint, "phase": report.phase, **dataclasses.asdict(step.machine)},
         )
+
+
+def _phase(step: Captured, options: Options, search: bool, report: StepReport, ui: Ui, costs=None) -> Any:
+    """Capture done: check that the processes agree, then the search or the enact phase.
+    `costs`: the step's cost model and profile database, where the weight-update choice built them."""
+    graph = step.graph
+    report.fingerprint, report.module, report.graph = graph.fingerprint, graph.module.name, graph.summary()
+    report.default_counts = compiled_stats(step.default_compiled.as_text())
+    if costs is None:
+        agree(step, report)
     if not graph.gradients:
         ui.say(f"{graph.module.name}: no all-reduce in the step, nothing to optimize; running it unmodified")
         report.reason = "no collectives"
         return step.default_compiled
     if search:
-        return search_phase(step, options, report, ui)
+        return search_phase(step, options, report, ui, costs)
     return enact_phase(step, options, report, ui)
 
 
@@ -185,10 +207,9 @@ def store_kernel_times(database: _profile_store.ProfileDatabase, machine, times:
         warnings.warn(f"disco-jax: could not store the measured kernel times: {e}", stacklevel=2)
 
 
-def search_phase(step: Captured, options: Options, report: StepReport, ui: Ui) -> Any:
+def profiled(step: Captured, options: Options, ui: Ui) -> tuple[CostModel, _profile_store.ProfileDatabase]:
+    """The step's cost model (its kernels profiled, the simulator calibrated) and the profile database."""
     graph, machine = step.graph, step.machine
-    leader = jax.process_index() == 0
-    report.search_ran = leader
     default_runner = step.runner(step.default_compiled)
     ui.say(
         f"{graph.module.name}: profiling {len(graph.ops)} ops, {len(graph.gradients)} gradients "
@@ -199,6 +220,15 @@ def search_phase(step: Captured, options: Options, report: StepReport, ui: Ui) -
     cost_model.sources["calibration"] = calibrate(
         cost_model, step, default_runner, options.validation_pairs, ui
     ).to_json()
+    return cost_model, database
+
+
+def search_phase(step: Captured, options: Options, report: StepReport, ui: Ui, costs=None) -> Any:
+    graph, machine = step.graph, step.machine
+    leader = jax.process_index() == 0
+    report.search_ran = leader
+    default_runner = step.runner(step.default_compiled)
+    cost_model, database = costs or profiled(step, options, ui)
     default = _strategy.xla_default(graph)
     sim_default = cost_model.simulate(graph, default, record=True)
     best, search_info, result, tuned = default, {}, None, None

@@ -89,16 +89,7 @@ def measure_allreduce_cost(
             baseline.call_us()
             chained.call_us()
         programs.append(((4 * elements, count), chained, baseline))
-    samples: dict[tuple[int, int], list[float]] = {key: [] for key, _, _ in programs}
-    per_round = [repeats // rounds + (1 if r < repeats % rounds else 0) for r in range(rounds)]
-    for n in per_round:
-        for key, chained, baseline in programs:
-            for i in range(n):  # interleaved, alternating which goes first
-                if i % 2:
-                    c, b = chained.call_us(), baseline.call_us()
-                else:
-                    b, c = baseline.call_us(), chained.call_us()
-                samples[key].append((c - b) / chained.links)
+    samples = _chain_samples(programs, repeats, rounds)
     model = fit_allreduce_samples({b: v for (b, count), v in samples.items() if count == 1})
     if tensors > 1:
         variadic = samples[(4 * smallest, tensors)]
@@ -109,6 +100,55 @@ def measure_allreduce_cost(
     return model, points
 
 
+def measure_scatter_gather_cost(
+    mesh: jax.sharding.Mesh,
+    *,
+    sizes_bytes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES[::2],
+    repeats: int = 6,
+    warmup: int = 2,
+    chain: int = 2,
+    rounds: int = 3,
+) -> tuple[tuple[float, float], list[tuple[int, float]]]:
+    """The line (per_byte_us, latency_us) of one reduce-scatter or all-gather of a float32 tensor
+    of each size (bytes: the whole tensor, the reduce-scatter's input and the all-gather's
+    output), for `AllReduceCostModel.scatter_gather`: measured as `measure_allreduce_cost`
+    measures all-reduces, on chains of reduce-scatter + all-gather pairs (each pair's time split
+    evenly: a ring sends the same bytes in both), and the (bytes, median us) of each size.
+    Sizes are rounded down to whole float32 elements a multiple of the device count."""
+    if repeats < 1 or chain < 1 or rounds < 1:
+        raise ValueError(f"repeats, chain and rounds must be >= 1, got {repeats}, {chain}, {rounds}")
+    programs = []
+    for b in sizes_bytes:
+        elements = max(1, int(b) // 4 // mesh.size) * mesh.size
+        links = _links(chain, 4 * elements)
+        chained = _AllReduceChain(mesh, elements, links=links, collective="scatter-gather")
+        baseline = _AllReduceChain(mesh, elements, links=0, collective="scatter-gather")
+        for _ in range(warmup):
+            baseline.call_us()
+            chained.call_us()
+        programs.append(((4 * elements, 1), chained, baseline))
+    samples = _chain_samples(programs, repeats, rounds)
+    model = fit_allreduce_samples({b: [t / 2 for t in v] for (b, _), v in samples.items()})
+    points = [(b, max(0.0, statistics.median(v) / 2)) for (b, _), v in sorted(samples.items())]
+    return (model.per_byte_us, model.latency_us), points
+
+
+def _chain_samples(programs: list, repeats: int, rounds: int) -> dict[tuple[int, int], list[float]]:
+    """Per program key, `repeats` samples of (chained - baseline) / links: interleaved pairs,
+    alternating which goes first, in `rounds` passes over all programs."""
+    samples: dict[tuple[int, int], list[float]] = {key: [] for key, _, _ in programs}
+    per_round = [repeats // rounds + (1 if r < repeats % rounds else 0) for r in range(rounds)]
+    for n in per_round:
+        for key, chained, baseline in programs:
+            for i in range(n):
+                if i % 2:
+                    c, b = chained.call_us(), baseline.call_us()
+                else:
+                    b, c = baseline.call_us(), chained.call_us()
+                samples[key].append((c - b) / chained.links)
+    return samples
+
+
 def _links(chain: int, nbytes: int) -> int:
     """All-reduces per call for a size: `chain`, times up to 8 for sizes below 1 MiB, so that a
     small all-reduce's time stands out of the call's own jitter (over gloo, about a millisecond)."""
@@ -117,26 +157,32 @@ def _links(chain: int, nbytes: int) -> int:
 
 class _AllReduceChain:
     """A compiled program: `links` dependent psums of `tensors` float32[elements] buffers on every
-    device (XLA combines the psums of one link into one variadic all-reduce).
+    device (XLA combines the psums of one link into one variadic all-reduce); with
+    `collective="scatter-gather"`, a reduce-scatter then an all-gather per link.
 
     Each link is psum, then overwrite element 0 with a device-varying value. The overwrite keeps
     XLA from proving the next psum's input replicated (it would turn that psum into a multiply)
     and costs O(1). The buffers are donated and fed back, so calls reuse memory as a step would.
     """
 
-    def __init__(self, mesh: jax.sharding.Mesh, elements: int, links: int, tensors: int = 1):
+    def __init__(self, mesh: jax.sharding.Mesh, elements: int, links: int, tensors: int = 1, collective="all-reduce"):
         axes = tuple(mesh.axis_names)
         spec = PartitionSpec(axes)
         self.links = links
 
+        def reduce(x):
+            if collective == "all-reduce":
+                return lax.psum(x, axes)
+            return lax.all_gather(lax.psum_scatter(x, axes, tiled=True), axes, tiled=True)
+
         def allreduce_chain(xs):
             seed = jnp.minimum(xs[0][:1], 0.0)
             for _ in range(links):
-                xs = lax.psum(xs, axes)
+                xs = tuple(reduce(x) for x in xs)
                 xs = tuple(lax.dynamic_update_slice(x, seed, (0,)) for x in xs)
             return xs
 
-        allreduce_chain.__name__ = f"disco_allreduce_chain_{links}x{tensors}x{4 * elements}b"
+        allreduce_chain.__name__ = f"disco_{collective.replace('-', '')}_chain_{links}x{tensors}x{4 * elements}b"
         program = jax.shard_map(allreduce_chain, mesh=mesh, in_specs=spec, out_specs=spec)
         sharding = NamedSharding(mesh, spec)
         self.buffer = tuple(

@@ -207,19 +207,6 @@ def test_bad_weight_update_values_raise(value):
         optimize_distributed(weight_update=value)
 
 
-def test_search_is_the_replicated_update_until_the_search_chooses():
-    step, args = make_step("jit", optimizer=optax.adam(1e-2))
-    wrapped = optimize_distributed(search=False, weight_update="search", **FAST)(step)
-    with pytest.warns(_plan.PlanWarning):
-        out = wrapped(*args)
-    assert wrapped.last_report.weight_update == {
-        "mode": "replicated",
-        "requested": "search",
-        "reason": "the search does not choose the weight update yet",
-    }
-    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(out[1]))
-
-
 def test_a_fusion_and_bucketing_plan_is_enacted_on_the_sharded_module(tmp_path):
     """The HLO pass rewrites the re-lowered module: a plan with one all-reduce per gradient, made
     for the sharded program, is applied and the parameters are still all-gathered."""

@@ -30,6 +30,28 @@ class AllReduceCost(Protocol):
     def to_json(self) -> dict: ...
 
 
+# Collectives the simulator puts on the communication channel besides the gradient buckets.
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+
+
+def collective_time_us(cost: AllReduceCost, collective: str, nbytes: int | float) -> float:
+    """One collective moving a tensor of `nbytes` per device (the larger of its input and output:
+    a reduce-scatter's input, an all-gather's output): the cost's own `collective_time_us` where
+    it has one, else from its all-reduce line as a ring runs it. A ring all-reduce is a
+    reduce-scatter then an all-gather of the same bytes, so each of those (and an all-to-all or a
+    collective-permute, which send each byte once) costs the line's latency plus half its
+    per-byte time. That is also the cluster formula (`eval.clusters.ClusterAllReduce`): half the
+    ring or hierarchical transfer, with the all-reduce's latency (an overestimate by the ring's
+    steps, which only small tensors notice)."""
+    own = getattr(cost, "collective_time_us", None)
+    if own is not None:
+        return float(own(collective, nbytes))
+    if collective == "all-reduce":
+        return float(cost.time_us(nbytes))
+    latency = float(cost.time_us(0))
+    return latency + (float(cost.time_us(nbytes)) - latency) / 2
+
+
 def bucket_time_us(cost: AllReduceCost, tensor_bytes: Sequence[int | float]) -> float:
     """One all-reduce of several tensors: the cost's own `bucket_time_us` where it has one (a cost
     that depends on how many tensors are combined), else `time_us` of their total bytes."""
@@ -47,15 +69,28 @@ class AllReduceCostModel:
     whole latency, as NCCL's does on a flat buffer; about D on XLA:CPU, which all-reduces the
     operands one at a time). `spread`, when the fit had repeated measurements: how far the fit
     moves over them (`fit_allreduce_samples`); not part of the model's identity.
+    `scatter_gather`: the line (per_byte_us, latency_us) of one reduce-scatter or all-gather
+    (bytes: the whole tensor), fitted to measured pairs of them
+    (`disco_jax._profile.measure_scatter_gather_cost`); None: half the all-reduce's per-byte time.
     """
 
     per_byte_us: float
     latency_us: float
     spread: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False, hash=False)
     per_tensor_us: float = 0.0
+    scatter_gather: tuple[float, float] | None = None
 
     def time_us(self, nbytes: int | float) -> float:
         return self.per_byte_us * float(nbytes) + self.latency_us
+
+    def collective_time_us(self, collective: str, nbytes: int | float) -> float:
+        """One collective of a tensor of `nbytes` per device (`collective_time_us` above)."""
+        if collective == "all-reduce":
+            return self.time_us(nbytes)
+        if self.scatter_gather is not None:
+            per_byte, latency = self.scatter_gather
+            return per_byte * float(nbytes) + latency
+        return self.latency_us + self.per_byte_us * float(nbytes) / 2
 
     def bucket_time_us(self, tensor_bytes: Sequence[int | float]) -> float:
         """One all-reduce of several tensors (bytes of each, per device)."""
@@ -67,6 +102,8 @@ class AllReduceCostModel:
             out["per_tensor_us"] = float(self.per_tensor_us)
         if self.spread is not None:
             out["spread"] = dict(self.spread)
+        if self.scatter_gather is not None:
+            out["scatter_gather"] = {"per_byte_us": self.scatter_gather[0], "latency_us": self.scatter_gather[1]}
         return out
 
     @classmethod
@@ -76,6 +113,11 @@ class AllReduceCostModel:
             latency_us=float(d["latency_us"]),
             spread=d.get("spread"),
             per_tensor_us=float(d.get("per_tensor_us", 0.0)),
+            scatter_gather=(
+                (float(d["scatter_gather"]["per_byte_us"]), float(d["scatter_gather"]["latency_us"]))
+                if d.get("scatter_gather")
+                else None
+            ),
         )
 
 

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from disco_jax._strategy import BUCKET, GROUP, KernelDag, Strategy, kernel_dag
-from disco_jax.cost.allreduce import AllReduceCost, bucket_time_us
+from disco_jax._strategy import BUCKET, GROUP, OPAQUE, KernelDag, Strategy, kernel_dag
+from disco_jax.cost.allreduce import AllReduceCost, bucket_time_us, collective_time_us
 from disco_jax.cost.estimators import ChainEstimator, Estimator
 
 if TYPE_CHECKING:
@@ -304,7 +304,9 @@ def simulate(
     """DisCo's simulator: a ready queue of compute kernels on one stream in dependency order;
     all-reduces on one channel in the order their gradients are produced, each starting when its
     last gradient is ready and the channel is free (and holding the compute stream for
-    `params.comm_blocking` of its time). A compute kernel costs `params.kernel_us` of its
+    `params.comm_blocking` of its time). The program's other collectives (`Graph.collective_ops`:
+    the all-gathers and reduce-scatters of a sharded weight update) share that channel, costed by
+    `collective_time_us`. A compute kernel costs `params.kernel_us` of its
     estimate; the step's fixed cost `params.step_overhead_us` is added to the iteration time (and
     to the full-overlap bound; not to compute time). None if the strategy is invalid."""
     dag = dag or kernel_dag(graph, strategy)
@@ -312,7 +314,12 @@ def simulate(
         return None
     n = len(dag.kinds)
     kinds = dag.kinds
-    compute = [k for k in range(n) if kinds[k] != BUCKET]
+    collectives = graph.collective_ops
+    comm = [kind == BUCKET for kind in kinds]
+    if collectives:
+        for k in range(n):
+            comm[k] = comm[k] or (kinds[k] == OPAQUE and next(iter(dag.members[k])) in collectives)
+    compute = [k for k in range(n) if not comm[k]]
     costs = [0.0] * n
     times = estimator.estimate(graph, [dag.members[k] for k in compute])
     scale, overhead = float(params.compute_scale), params.kernel_overhead_us
@@ -321,6 +328,8 @@ def simulate(
     for k in range(n):
         if kinds[k] == BUCKET:
             costs[k] = params.bucket_us(allreduce, [graph.gradients[g].nbytes for g in dag.members[k]])
+        elif comm[k]:
+            costs[k] = collective_time_us(allreduce, *collectives[next(iter(dag.members[k]))])
     position = [0] * n
     for i, k in enumerate(dag.order):
         position[k] = i
@@ -333,11 +342,11 @@ def simulate(
     waiting = [len(d) for d in dag.deps]
     ready_at = [0.0] * n
     end = [0.0] * n
-    heap = [(0.0, position[k], k) for k in range(n) if waiting[k] == 0 and dag.kinds[k] != BUCKET]
+    heap = [(0.0, position[k], k) for k in range(n) if waiting[k] == 0 and not comm[k]]
     heapq.heapify(heap)
     stream_free = channel_free = 0.0
     events = []
-    comm_queue = [k for k in range(n) if waiting[k] == 0 and dag.kinds[k] == BUCKET]
+    comm_queue = [k for k in range(n) if waiting[k] == 0 and comm[k]]
 
     def release(k: int):
         nonlocal channel_free
@@ -347,7 +356,7 @@ def simulate(
                 ready_at[u] = done
             waiting[u] -= 1
             if waiting[u] == 0:
-                if dag.kinds[u] == BUCKET:
+                if comm[u]:
                     start = max(channel_free, ready_at[u])
                     end[u] = channel_free = start + costs[u]
                     if record:
@@ -376,7 +385,7 @@ def simulate(
             events.append(("compute", _label(graph, dag, k), start, end[k]))
         release(k)
     compute_us = sum(costs[k] for k in compute)
-    comm_us = sum(costs[k] for k in range(n) if dag.kinds[k] == BUCKET)
+    comm_us = sum(costs[k] for k in range(n) if comm[k])
     iteration = max(stream_free, channel_free)
     hidden = max(0.0, compute_us + comm_us - iteration) if comm_us else 0.0
     return SimulatedStep(

@@ -155,6 +155,25 @@ class Layout:
     inputs: dict[int, P]
     outputs: dict[int, P]
     paths: dict[int, str]
+    # The choice's units (`weight_update="search"`): input leaves that are updated together (they
+    # meet in some output, as a parameter's Adam moments do), and per sharded output the inputs
+    # it is computed from. Sharding a union of groups keeps every such output's inputs alike.
+    groups: tuple[tuple[int, ...], ...] = ()
+    sources: dict[int, frozenset] = dataclasses.field(default_factory=dict)
+
+    def subset(self, leaves) -> Layout:
+        """This layout with only the input leaves `leaves` (a union of `groups`) sharded."""
+        keep = set(leaves)
+        outputs = {j: spec for j, spec in self.outputs.items() if self.sources.get(j, frozenset()) <= keep}
+        groups = tuple(g for g in self.groups if set(g) <= keep)
+        pick = lambda d: {i: v for i, v in d.items() if i in keep}  # noqa: E731
+        return dataclasses.replace(
+            self, inputs=pick(self.inputs), outputs=outputs, paths=pick(self.paths), groups=groups
+        )
+
+    def state_bytes(self, avals: dict[int, Any]) -> int:
+        """Per-device bytes of the sharded leaves (`avals`: index -> aval of every input leaf)."""
+        return sum(math.prod(avals[i].shape) * avals[i].dtype.itemsize // self.num_shards for i in self.inputs)
 
     def to_json(self) -> dict:
         return {
@@ -211,6 +230,7 @@ def find_layout(
     state, updated = choose_layout(jaxpr, inputs, outputs, replicated, num_shards)
     if not state:
         return None, "no replicated optimizer state updated elementwise with a dimension divisible by the data axis"
+    origins = elementwise_origins(jaxpr, [frozenset({i}) for i in range(len(inputs))], set())
     return Layout(
         mesh,
         axis,
@@ -218,7 +238,19 @@ def find_layout(
         {i: spec_for(inputs[i].shape, axis, num_shards) for i in state},
         {j: spec_for(outputs[j].shape, axis, num_shards) for j in updated},
         {i: jax.tree_util.keystr(with_paths[i][0]) for i in state},
+        leaf_groups(origins, state),
+        {j: origins[j] for j in updated},
     ), f"{len(state)} optimizer-state leaves sharded {num_shards} ways over {axis!r}"
+
+
+def leaf_groups(origins: list[frozenset], state: list[int]) -> tuple[tuple[int, ...], ...]:
+    """The state leaves joined whenever some output is computed from several of them."""
+    group = {i: frozenset({i}) for i in state}
+    for labels in origins:
+        members = frozenset().union(*(group[i] for i in labels if i in group))
+        for i in members:
+            group[i] = members
+    return tuple(sorted({tuple(sorted(g)) for g in group.values()}))
 
 
 def _jit_options(info) -> dict:
@@ -332,18 +364,18 @@ def sharded_step(fn, step: Captured, args: tuple, kwargs: dict, backend, check: 
         cited = {name: str(rules.require(name)) for name in JUSTIFYING_RULES}
     except rules.RuleNotProven as e:
         return step, None, not_applicable(f"the rule it rests on is not proven here ({e})", stacklevel + 1)
-    lowered, (dynamic_args, dynamic_kwargs) = relower(
-        fn, layout, args, kwargs, (step.args, step.kwargs), step.default_compiled
-    )
-    sharded = capture(lowered, backend, dynamic_args, dynamic_kwargs)
-    leaves = jax.tree.leaves((step.args, step.kwargs))
-    held = {i: jax.typeof(x) for i, x in enumerate(leaves) if input_shardings[i].is_fully_replicated}
+    sharded = relowered(fn, step, layout, args, kwargs, backend)
+    held = held_leaves(step)
     info = {
         "mode": "sharded",
         "requested": "sharded",
         "reason": reason,
         **layout.to_json(),
         "rules": cited,
+        "state_bytes_per_device": {
+            "replicated": layout.state_bytes(held) * layout.num_shards,
+            "sharded": layout.state_bytes(held),
+        },
         "memory": {
             "replicated": memory(step.default_compiled, held),
             "sharded": memory(sharded.default_compiled, held),
@@ -354,15 +386,36 @@ def sharded_step(fn, step: Captured, args: tuple, kwargs: dict, backend, check: 
         },
     }
     if check:
-        reference = _distributed.addressable(step.runner(step.default_compiled)())
-        nudged_args, nudged_kwargs = _validate.nudge((step.args, step.kwargs))
-        floor = _validate.sensitivity(
-            reference, _distributed.addressable(step.runner(step.default_compiled, nudged_args, nudged_kwargs)())
-        )
-        out = _distributed.addressable(sharded.runner(sharded.default_compiled)())
-        comparison = _validate.compare_outputs(reference, out, bitwise=False, floor=floor)
+        comparison = check_outputs(step, sharded)
         info["check"] = dataclasses.asdict(comparison)
         if not comparison.within_tolerance:
             reason = f"its outputs differ from the replicated update's, max abs error {comparison.max_abs_error:.3g}"
             return step, None, not_applicable(reason, stacklevel + 1)
     return sharded, layout, info
+
+
+def relowered(fn, step: Captured, layout: Layout, args: tuple, kwargs: dict, backend) -> Captured:
+    """The program of `step` lowered again with `layout` (`relower`), captured."""
+    lowered, (dynamic_args, dynamic_kwargs) = relower(
+        fn, layout, args, kwargs, (step.args, step.kwargs), step.default_compiled
+    )
+    return capture(lowered, backend, dynamic_args, dynamic_kwargs)
+
+
+def held_leaves(step: Captured) -> dict[int, Any]:
+    """Index -> aval of the input leaves the replicated step holds whole on every device."""
+    shardings = jax.tree.leaves(step.default_compiled.input_shardings)
+    leaves = jax.tree.leaves((step.args, step.kwargs))
+    return {i: jax.typeof(x) for i, x in enumerate(leaves) if shardings[i].is_fully_replicated}
+
+
+def check_outputs(step: Captured, sharded: Captured) -> _validate.Comparison:
+    """The sharded program's outputs against the replicated one's, within the validation
+    tolerance (a reduce-scatter may sum in another order than an all-reduce: not bitwise)."""
+    reference = _distributed.addressable(step.runner(step.default_compiled)())
+    nudged_args, nudged_kwargs = _validate.nudge((step.args, step.kwargs))
+    floor = _validate.sensitivity(
+        reference, _distributed.addressable(step.runner(step.default_compiled, nudged_args, nudged_kwargs)())
+    )
+    out = _distributed.addressable(sharded.runner(sharded.default_compiled)())
+    return _validate.compare_outputs(reference, out, bitwise=False, floor=floor)

@@ -1,0 +1,204 @@
+"""`weight_update="search"`: which optimizer-state leaves to shard, chosen by the simulator, held
+to a per-device memory limit, and measured before it is applied.
+
+The units of the choice are `Layout.groups` (a parameter's optimizer-state leaves, which are
+updated together). The candidates are programs: the replicated step, the step with every group
+sharded and, under a memory limit, the step with the largest groups sharded until it fits
+(`leaf_sets`). Each is lowered again and captured (`update.relowered`), its per-device footprint
+read from its compiled executable, and its XLA plan simulated with the replicated step's cost
+model: the sharded update's all-gathers and reduce-scatters go on the communication channel at
+the measured scatter/gather line (`_profile.measure_scatter_gather_cost`), its update kernels
+cost what the estimator says for their 1/N shapes. The cheapest candidate within the limit wins;
+a sharded winner is then run against the replicated step (outputs within tolerance, interleaved
+timing by the acceptance rule) and kept only when measured faster, or when the limit leaves no
+other choice. The decision is stored in the replicated program's plan (`decision_plan`), which
+the enact phase reads back (`recall`) to lower the same program again without searching.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+
+from disco_jax import _distributed, _plan, _profile, _strategy, _validate
+from disco_jax._compile import Captured
+from disco_jax.sharding import rules, update
+
+# Memory-analysis fields a program's per-device footprint adds up (aliased bytes counted once).
+FOOTPRINT = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")
+
+
+def footprint(figures: dict) -> int | None:
+    """Per-device bytes an executable needs (arguments + outputs + temporaries - aliased), from
+    `update.memory`'s figures; None where the backend reports no memory analysis."""
+    if not all(f in figures for f in FOOTPRINT):
+        return None
+    return sum(figures[f] for f in FOOTPRINT) - figures.get("alias_size_in_bytes", 0)
+
+
+def leaf_sets(layout: update.Layout, held: dict, memory_limit: int | None, replicated_bytes: int | None) -> list:
+    """The candidates' sharded leaves: none, all and, under a limit the replicated program
+    exceeds, the largest groups (by state bytes) until the bytes they save would bring it within."""
+    groups = sorted(layout.groups, key=lambda g: -layout.subset(g).state_bytes(held))
+    sets = [(), tuple(i for g in groups for i in g)]
+    if memory_limit is not None and replicated_bytes is not None and replicated_bytes > memory_limit:
+        saved, chosen = 0, []
+        for g in groups[:-1]:
+            chosen += g
+            saved += layout.subset(g).state_bytes(held) * (layout.num_shards - 1)
+            if replicated_bytes - saved <= memory_limit:
+                sets.insert(1, tuple(chosen))
+                break
+    return sets
+
+
+@dataclasses.dataclass
+class Candidate:
+    leaves: tuple[int, ...]
+    step: Captured
+    layout: update.Layout | None
+    memory: dict
+    simulated_us: float | None = None
+
+    @property
+    def label(self) -> str:
+        if self.layout is None:
+            return "replicated"
+        return f"sharded ({len(self.layout.groups)} groups, {len(self.leaves)} leaves)"
+
+    def to_json(self, full: update.Layout, held: dict, limit: int | None) -> dict:
+        """What the plan records of it; `full`: the layout with every shardable leaf."""
+        size = footprint(self.memory)
+        state = full.state_bytes(held) * full.num_shards
+        if self.layout is not None:
+            state -= self.layout.state_bytes(held) * (full.num_shards - 1)
+        return {
+            "label": self.label,
+            "leaves": [] if self.layout is None else sorted(self.layout.paths.values()),
+            "state_bytes_per_device": state,
+            "params_and_state_bytes_per_device": self.memory.get("params_and_state_bytes_per_device"),
+            "footprint_bytes": size,
+            "within_limit": None if limit is None or size is None else size <= limit,
+            "simulated_us": self.simulated_us,
+            "collectives": update.collectives(self.step.default_compiled.as_text()),
+        }
+
+
+def choose(
+    fn, step: Captured, args: tuple, kwargs: dict, backend, cost_model, memory_limit: int | None, pairs: int, ui
+):
+    """(program, its `Layout` or None, what the plan records) for `weight_update="search"`."""
+    info: dict[str, Any] = {"requested": "search", "memory_limit_bytes": memory_limit}
+    input_shardings = jax.tree.leaves(step.default_compiled.input_shardings)
+    layout, reason = update.find_layout(fn, args, kwargs, step.args, step.kwargs, input_shardings)
+    if layout is not None:
+        try:
+            info["rules"] = {name: str(rules.require(name)) for name in update.JUSTIFYING_RULES}
+        except rules.RuleNotProven as e:
+            layout, reason = None, f"the rule it rests on is not proven here ({e})"
+    held = update.held_leaves(step)
+    replicated = Candidate((), step, None, update.memory(step.default_compiled, held))
+    if layout is None:
+        return step, None, {**info, "mode": "replicated", "reason": reason, **_limit_check(replicated, memory_limit)}
+    candidates = [replicated]
+    for leaves in leaf_sets(layout, held, memory_limit, footprint(replicated.memory))[1:]:
+        sub = layout.subset(leaves)
+        program = update.relowered(fn, step, sub, args, kwargs, backend)
+        candidates.append(Candidate(leaves, program, sub, update.memory(program.default_compiled, held)))
+    ui.say(f"weight update: simulating {len(candidates)} candidates (replicated, sharded over {layout.axis!r})")
+    mesh = jax.sharding.Mesh(np.array(step.devices), ("all",))
+    line, points = _profile.measure_scatter_gather_cost(mesh)  # a collective: every process runs it
+    model = dataclasses.replace(cost_model, allreduce=dataclasses.replace(cost_model.allreduce, scatter_gather=line))
+    info["scatter_gather"] = {"per_byte_us": line[0], "latency_us": line[1], "points": points}
+    for c in candidates:
+        simulated = model.simulate(c.step.graph, _strategy.xla_default(c.step.graph))
+        c.simulated_us = None if simulated is None else simulated.iteration_us
+    fits = [c for c in candidates if memory_limit is None or (footprint(c.memory) or 0) <= memory_limit]
+    forced = memory_limit is not None and replicated not in fits
+    if not fits:
+        warnings.warn(
+            f"disco-jax: no weight update fits the memory limit of {memory_limit} bytes per device; "
+            "using the one that needs least",
+            UserWarning,
+            stacklevel=6,
+        )
+        fits = [min(candidates, key=lambda c: footprint(c.memory) or 0)]
+    best = min(fits, key=lambda c: (c.simulated_us is None, c.simulated_us or 0.0))
+    if step.scope is not None:  # process 0's choice, so that every process runs the same program
+        best = candidates[_distributed.broadcast_json(f"{step.scope}/weight-update", candidates.index(best))]
+    info["candidates"] = [c.to_json(layout, held, memory_limit) for c in candidates]
+    if best is replicated:
+        reason = "the replicated update simulates fastest" + (" within the memory limit" if memory_limit else "")
+        return step, None, {**info, "mode": "replicated", "reason": reason}
+    comparison = update.check_outputs(step, best.step)
+    info["check"] = dataclasses.asdict(comparison)
+    if not comparison.within_tolerance:
+        reason = f"the sharded update's outputs differ, max abs error {comparison.max_abs_error:.3g}"
+        return step, None, {**info, "mode": "replicated", "reason": reason}
+    timing = _validate.time_until_decided(
+        step.runner(step.default_compiled),
+        best.step.runner(best.step.default_compiled),
+        looks=(pairs, 2 * pairs, 4 * pairs),
+        merge=None if step.scope is None else _distributed.slowest_pairs(f"{step.scope}/weight-update-timing"),
+    )
+    info["measured"] = timing.to_json()
+    ratio = f"measured {timing.ratio:.3f}x the replicated step time ({timing.verdict})"
+    if not timing.faster and not forced:
+        return step, None, {**info, "mode": "replicated", "reason": f"the sharded update simulates faster, {ratio}"}
+    why = "the only candidate within the memory limit" if forced else "faster with confidence"
+    info.update(
+        best.layout.to_json(),
+        mode="sharded",
+        reason=f"{best.label}: {why}, {ratio}",
+        program=best.step.graph.fingerprint,
+    )
+    return best.step, best.layout, info
+
+
+def _limit_check(candidate: Candidate, limit: int | None) -> dict:
+    size = footprint(candidate.memory)
+    if limit is not None and size is not None and size > limit:
+        warnings.warn(
+            f"disco-jax: the step needs {size} bytes per device, over the memory limit of {limit}, and "
+            "has no optimizer state to shard",
+            UserWarning,
+            stacklevel=6,
+        )
+    return {"footprint_bytes": size}
+
+
+def decision_plan(step: Captured, info: dict) -> _plan.Plan:
+    """The replicated program's plan when the search sharded its update: no fusion plan of its
+    own (the sharded program's plan has it), the decision in `weight_update`."""
+    graph = step.graph
+    reason = f"weight update sharded: the plan is program {info['program']}'s"
+    return _plan.Plan(graph.fingerprint, graph.module.name, step.machine, True, None, reason, weight_update=info)
+
+
+def recall(fn, step: Captured, args: tuple, kwargs: dict, backend, plan_dir: str | None):
+    """The enact phase's side of `choose`: (program, layout or None, info) as the stored decision
+    for this program says, without searching; the replicated program when there is none."""
+    plan, _ = _plan.find_plan(step.graph.fingerprint, step.machine, plan_dir)
+    if step.scope is not None:
+        plan = _plan.shared_plan(f"{step.scope}/weight-update", plan)
+    decided = (plan.weight_update or {}) if plan is not None else {}
+    if decided.get("mode") != "sharded":
+        return step, None, {"mode": "replicated", "requested": "search", "reason": decided.get("reason")}
+    input_shardings = jax.tree.leaves(step.default_compiled.input_shardings)
+    layout, reason = update.find_layout(fn, args, kwargs, step.args, step.kwargs, input_shardings)
+    by_path = {} if layout is None else {path: i for i, path in layout.paths.items()}
+    wanted = list(decided.get("leaves", {}))
+    if layout is None or any(path not in by_path for path in wanted):
+        warnings.warn(
+            "disco-jax: the stored weight-update decision names optimizer-state leaves this step does not "
+            f"have ({reason}); running the replicated update",
+            _plan.PlanWarning,
+            stacklevel=6,
+        )
+        return step, None, {"mode": "replicated", "requested": "search", "reason": "stored decision does not fit"}
+    layout = layout.subset(by_path[path] for path in wanted)
+    return update.relowered(fn, step, layout, args, kwargs, backend), layout, decided

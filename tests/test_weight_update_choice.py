@@ -1,0 +1,167 @@
+"""`weight_update="search"` (the default): the per-parameter-group choice between the replicated
+and the sharded weight update, by the simulator (which puts the sharded update's all-gathers and
+reduce-scatters on the communication channel), within a per-device memory limit, stored in the
+replicated program's plan and enacted from it."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from test_sharded_update import FAST, flax_adam_step, train
+
+from disco_jax import _plan, _strategy, backends, optimize_distributed
+from disco_jax._compile import capture
+from disco_jax._profile import measure_scatter_gather_cost
+from disco_jax.cost import AllReduceCostModel
+from disco_jax.cost.allreduce import collective_time_us
+from disco_jax.cost.simulator import simulate
+from disco_jax.eval import clusters
+from disco_jax.sharding import choice, update
+
+
+def layout_of(step, params, opt_state, batch):
+    args = (params, opt_state, *batch)
+    layout, _ = update.find_layout(step, args, {}, args, {}, [x.sharding for x in jax.tree.leaves(args)])
+    return layout, args
+
+
+def test_a_parameters_moments_form_one_group():
+    step, params, opt_state, batches = flax_adam_step()
+    layout, args = layout_of(step, params, opt_state, batches[0])
+    paths = [[layout.paths[i] for i in g] for g in layout.groups]
+    assert len(paths) == 5  # the five parameters with a dimension 8 divides
+    for group in paths:  # mu and nu of one parameter
+        assert len(group) == 2 and group[0].replace(".mu[", ".nu[") == group[1]
+    sub = layout.subset(layout.groups[0])
+    assert set(sub.inputs) == set(layout.groups[0]) and sub.groups == (layout.groups[0],)
+    assert len(sub.outputs) == 2  # the two moments' new values; the parameter stays replicated
+
+
+def test_update_leaf_groups_join_leaves_that_meet_in_an_output():
+    origins = [frozenset({0, 1, 5}), frozenset({1}), frozenset({2, 3}), frozenset({4})]
+    assert update.leaf_groups(origins, [1, 2, 3, 4, 5]) == ((1, 5), (2, 3), (4,))
+
+
+def test_leaf_sets_under_a_limit_shard_the_largest_groups_first():
+    step, params, opt_state, batches = flax_adam_step()
+    layout, args = layout_of(step, params, opt_state, batches[0])
+    held = {i: jax.typeof(x) for i, x in enumerate(jax.tree.leaves(args))}
+    assert choice.leaf_sets(layout, held, None, 10**6) == [
+        (),
+        tuple(i for g in sorted(layout.groups, key=lambda g: -layout.subset(g).state_bytes(held)) for i in g),
+    ]
+    biggest = max(layout.groups, key=lambda g: layout.subset(g).state_bytes(held))
+    saved = layout.subset(biggest).state_bytes(held) * 7
+    sets = choice.leaf_sets(layout, held, 10**6 - saved, 10**6)
+    assert len(sets) == 3 and set(sets[1]) == set(biggest)
+    assert len(choice.leaf_sets(layout, held, 10**6 + 1, 10**6)) == 2  # fits replicated: no prefix
+
+
+def test_other_collectives_cost_half_an_allreduce_line_or_their_measured_line():
+    line = AllReduceCostModel(per_byte_us=2.0, latency_us=10.0)
+    assert collective_time_us(line, "all-reduce", 100) == 210.0
+    assert collective_time_us(line, "all-gather", 100) == collective_time_us(line, "reduce-scatter", 100) == 110.0
+    measured = AllReduceCostModel(per_byte_us=2.0, latency_us=10.0, scatter_gather=(0.5, 40.0))
+    assert collective_time_us(measured, "all-gather", 100) == 90.0
+    assert AllReduceCostModel.from_json(measured.to_json()) == measured
+    ring = clusters.get_cluster("8xH100-NVLink").allreduce_model()
+    nbytes = 64 << 20
+    half = ring.time_us(0) + (ring.time_us(nbytes) - ring.time_us(0)) / 2
+    assert collective_time_us(ring, "reduce-scatter", nbytes) == pytest.approx(half)
+
+
+def test_the_simulator_puts_the_sharded_updates_all_gathers_on_the_channel():
+    step, params, opt_state, batches = flax_adam_step()
+    default = step.lower(params, opt_state, *batches[0]).compile()
+    layout, args = layout_of(step, params, opt_state, batches[0])
+    lowered, _ = update.relower(step, layout, args, {}, (args, {}), default)
+    graph = capture(lowered, backends.CPU, args, {}).graph
+    gathers = {o: c for o, c in graph.collective_ops.items() if c[0] == "all-gather"}
+    param_bytes = sorted(x.nbytes for x in jax.tree.leaves(params) if x.shape[0] % 8 == 0)
+    assert sorted(nbytes for _, nbytes in gathers.values()) == param_bytes
+
+    class Zero:
+        def estimate(self, graph, kernels):
+            return [0.0] * len(kernels)
+
+    strategy = _strategy.xla_default(graph)
+    buckets = sum(
+        AllReduceCostModel(0.0, 7.0).bucket_time_us([graph.gradients[g].nbytes for g in b]) for b in strategy.buckets
+    )
+    cheap = simulate(graph, strategy, Zero(), AllReduceCostModel(0.0, 7.0, scatter_gather=(0.0, 1.0)))
+    dear = simulate(graph, strategy, Zero(), AllReduceCostModel(0.0, 7.0, scatter_gather=(0.0, 1000.0)))
+    assert cheap.comm_us == pytest.approx(buckets + len(gathers))
+    assert dear.comm_us == pytest.approx(buckets + 1000.0 * len(gathers))
+    assert dear.iteration_us >= 1000.0 * len(gathers)
+    assert any(
+        lane == "comm" and "all-gather" in label
+        for lane, label, *_ in simulate(graph, strategy, Zero(), AllReduceCostModel(0.0, 7.0), record=True).events
+    )
+
+
+def test_scatter_gather_line_is_measured_on_the_devices():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
+    (per_byte, latency), points = measure_scatter_gather_cost(
+        mesh, sizes_bytes=(4096, 1 << 16, 1 << 20), repeats=2, rounds=1, chain=1
+    )
+    assert per_byte >= 0 and latency >= 0 and [b for b, _ in points] == [4096, 1 << 16, 1 << 20]
+
+
+def test_search_simulates_both_updates_and_records_state_bytes(tmp_path):
+    step, params, opt_state, batches = flax_adam_step()
+    _, _, reference = train(step, params, opt_state, batches)
+    run = optimize_distributed(search=True, plan_dir=tmp_path, **FAST)(step)  # weight_update="search"
+    _, new_state, losses = train(run, params, opt_state, batches)
+    info = run.reports[0].weight_update
+    assert info["requested"] == "search" and [c["label"] for c in info["candidates"]] == [
+        "replicated",
+        "sharded (5 groups, 10 leaves)",
+    ]
+    replicated, sharded = info["candidates"]
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves((opt_state[0].mu, opt_state[0].nu)) if x.shape[0] % 8 == 0)
+    assert replicated["state_bytes_per_device"] == state_bytes and sharded["state_bytes_per_device"] == state_bytes // 8
+    assert sharded["collectives"]["all-gather"] == 5 and replicated["collectives"]["all-gather"] == 0
+    assert sharded["footprint_bytes"] < replicated["footprint_bytes"]
+    assert replicated["simulated_us"] > 0 and sharded["simulated_us"] > 0
+    sharded_state = [x for x in jax.tree.leaves(new_state[0].mu) if not x.sharding.is_fully_replicated]
+    assert bool(sharded_state) == (info["mode"] == "sharded")  # the step runs what was decided
+    np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-7)
+
+
+def test_a_memory_limit_shards_the_largest_groups_and_enactment_reuses_the_decision(tmp_path):
+    step, params, opt_state, batches = flax_adam_step()
+    _, _, reference = train(step, params, opt_state, batches)
+    run = optimize_distributed(search=True, plan_dir=tmp_path, memory_limit_bytes=120_000, **FAST)(step)
+    _, new_state, losses = train(run, params, opt_state, batches)
+    info = run.reports[0].weight_update
+    replicated = info["candidates"][0]
+    assert replicated["footprint_bytes"] > 120_000 and replicated["within_limit"] is False
+    assert info["mode"] == "sharded", info["reason"]
+    assert "memory limit" in info["reason"] or "faster" in info["reason"]
+    kernels = [p for p in info["leaves"] if "kernel" in p]
+    assert len(kernels) == len(info["leaves"]) == 4  # Dense_0 and Dense_1's kernels: mu and nu
+    adam = new_state[0]
+    for name in ("Dense_0", "Dense_1"):
+        assert adam.mu["params"][name]["kernel"].sharding.spec == P("data")
+        assert adam.mu["params"][name]["bias"].sharding.is_fully_replicated
+    text = run.executable(params, opt_state, *batches[0]).as_text()
+    assert update.collectives(text)["all-gather"] == 2  # the plan is in the compiled module
+    np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-7)
+
+    args = (params, opt_state, *batches[0])
+    replicated_program = capture(step.lower(*args), backends.CPU, args, {})
+    decision, _ = _plan.find_plan(replicated_program.graph.fingerprint, replicated_program.machine, tmp_path)
+    assert decision is not None and decision.use_default and decision.weight_update["program"] == info["program"]
+
+    enacting = optimize_distributed(search=False, plan_dir=tmp_path, memory_limit_bytes=120_000, **FAST)(step)
+    _, enacted_state, enacted = train(enacting, params, opt_state, batches)
+    assert enacting.reports[0].weight_update["leaves"] == info["leaves"]
+    assert enacting.reports[0].fingerprint == info["program"]
+    assert enacted_state[0].mu["params"]["Dense_0"]["kernel"].sharding.spec == P("data")
+    np.testing.assert_allclose(enacted, reference, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("value", [0, -5, 1.5, "1GB", True])
+def test_bad_memory_limits_raise(value):
+    with pytest.raises(ValueError, match="memory_limit_bytes must be a positive integer"):
+        optimize_distributed(memory_limit_bytes=value)
