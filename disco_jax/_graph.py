@@ -30,7 +30,7 @@ import re
 from typing import TYPE_CHECKING
 
 from disco_jax import _hlo
-from disco_jax.cost.allreduce import COLLECTIVES
+from disco_jax.cost.allreduce import collective_ops, transfer_bytes
 from disco_jax.cost.work import ELEMENTWISE, Work, op_work
 
 if TYPE_CHECKING:
@@ -128,15 +128,13 @@ class Graph:
 
     @functools.cached_property
     def collective_ops(self) -> dict[int, tuple[str, int]]:
-        """Opaque collectives: op id -> (collective, per-device bytes of its larger side; '-done': 0)."""
-        out = {}
-        for o in self.opaque_ops:
-            op = self.ops[o]
-            name = op.opcode.removesuffix("-start").removesuffix("-done")
-            if name in COLLECTIVES:
-                moved = max(op.output_bytes, sum(self.ops[i].output_bytes for i in op.operands))
-                out[o] = (name, 0 if op.opcode.endswith("-done") else moved)
-        return out
+        """Opaque collectives: op id -> (collective, bytes per device; `cost.allreduce.collective_ops`)."""
+        return collective_ops(self)
+
+    @functools.cached_property
+    def transfer_bytes(self) -> list[float]:
+        """Per gradient, the bytes its all-reduce's transfer counts (`cost.allreduce.transfer_bytes`)."""
+        return transfer_bytes(self)
 
     @functools.cached_property
     def op_work(self) -> list[Work]:

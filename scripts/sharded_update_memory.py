@@ -10,24 +10,37 @@ unmodified step's. `--pairs N`: also the step time, sharded over replicated, as 
 interleaved pairs (alternating which runs first) with its interquartile range.
 
     python scripts/sharded_update_memory.py [--models mlp transformer ...] [--pairs 30] [--json out.json]
+    disco-jax launch -n 2 --devices-per-process 1 -- python scripts/sharded_update_memory.py --pairs 30
+
+The second form runs it in 2 processes over gloo (loopback): the same figures per device.
 """
 
 from __future__ import annotations
 
 import argparse
+import builtins
 import json
 import os
 import time
 import warnings
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+if "DISCO_JAX_COORDINATOR" not in os.environ:  # one process: 8 virtual devices; in a job: the launcher's
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+import disco_jax  # noqa: E402
 from disco_jax import PlanWarning, optimize_distributed, zoo  # noqa: E402
+
+disco_jax.initialize_from_env()
+
+
+def scalar(x) -> float:
+    """A replicated scalar's value (its local copy: in a multi-process job it is not fully addressable)."""
+    return float(np.asarray(x.addressable_data(0)))
 
 
 def interleaved_ratio(first, second, pairs: int) -> list[float]:
@@ -56,9 +69,9 @@ def measure(name: str, pairs: int) -> dict:
         reference, mine, s_ref, s_mine = [], [], state, state
         for _ in range(3):
             s_ref, loss = step(s_ref, batch)
-            reference.append(float(loss))
+            reference.append(scalar(loss))
             s_mine, loss = sharded(s_mine, batch)
-            mine.append(float(loss))
+            mine.append(scalar(loss))
     report = sharded.last_report.weight_update
     ratio = None
     if pairs:
@@ -82,7 +95,10 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = []
-    print(f"{len(jax.devices())} {jax.devices()[0].platform} devices, jax {jax.__version__}")
+    # Every process runs the steps (collectives); process 0 prints.
+    print = builtins.print if jax.process_index() == 0 else (lambda *a, **k: None)  # noqa: A001
+    where = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    print(f"{len(jax.devices())} {jax.devices()[0].platform} devices{where}, jax {jax.__version__}")
     header = f"{'model':12} {'leaves':>6} {'params+state B/dev':>26} {'ratio':>6} {'XLA args B/dev':>22}"
     print(header + "  collectives (sharded)")
     for name in args.models:
@@ -102,7 +118,7 @@ def main() -> None:
         if row["time_ratio_quartiles"]:
             low, median, high = row["time_ratio_quartiles"]
             print(f"{'':12} step time sharded/replicated {median:.3f}x (IQR {low:.3f}-{high:.3f}, {args.pairs} pairs)")
-    if args.json:
+    if args.json and jax.process_index() == 0:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 

@@ -5,12 +5,13 @@ replicated program's plan and enacted from it."""
 
 import jax
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 from test_sharded_update import FAST, flax_adam_step, train
 
-from disco_jax import _plan, _strategy, backends, optimize_distributed
-from disco_jax._compile import capture
+from disco_jax import _plan, _strategy, backends, optimize_distributed, targets, zoo
+from disco_jax._compile import capture, capture_graph
 from disco_jax._profile import measure_scatter_gather_cost
 from disco_jax.cost import AllReduceCostModel
 from disco_jax.cost.allreduce import collective_time_us
@@ -165,3 +166,23 @@ def test_a_memory_limit_shards_the_largest_groups_and_enactment_reuses_the_decis
 def test_bad_memory_limits_raise(value):
     with pytest.raises(ValueError, match="memory_limit_bytes must be a positive integer"):
         optimize_distributed(memory_limit_bytes=value)
+
+
+def test_on_xla_gpu_the_sharded_update_reduce_scatters_and_sends_what_the_replicated_one_does():
+    """Deviceless XLA:GPU (8 H100s): the sharded update's gradients are all-reduces only
+    dynamic-sliced at the hook, which XLA:GPU makes reduce-scatters; the simulator counts their
+    transfer as such, and a ring sends as many bytes as the replicated step's all-reduce."""
+    spec, opt, mesh = zoo.get_model("mlp", "tiny"), optax.adam(1e-3), targets.mesh("h100-sxm", 8)
+    args = zoo.abstract_state_and_batch(spec, opt, mesh)
+    step = zoo.build_train_step(spec, opt, mesh, "jit")
+    replicated, compiled = capture_graph(step.lower(*args), backends.GPU)
+    layout, _ = update.find_layout(step, args, {}, args, {}, jax.tree.leaves(compiled.input_shardings))
+    lowered, _ = update.relower(step, layout, args, {}, (args, {}), compiled)
+    sharded, sharded_compiled = capture_graph(lowered, backends.GPU)
+    assert update.collectives(sharded_compiled.as_text())["reduce-scatter"] >= 1
+    scattered = [g for g, moved in zip(sharded.gradients, sharded.transfer_bytes) if moved < g.nbytes]
+    assert len(scattered) == len(layout.groups)  # one per sharded parameter
+    assert all(moved == g.nbytes for g, moved in zip(replicated.gradients, replicated.transfer_bytes))
+    before, after = update.communication_bytes(replicated, 8), update.communication_bytes(sharded, 8)
+    assert after["reduce-scatter"] > 0 and after["all-gather"] == pytest.approx(after["reduce-scatter"])
+    assert after["total"] == pytest.approx(before["total"])

@@ -34,6 +34,33 @@ class AllReduceCost(Protocol):
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
 
+def collective_ops(graph) -> dict[int, tuple[str, int]]:
+    """`graph`'s opaque collectives (not the gradients' all-reduces): op id -> (collective, bytes
+    of the larger of its input and output per device); an async collective's '-done' half: 0."""
+    out = {}
+    for o in graph.opaque_ops:
+        op = graph.ops[o]
+        name = op.opcode.removesuffix("-start").removesuffix("-done")
+        if name in COLLECTIVES:
+            moved = max(op.output_bytes, sum(graph.ops[i].output_bytes for i in op.operands))
+            out[o] = (name, 0 if op.opcode.endswith("-done") else moved)
+    return out
+
+
+def transfer_bytes(graph) -> list[float]:
+    """Per gradient of `graph`, the bytes its all-reduce's transfer counts: its own, or half where
+    the backend will turn the all-reduce into a reduce-scatter (`Backend.creates_reduce_scatter`,
+    and every user of the reduced value a dynamic-slice: the sharded weight update's gradients on
+    XLA:GPU). A ring reduce-scatter sends half of what an all-reduce sends, at the same latency."""
+    scatters = getattr(graph.backend, "creates_reduce_scatter", False)
+    out = []
+    for g in graph.gradients:
+        users = graph.consumers(g.reduced) if scatters else ()
+        sliced = bool(users) and all(u >= 0 and graph.ops[u].opcode == "dynamic-slice" for u in users)
+        out.append(g.nbytes / 2 if sliced else float(g.nbytes))
+    return out
+
+
 def collective_time_us(cost: AllReduceCost, collective: str, nbytes: int | float) -> float:
     """One collective moving a tensor of `nbytes` per device (the larger of its input and output:
     a reduce-scatter's input, an all-gather's output): the cost's own `collective_time_us` where

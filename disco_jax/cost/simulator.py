@@ -327,7 +327,7 @@ def simulate(
         costs[k] = float(t or 0.0) * scale + overhead
     for k in range(n):
         if kinds[k] == BUCKET:
-            costs[k] = params.bucket_us(allreduce, [graph.gradients[g].nbytes for g in dag.members[k]])
+            costs[k] = params.bucket_us(allreduce, [graph.transfer_bytes[g] for g in dag.members[k]])
         elif comm[k]:
             costs[k] = collective_time_us(allreduce, *collectives[next(iter(dag.members[k]))])
     position = [0] * n

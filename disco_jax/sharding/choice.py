@@ -85,6 +85,7 @@ class Candidate:
             "within_limit": None if limit is None or size is None else size <= limit,
             "simulated_us": self.simulated_us,
             "collectives": update.collectives(self.step.default_compiled.as_text()),
+            "comm_bytes_per_device": update.communication_bytes(self.step.graph, full.num_shards)["total"],
         }
 
 

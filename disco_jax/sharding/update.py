@@ -188,7 +188,9 @@ class Layout:
         leaves, tree = jax.tree.flatten((args, kwargs))
         for i, spec in self.inputs.items():
             target = NamedSharding(self.mesh, spec)
-            if leaves[i].sharding != target:
+            if isinstance(leaves[i], jax.ShapeDtypeStruct):  # an abstract call (deviceless lowering)
+                leaves[i] = jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype, sharding=target)
+            elif leaves[i].sharding != target:
                 leaves[i] = jax.device_put(leaves[i], target)
         return jax.tree.unflatten(tree, leaves)
 
@@ -341,6 +343,31 @@ def not_applicable(reason: str, stacklevel: int) -> dict:
         stacklevel=stacklevel,
     )
     return {"mode": "replicated", "requested": "sharded", "reason": reason}
+
+
+# Bytes each device sends per byte of a collective's tensor on N devices (ring algorithms;
+# a collective-permute sends its whole operand once).
+RING_BYTES = {
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1.0,
+}
+
+
+def communication_bytes(graph, num_devices: int) -> dict[str, float]:
+    """Bytes each device sends in one step of `graph`'s program, by collective (ring algorithms):
+    the gradients' all-reduces (reduce-scatters where the compiler will make them, as
+    `Graph.transfer_bytes` says) and every other collective (`Graph.collective_ops`)."""
+    out = {name: 0.0 for name in RING_BYTES}
+    for g, moved in zip(graph.gradients, graph.transfer_bytes):  # half: it becomes a reduce-scatter
+        name = "all-reduce" if moved == g.nbytes else "reduce-scatter"
+        out[name] += RING_BYTES[name](num_devices) * g.nbytes
+    for name, nbytes in graph.collective_ops.values():
+        out[name] += RING_BYTES[name](num_devices) * nbytes
+    out["total"] = sum(out.values())
+    return out
 
 
 def collectives(text: str) -> dict[str, int]:
