@@ -438,11 +438,17 @@ def held_leaves(step: Captured) -> dict[int, Any]:
 
 def check_outputs(step: Captured, sharded: Captured) -> _validate.Comparison:
     """The sharded program's outputs against the replicated one's, within the validation
-    tolerance (a reduce-scatter may sum in another order than an all-reduce: not bitwise)."""
+    tolerance (a reduce-scatter may sum in another order than an all-reduce: not bitwise), every
+    process's verdict merged in a multi-process job."""
     reference = _distributed.addressable(step.runner(step.default_compiled)())
     nudged_args, nudged_kwargs = _validate.nudge((step.args, step.kwargs))
     floor = _validate.sensitivity(
         reference, _distributed.addressable(step.runner(step.default_compiled, nudged_args, nudged_kwargs)())
     )
     out = _distributed.addressable(sharded.runner(sharded.default_compiled)())
-    return _validate.compare_outputs(reference, out, bitwise=False, floor=floor)
+    comparison = _validate.compare_outputs(reference, out, bitwise=False, floor=floor)
+    if step.scope is None:
+        return comparison
+    # Each process compares its own shards; all must take the same decision.
+    found = _distributed.gather_json(f"{step.scope}/weight-update-check", dataclasses.asdict(comparison))
+    return _validate.Comparison.merge(found)
