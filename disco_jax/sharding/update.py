@@ -430,9 +430,12 @@ def relowered(fn, step: Captured, layout: Layout, args: tuple, kwargs: dict, bac
 
 
 def held_leaves(step: Captured) -> dict[int, Any]:
-    """Index -> aval of the input leaves the replicated step holds whole on every device."""
+    """Index -> aval of the input leaves the replicated step holds whole on every device (none
+    where the executable's inputs are not one per leaf)."""
     shardings = jax.tree.leaves(step.default_compiled.input_shardings)
     leaves = jax.tree.leaves((step.args, step.kwargs))
+    if len(shardings) != len(leaves):  # XLA dropped unused arguments: no leaf-by-leaf account
+        return {}
     return {i: jax.typeof(x) for i, x in enumerate(leaves) if shardings[i].is_fully_replicated}
 
 
