@@ -7,7 +7,10 @@
 It returns the executable the program runs and fills a `StepReport`. With
 `weight_update="sharded"` the captured step is first lowered again with its optimizer state
 sharded over the data axis (`sharding.update.sharded_step`), and that program goes through the
-phases; the first call then reshards its arguments (`sharding.update.Resharding`). With several processes every
+phases; the first call then reshards its arguments (`sharding.update.Resharding`). With
+`weight_update="search"` (the default) the search phase first profiles the replicated step and
+chooses the program (`sharding.choice.choose`; the decision is stored as the replicated program's
+plan), and the enact phase reads that decision back (`sharding.choice.recall`). With several processes every
 process runs the same executables in the same order (profiling, calibration and validation run
 the step: collectives); process 0 alone searches, its strategy is broadcast before validation and
 its plan after, and in the enact phase process 0's plan is the one every process applies.
