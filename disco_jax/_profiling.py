@@ -85,6 +85,8 @@ def profile(
         ui.say(f"measuring all-reduce cost on {len(devices)} devices{where}")
         mesh = jax.sharding.Mesh(np.array(devices), ("all",))
         allreduce, points = _profile.measure_allreduce_cost(mesh)  # a collective: every process runs it
+        if graph.collective_ops:
+            allreduce = with_scatter_gather(allreduce, captured, None, ui)
         profile = _profile_store.Profile.for_devices(
             devices,
             allreduce=None if multiprocess else allreduce,
@@ -92,6 +94,8 @@ def profile(
             kernel_times_us=table,
         )
     else:
+        if graph.collective_ops:
+            allreduce = with_scatter_gather(allreduce, captured, None, ui)
         profile = _profile_store.Profile.for_devices(
             devices, allreduce=allreduce, allreduce_points=stored.allreduce_points, kernel_times_us=table
         )
@@ -120,6 +124,35 @@ def profile(
             "allreduce": allreduce.to_json(),
         },
     )
+
+
+def with_scatter_gather(
+    allreduce: cost.AllReduceCostModel,
+    captured: Captured,
+    database: _profile_store.ProfileDatabase | None,
+    ui: Ui,
+) -> cost.AllReduceCostModel:
+    """`allreduce` with its reduce-scatter / all-gather line (`AllReduceCostModel.scatter_gather`),
+    measured on the step's devices when it has none (`_profile.measure_scatter_gather_cost`, a
+    collective: every process runs it) and, given a `database`, stored with the all-reduce fit
+    (in one process; a job measures over its transport every time, as for the all-reduce fit).
+    `profile` stores it itself for a program that has such collectives."""
+    if allreduce.scatter_gather is not None:
+        return allreduce
+    devices = captured.devices
+    ui.say(f"measuring reduce-scatter and all-gather cost on {len(devices)} devices")
+    line, _ = _profile.measure_scatter_gather_cost(jax.sharding.Mesh(np.array(devices), ("all",)))
+    allreduce = dataclasses.replace(allreduce, scatter_gather=line)
+    if database is not None and not _distributed.is_multiprocess() and jax.process_index() == 0:
+        machine = captured.machine
+        stored = database.load(machine.device_kind, machine.backend, machine.num_devices)
+        same_fit = stored is not None and stored.allreduce == dataclasses.replace(allreduce, scatter_gather=None)
+        points = stored.allreduce_points if same_fit else []
+        try:
+            database.save(_profile_store.Profile.for_devices(devices, allreduce=allreduce, allreduce_points=points))
+        except OSError as e:
+            warnings.warn(f"disco-jax: could not store the profile: {e}", stacklevel=2)
+    return allreduce
 
 
 def calibration_strategies(graph) -> dict[str, _strategy.Strategy]:

@@ -30,6 +30,7 @@ import optax
 from disco_jax import ChainEstimator, backends, simulate, targets, zoo
 from disco_jax._compile import capture_graph
 from disco_jax._strategy import xla_default
+from disco_jax.cost.allreduce import communication_bytes
 from disco_jax.eval import clusters
 from disco_jax.eval.rows import ALL_MODELS, PAPER_DEVICES
 from disco_jax.sharding import update
@@ -72,7 +73,7 @@ def row(name: str) -> dict:
     captured = programs(name)
     out = {k: v for k, v in captured.items() if k != "graphs"}
     out["comm_bytes_per_device"] = {
-        mode: update.communication_bytes(graph, PAPER_DEVICES)["total"] for mode, graph in captured["graphs"].items()
+        mode: communication_bytes(graph, PAPER_DEVICES)["total"] for mode, graph in captured["graphs"].items()
     }
     out["simulated_us"] = {}
     for platform in PLATFORMS:

@@ -14,7 +14,7 @@ from disco_jax import _plan, _strategy, backends, optimize_distributed, targets,
 from disco_jax._compile import capture, capture_graph
 from disco_jax._profile import measure_scatter_gather_cost
 from disco_jax.cost import AllReduceCostModel
-from disco_jax.cost.allreduce import collective_time_us
+from disco_jax.cost.allreduce import collective_time_us, communication_bytes
 from disco_jax.cost.simulator import simulate
 from disco_jax.eval import clusters
 from disco_jax.sharding import choice, update
@@ -145,6 +145,9 @@ def test_a_memory_limit_shards_the_largest_groups_and_enactment_reuses_the_decis
     for name in ("Dense_0", "Dense_1"):
         assert adam.mu["params"][name]["kernel"].sharding.spec == P("data")
         assert adam.mu["params"][name]["bias"].sharding.is_fully_replicated
+    # The sharded program's own search costs its all-gathers at the line the choice measured.
+    line = run.reports[0].search["cost_model"]["allreduce"]["scatter_gather"]
+    assert line == {k: info["scatter_gather"][k] for k in ("per_byte_us", "latency_us")}
     text = run.executable(params, opt_state, *batches[0]).as_text()
     assert update.collectives(text)["all-gather"] == 2  # the plan is in the compiled module
     np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-7)
@@ -183,6 +186,6 @@ def test_on_xla_gpu_the_sharded_update_reduce_scatters_and_sends_what_the_replic
     scattered = [g for g, moved in zip(sharded.gradients, sharded.transfer_bytes) if moved < g.nbytes]
     assert len(scattered) == len(layout.groups)  # one per sharded parameter
     assert all(moved == g.nbytes for g, moved in zip(replicated.gradients, replicated.transfer_bytes))
-    before, after = update.communication_bytes(replicated, 8), update.communication_bytes(sharded, 8)
+    before, after = communication_bytes(replicated, 8), communication_bytes(sharded, 8)
     assert after["reduce-scatter"] > 0 and after["all-gather"] == pytest.approx(after["reduce-scatter"])
     assert after["total"] == pytest.approx(before["total"])

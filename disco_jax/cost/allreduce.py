@@ -10,6 +10,11 @@ the total over devices), and `to_json()` for the plan file and reports. Two impl
   fit over its repetitions (`fit_allreduce_samples`);
 * `disco_jax.eval.clusters.ClusterAllReduce`: NCCL's ring / hierarchical model of a simulated
   GPU cluster.
+
+The other collectives a program holds (`collective_ops`: the all-gathers and reduce-scatters of a
+sharded weight update) cost `collective_time_us`: the cost's own (a measured scatter/gather line)
+or, from the all-reduce line, what a ring sends (`ring_collective_us`). `transfer_bytes` counts a
+gradient the compiler will reduce-scatter as one; `communication_bytes` is what each device sends.
 """
 
 from __future__ import annotations
@@ -36,14 +41,15 @@ COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "coll
 
 def collective_ops(graph) -> dict[int, tuple[str, int]]:
     """`graph`'s opaque collectives (not the gradients' all-reduces): op id -> (collective, bytes
-    of the larger of its input and output per device); an async collective's '-done' half: 0."""
+    of the larger of its input and output per device); an async collective's '-done' half is
+    ("done", 0): it waits on the channel, and its '-start' carries the cost."""
     out = {}
     for o in graph.opaque_ops:
         op = graph.ops[o]
         name = op.opcode.removesuffix("-start").removesuffix("-done")
         if name in COLLECTIVES:
             moved = max(op.output_bytes, sum(graph.ops[i].output_bytes for i in op.operands))
-            out[o] = (name, 0 if op.opcode.endswith("-done") else moved)
+            out[o] = ("done", 0) if op.opcode.endswith("-done") else (name, moved)
     return out
 
 
@@ -52,12 +58,38 @@ def transfer_bytes(graph) -> list[float]:
     the backend will turn the all-reduce into a reduce-scatter (`Backend.creates_reduce_scatter`,
     and every user of the reduced value a dynamic-slice: the sharded weight update's gradients on
     XLA:GPU). A ring reduce-scatter sends half of what an all-reduce sends, at the same latency."""
-    scatters = getattr(graph.backend, "creates_reduce_scatter", False)
+    scatters = graph.backend.creates_reduce_scatter
     out = []
     for g in graph.gradients:
         users = graph.consumers(g.reduced) if scatters else ()
         sliced = bool(users) and all(u >= 0 and graph.ops[u].opcode == "dynamic-slice" for u in users)
         out.append(g.nbytes / 2 if sliced else float(g.nbytes))
+    return out
+
+
+# Bytes each device sends per byte of a collective's tensor on N devices (ring algorithms;
+# a collective-permute sends its whole operand once).
+RING_BYTES = {
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1.0,
+}
+
+
+def communication_bytes(graph, num_devices: int) -> dict[str, float]:
+    """Bytes each device sends in one step of `graph`'s program, by collective (ring algorithms):
+    the gradients' all-reduces (reduce-scatters where the compiler will make them, as
+    `Graph.transfer_bytes` says) and every other collective (`Graph.collective_ops`)."""
+    out = {name: 0.0 for name in RING_BYTES}
+    for g, moved in zip(graph.gradients, graph.transfer_bytes):  # half: it becomes a reduce-scatter
+        name = "all-reduce" if moved == g.nbytes else "reduce-scatter"
+        out[name] += RING_BYTES[name](num_devices) * g.nbytes
+    for name, nbytes in graph.collective_ops.values():
+        if name != "done":  # an async collective's second half: its start sent the bytes
+            out[name] += RING_BYTES[name](num_devices) * nbytes
+    out["total"] = sum(out.values())
     return out
 
 
@@ -70,9 +102,14 @@ def collective_time_us(cost: AllReduceCost, collective: str, nbytes: int | float
     per-byte time. That is also the cluster formula (`eval.clusters.ClusterAllReduce`): half the
     ring or hierarchical transfer, with the all-reduce's latency (an overestimate by the ring's
     steps, which only small tensors notice)."""
+    if collective == "done":
+        return 0.0
     own = getattr(cost, "collective_time_us", None)
-    if own is not None:
-        return float(own(collective, nbytes))
+    return float(own(collective, nbytes)) if own is not None else ring_collective_us(cost, collective, nbytes)
+
+
+def ring_collective_us(cost: AllReduceCost, collective: str, nbytes: int | float) -> float:
+    """A collective's time from the all-reduce line alone (`collective_time_us`)."""
     if collective == "all-reduce":
         return float(cost.time_us(nbytes))
     latency = float(cost.time_us(0))
@@ -111,13 +148,12 @@ class AllReduceCostModel:
         return self.per_byte_us * float(nbytes) + self.latency_us
 
     def collective_time_us(self, collective: str, nbytes: int | float) -> float:
-        """One collective of a tensor of `nbytes` per device (`collective_time_us` above)."""
-        if collective == "all-reduce":
-            return self.time_us(nbytes)
-        if self.scatter_gather is not None:
+        """One collective of a tensor of `nbytes` per device: the measured scatter/gather line
+        where there is one, else the ring formula (`ring_collective_us`)."""
+        if self.scatter_gather is not None and collective != "all-reduce":
             per_byte, latency = self.scatter_gather
             return per_byte * float(nbytes) + latency
-        return self.latency_us + self.per_byte_us * float(nbytes) / 2
+        return ring_collective_us(self, collective, nbytes)
 
     def bucket_time_us(self, tensor_bytes: Sequence[int | float]) -> float:
         """One all-reduce of several tensors (bytes of each, per device)."""

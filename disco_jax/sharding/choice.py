@@ -7,7 +7,8 @@ sharded and, under a memory limit, the step with the largest groups sharded unti
 (`leaf_sets`). Each is lowered again and captured (`update.relowered`), its per-device footprint
 read from its compiled executable, and its XLA plan simulated with the replicated step's cost
 model: the sharded update's all-gathers and reduce-scatters go on the communication channel at
-the measured scatter/gather line (`_profile.measure_scatter_gather_cost`), its update kernels
+the measured scatter/gather line (`_profiling.with_scatter_gather`, stored with the all-reduce
+fit, so the chosen program's own profile finds it), its update kernels
 cost what the estimator says for their 1/N shapes. The cheapest candidate within the limit wins;
 a sharded winner is then run against the replicated step (outputs within tolerance, interleaved
 timing by the acceptance rule) and kept only when measured faster, or when the limit leaves no
@@ -22,10 +23,10 @@ import warnings
 from typing import Any
 
 import jax
-import numpy as np
 
-from disco_jax import _distributed, _plan, _profile, _strategy, _validate
+from disco_jax import _distributed, _plan, _profiling, _strategy, _validate
 from disco_jax._compile import Captured
+from disco_jax.cost.allreduce import communication_bytes
 from disco_jax.sharding import rules, update
 
 # Memory-analysis fields a program's per-device footprint adds up (aliased bytes counted once).
@@ -85,14 +86,13 @@ class Candidate:
             "within_limit": None if limit is None or size is None else size <= limit,
             "simulated_us": self.simulated_us,
             "collectives": update.collectives(self.step.default_compiled.as_text()),
-            "comm_bytes_per_device": update.communication_bytes(self.step.graph, full.num_shards)["total"],
+            "comm_bytes_per_device": communication_bytes(self.step.graph, full.num_shards)["total"],
         }
 
 
-def choose(
-    fn, step: Captured, args: tuple, kwargs: dict, backend, cost_model, memory_limit: int | None, pairs: int, ui
-):
-    """(program, its `Layout` or None, what the plan records) for `weight_update="search"`."""
+def choose(fn, step: Captured, args: tuple, kwargs: dict, backend, costs, memory_limit: int | None, pairs: int, ui):
+    """(program, its `Layout` or None, what the plan records) for `weight_update="search"`.
+    `costs`: the replicated step's cost model and the profile database (`_pipeline.profiled`)."""
     info: dict[str, Any] = {"requested": "search", "memory_limit_bytes": memory_limit}
     input_shardings = jax.tree.leaves(step.default_compiled.input_shardings)
     layout, reason = update.find_layout(fn, args, kwargs, step.args, step.kwargs, input_shardings)
@@ -111,10 +111,10 @@ def choose(
         program = update.relowered(fn, step, sub, args, kwargs, backend)
         candidates.append(Candidate(leaves, program, sub, update.memory(program.default_compiled, held)))
     ui.say(f"weight update: simulating {len(candidates)} candidates (replicated, sharded over {layout.axis!r})")
-    mesh = jax.sharding.Mesh(np.array(step.devices), ("all",))
-    line, points = _profile.measure_scatter_gather_cost(mesh)  # a collective: every process runs it
-    model = dataclasses.replace(cost_model, allreduce=dataclasses.replace(cost_model.allreduce, scatter_gather=line))
-    info["scatter_gather"] = {"per_byte_us": line[0], "latency_us": line[1], "points": points}
+    cost_model, database = costs
+    allreduce = _profiling.with_scatter_gather(cost_model.allreduce, step, database, ui)
+    model = dataclasses.replace(cost_model, allreduce=allreduce)
+    info["scatter_gather"] = {"per_byte_us": allreduce.scatter_gather[0], "latency_us": allreduce.scatter_gather[1]}
     for c in candidates:
         simulated = model.simulate(c.step.graph, _strategy.xla_default(c.step.graph))
         c.simulated_us = None if simulated is None else simulated.iteration_us

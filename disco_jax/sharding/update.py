@@ -115,12 +115,15 @@ def spec_for(shape: tuple[int, ...], axis: str, num_shards: int) -> P:
     return P(*([None] * d), axis)
 
 
-def choose_layout(jaxpr, inputs: list, outputs: list, replicated: list[bool], num_shards: int):
+def choose_layout(jaxpr, inputs: list, outputs: list, replicated: list[bool], num_shards: int, origins=None):
     """(input leaves to shard, outputs that are their updated values), by index. `inputs` /
     `outputs`: avals of the jaxpr's inputs and outputs; `replicated`: per input, whether it is
-    held whole on every device of the data axis."""
-    consumed: set[int] = set()
-    origins = elementwise_origins(jaxpr, [frozenset({i}) for i in range(len(inputs))], consumed)
+    held whole on every device of the data axis; `origins`: `(elementwise_origins(jaxpr, one
+    label per input), the labels it consumed)` when the caller has them."""
+    if origins is None:
+        consumed: set[int] = set()
+        origins = elementwise_origins(jaxpr, [frozenset({i}) for i in range(len(inputs))], consumed), consumed
+    origins, consumed = origins
     state = {
         i
         for i, aval in enumerate(inputs)
@@ -229,10 +232,11 @@ def find_layout(
     num_shards = mesh.shape[axis]
     inputs = [v.aval for v in jaxpr.invars]
     outputs = [v.aval for v in jaxpr.outvars]
-    state, updated = choose_layout(jaxpr, inputs, outputs, replicated, num_shards)
+    consumed: set[int] = set()
+    origins = elementwise_origins(jaxpr, [frozenset({i}) for i in range(len(inputs))], consumed)
+    state, updated = choose_layout(jaxpr, inputs, outputs, replicated, num_shards, (origins, consumed))
     if not state:
         return None, "no replicated optimizer state updated elementwise with a dimension divisible by the data axis"
-    origins = elementwise_origins(jaxpr, [frozenset({i}) for i in range(len(inputs))], set())
     return Layout(
         mesh,
         axis,
@@ -343,31 +347,6 @@ def not_applicable(reason: str, stacklevel: int) -> dict:
         stacklevel=stacklevel,
     )
     return {"mode": "replicated", "requested": "sharded", "reason": reason}
-
-
-# Bytes each device sends per byte of a collective's tensor on N devices (ring algorithms;
-# a collective-permute sends its whole operand once).
-RING_BYTES = {
-    "all-reduce": lambda n: 2 * (n - 1) / n,
-    "reduce-scatter": lambda n: (n - 1) / n,
-    "all-gather": lambda n: (n - 1) / n,
-    "all-to-all": lambda n: (n - 1) / n,
-    "collective-permute": lambda n: 1.0,
-}
-
-
-def communication_bytes(graph, num_devices: int) -> dict[str, float]:
-    """Bytes each device sends in one step of `graph`'s program, by collective (ring algorithms):
-    the gradients' all-reduces (reduce-scatters where the compiler will make them, as
-    `Graph.transfer_bytes` says) and every other collective (`Graph.collective_ops`)."""
-    out = {name: 0.0 for name in RING_BYTES}
-    for g, moved in zip(graph.gradients, graph.transfer_bytes):  # half: it becomes a reduce-scatter
-        name = "all-reduce" if moved == g.nbytes else "reduce-scatter"
-        out[name] += RING_BYTES[name](num_devices) * g.nbytes
-    for name, nbytes in graph.collective_ops.values():
-        out[name] += RING_BYTES[name](num_devices) * nbytes
-    out["total"] = sum(out.values())
-    return out
 
 
 def collectives(text: str) -> dict[str, int]:
