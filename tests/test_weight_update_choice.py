@@ -61,6 +61,7 @@ def test_leaf_sets_under_a_limit_shard_the_largest_groups_first():
 def test_other_collectives_cost_half_an_allreduce_line_or_their_measured_line():
     line = AllReduceCostModel(per_byte_us=2.0, latency_us=10.0)
     assert collective_time_us(line, "all-reduce", 100) == 210.0
+    assert collective_time_us(line, "done", 0) == 0.0  # an async collective's second half
     assert collective_time_us(line, "all-gather", 100) == collective_time_us(line, "reduce-scatter", 100) == 110.0
     measured = AllReduceCostModel(per_byte_us=2.0, latency_us=10.0, scatter_gather=(0.5, 40.0))
     assert collective_time_us(measured, "all-gather", 100) == 90.0
