@@ -64,6 +64,16 @@ def _ensure_registered(platform: str, stage: str) -> None:
         _registered_for.add((platform, stage))
 
 
+def _plugin_platform() -> str:
+    """The hook's name of the default backend: its PJRT plugin's (JAX says "gpu" for CUDA devices,
+    the hook needs "cuda"), as the backend registry maps it."""
+    from disco_jax import backends  # the backends build on this module
+
+    platform = jax.default_backend()
+    backend = backends.for_platform(platform)
+    return backend.platform if backend is not None else platform
+
+
 def module_name(lowered: jax.stages.Lowered) -> str:
     """Name XLA gives the module at the hook (the HloModule line of the lowered text)."""
     text = lowered.as_text(dialect="hlo")
@@ -103,7 +113,7 @@ def compile_with_hooks(
 ):
     """`compile_with_hook` with one handler per stage, all in one compile (XLA:GPU: edit the
     module at PRE_SCHEDULER and read what XLA made of it at POST_SCHEDULER)."""
-    platform = platform or jax.default_backend()
+    platform = platform or _plugin_platform()
     for stage in handlers:
         _ensure_registered(platform, stage)
     seen: list[str] = []

@@ -254,7 +254,9 @@ def hlo_module_name(hlo_text: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class _OpEvent:
+class OpEvent:
+    """One traced event of an HLO instruction (`module_op_events`)."""
+
     device: Any  # device_ordinal stat, or the device plane's name where there is none (GPU)
     run: int | None  # run_id stat: one execution of the module; None where the trace has none
     op: str
@@ -273,7 +275,7 @@ def kernel_times_from_trace(traces: Iterable[Any], module_name: str, *, steps: i
     another line) is counted once. Each instruction's total is divided by the number of
     (device, run) executions seen; where events carry no run_id, by devices seen times `steps`.
     """
-    events = _module_op_events(traces, module_name)
+    events = module_op_events(traces, module_name)
     if not events:
         return {}
     busy_ns: dict[tuple[Any, int | None, str], float] = {}
@@ -292,9 +294,11 @@ def kernel_times_from_trace(traces: Iterable[Any], module_name: str, *, steps: i
     return {op: ns / 1e3 / executions for op, ns in sorted(totals.items())}
 
 
-def _module_op_events(traces: Iterable[Any], module_name: str) -> list[_OpEvent]:
-    device_events: list[_OpEvent] = []
-    host_events: list[_OpEvent] = []
+def module_op_events(traces: Iterable[Any], module_name: str) -> list[OpEvent]:
+    """The events of `module_name`'s instructions in parsed traces: those on device planes
+    (`/device:...`, GPU kernels) where there are any, else the host's (XLA:CPU thunks)."""
+    device_events: list[OpEvent] = []
+    host_events: list[OpEvent] = []
     for trace in traces:
         for plane in trace.planes:
             on_device = plane.name.startswith("/device:")
@@ -306,7 +310,7 @@ def _module_op_events(traces: Iterable[Any], module_name: str) -> list[_OpEvent]
                     device = stats.get("device_ordinal", plane.name)
                     run = stats.get("run_id")
                     start = float(event.start_ns)
-                    found = _OpEvent(
+                    found = OpEvent(
                         device,
                         None if run is None else int(run),
                         str(stats["hlo_op"]),

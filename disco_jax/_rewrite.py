@@ -138,6 +138,8 @@ def fused_computation(
                 f"tuple.{suffix}", root_shape, "tuple", [inner[o] for o in exports], None, [], is_root=True
             )
         )
-    header_params = ", ".join(f"{inner[v]}: {strip_layout(graph.ops[v].inst.shape)}" for v in params)
-    header = f"%{name} ({header_params}) -> {strip_layout(root_shape)} {{"
+    # With layouts: jaxlib 0.11.2 leaves a signature's shapes unlaid otherwise, and XLA:GPU's
+    # fusion passes then abort the process ("Check failed: has_layout()").
+    header_params = ", ".join(f"{inner[v]}: {graph.ops[v].inst.shape}" for v in params)
+    header = f"%{name} ({header_params}) -> {root_shape} {{"
     return _hlo.Computation(name, header, param_insts + body), params, root_shape

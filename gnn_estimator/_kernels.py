@@ -130,11 +130,13 @@ def kernel_module_text(graph: Graph, kernel: frozenset[int], header: str) -> tup
     """A standalone HLO module running `kernel` the way the core's rewrite emits it.
 
     One op is emitted bare (XLA compiles it as its own kernel); several ops become one kLoop fusion
-    (a multi-output fusion when several values are exported) whose parameters are the kernel's
-    inputs, small constants cloned inside. `header` is the `HloModule ...` first line of a module
-    with the matching entry signature (the caller lowers a dummy function with these parameter and
-    result shapes; see `_measure`). Returns (module text, op ids of the entry parameters in order,
-    exported op ids in result order). The kernel instruction is named `KERNEL_INSTRUCTION`.
+    (a multi-output fusion when several values are exported), or, on a backend whose rewriter
+    leaves fusion to XLA (`Backend.emits_fusions` False: XLA:GPU), bare ops that XLA fuses. The
+    kernel's parameters are its inputs, small constants cloned inside. `header` is the `HloModule
+    ...` first line of a module with the matching entry signature (the caller lowers a dummy
+    function with these parameter and result shapes; see `_measure`). Returns (module text, op ids
+    of the entry parameters in order, exported op ids in result order). The kernel instruction
+    (the fusion, the lone op, or the tuple of bare ops) is named `KERNEL_INSTRUCTION`.
     """
     exports = default_exports(graph, kernel)
     inner, params, constants = kernel_inputs(graph, kernel, "k", lambda i: f"arg.{i}")
@@ -158,6 +160,25 @@ def kernel_module_text(graph: Graph, kernel: frozenset[int], header: str) -> tup
                 is_root=True,
             )
         ]
+    elif not graph.backend.emits_fusions:
+        # XLA:GPU forms the fusions itself (its rewriter only cuts): the kernel is the ops bare,
+        # and what XLA's fusion passes make of them is what it costs.
+        entry_body = list(constants)
+        for o in sorted(kernel):
+            op = graph.ops[o]
+            inner[o] = f"{op.name}.k"
+            attrs = [(k, v) for k, v in op.inst.attrs if k not in ("metadata", "control-predecessors")]
+            entry_body.append(
+                dataclasses.replace(
+                    op.inst, name=inner[o], operands=[inner[v] for v in op.operands], attrs=attrs, is_root=False
+                )
+            )
+        if len(exports) == 1:
+            entry_body = [dataclasses.replace(i, is_root=i.name == inner[exports[0]]) for i in entry_body]
+        else:
+            entry_body.append(
+                _hlo.Instruction(KERNEL_INSTRUCTION, result_shape, "tuple", [inner[o] for o in exports], None, [], True)
+            )
     else:
         computation, fused_inputs, _ = fused_computation(graph, kernel, exports, "kernel_computation", "k")
         assert fused_inputs == params, "kernel inputs and fused computation parameters disagree"

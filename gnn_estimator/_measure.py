@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from disco_jax import _capture, _hlo
+from disco_jax import _capture, _hlo, _profile
 from disco_jax._graph import Graph
 from gnn_estimator import _kernels
 
@@ -61,13 +61,14 @@ def random_array(spec, rng: np.random.Generator) -> np.ndarray:
 
 @dataclasses.dataclass
 class CompiledKernel:
-    """One kernel compiled alone: call `compiled(*args)`; its time is the thunk of `instruction`
+    """One kernel compiled alone: call `compiled(*args)`; its time is that of `instructions` (the
+    compiled module's kernels: one on XLA:CPU, as many as XLA:GPU's fusion made of the bare ops)
     in module `module_name` of the trace."""
 
     compiled: object
     args: tuple
     module_name: str
-    instruction: str
+    instructions: tuple[str, ...]
 
 
 def compile_kernel(graph: Graph, kernel: frozenset[int], rng: np.random.Generator) -> CompiledKernel:
@@ -91,21 +92,21 @@ def compile_kernel(graph: Graph, kernel: frozenset[int], rng: np.random.Generato
         return _kernels.kernel_module_text(graph, kernel, header)[0]
 
     compiled = _capture.compile_with_hook(lowered, replace, cache_tag=f"{module_name}-{text_probe}")
-    return CompiledKernel(compiled, args, module_name, _compiled_kernel_name(compiled.as_text()))
+    return CompiledKernel(compiled, args, module_name, _compiled_kernels(compiled.as_text()))
 
 
-def _compiled_kernel_name(compiled_text: str) -> str:
-    """The name the kernel has in the compiled module, which the trace reports: XLA:CPU (jaxlib
+def _compiled_kernels(compiled_text: str) -> tuple[str, ...]:
+    """The names the kernels have in the compiled module, which the trace reports: XLA:CPU (jaxlib
     0.12) wraps a lone op in a one-op fusion named after the op (`wrapped_tanh`), so it is not
-    always `KERNEL_INSTRUCTION`. The entry computation holds that one kernel and free ops."""
-    kernels = [
+    always `KERNEL_INSTRUCTION`. The entry computation holds the kernels and free ops."""
+    kernels = tuple(
         i.name
         for i in _hlo.parse_module(compiled_text).entry.instructions
         if i.opcode not in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
-    ]
-    if len(kernels) != 1:
-        raise ValueError(f"expected one kernel in the compiled kernel module, found {kernels}")
-    return kernels[0]
+    )
+    if not kernels:
+        raise ValueError("no kernel in the compiled kernel module")
+    return kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,21 +184,23 @@ def _traced_times(kernels: Sequence[CompiledKernel], runs: Sequence[int], skip: 
                 for _ in range(n + skip):
                     jax.block_until_ready(k.compiled(*k.args))
         traces = [jax.profiler.ProfileData.from_file(str(p)) for p in sorted(Path(trace_dir).rglob("*.xplane.pb"))]
-    wanted = {(k.module_name, k.instruction): i for i, k in enumerate(kernels)}
-    spans: dict[tuple[int, object], list[tuple[float, float]]] = {}
-    for trace in traces:
-        for plane in trace.planes:
-            for line in plane.lines:
-                for event in line.events:
-                    stats = dict(event.stats)
-                    i = wanted.get((stats.get("hlo_module"), stats.get("hlo_op")))
-                    if i is None:
-                        continue
-                    start = float(event.start_ns)
-                    spans.setdefault((i, stats.get("run_id")), []).append((start, start + float(event.duration_ns)))
-    executions: list[list[tuple[float, float]]] = [[] for _ in kernels]
-    for (i, _), intervals in spans.items():
-        executions[i].append((min(s for s, _ in intervals), _union_ns(intervals) / 1e3))
+    executions: list[list[tuple[float, float]]] = []
+    for k in kernels:
+        events = [e for e in _profile.module_op_events(traces, k.module_name) if e.op in k.instructions]
+        if events and all(e.run is not None for e in events):  # XLA:CPU: one run_id per execution
+            by_run: dict[object, list[tuple[float, float]]] = {}
+            for e in events:
+                by_run.setdefault((e.device, e.run), []).append((e.start_ns, e.end_ns))
+            executions.append([(min(s for s, _ in spans), _union_ns(spans) / 1e3) for spans in by_run.values()])
+            continue
+        # GPU kernel events carry no run_id: each is one launch, so the i-th launch of every
+        # kernel of the module belongs to the i-th execution.
+        by_op: dict[str, list[tuple[float, float]]] = {}
+        for e in events:
+            by_op.setdefault(e.op, []).append((e.start_ns, e.end_ns))
+        launches = [sorted(spans) for spans in by_op.values()]
+        count = min((len(s) for s in launches), default=0)
+        executions.append([(launches[0][i][0], sum(s[i][1] - s[i][0] for s in launches) / 1e3) for i in range(count)])
     return [[us for _, us in sorted(e)[skip:]] for e in executions]
 
 

@@ -189,7 +189,7 @@ def gap_model(name: str, steps: int = 5) -> dict | None:
             for _ in range(steps):
                 jax.block_until_ready(runner())
         traces = [jax.profiler.ProfileData.from_file(str(p)) for p in Path(trace_dir).rglob("*.xplane.pb")]
-    events = _profile._module_op_events(traces, captured.module_name)
+    events = _profile.module_op_events(traces, captured.module_name)
     if jax.process_index() != 0:
         return None
     executions: dict = {}

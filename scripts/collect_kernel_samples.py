@@ -39,8 +39,7 @@ import optax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from disco_jax import Graph, backends, build_graph
-from disco_jax._capture import capture
+from disco_jax import Graph, _compile, backends
 from disco_jax._profile_store import SHIPPED_PROFILE_DIR, device_kind_key
 from disco_jax.cost import kernel_io_bytes
 from gnn_estimator import (
@@ -284,8 +283,9 @@ def _zoo_models() -> list[ModelDef]:
 
 
 def capture_graph(model: ModelDef) -> Graph:
-    text, _ = capture(model.build())
-    return build_graph(text, backends.CPU)
+    """The step's graph on this machine's backend, with XLA's own fusions (the ``xla`` kernels)."""
+    graph, _ = _compile.capture_graph(model.build(), backends.for_platform(jax.default_backend()))
+    return graph
 
 
 # --------------------------------------------------------------------------- sampling

@@ -47,6 +47,9 @@ class Backend:
       devices. False: the backend captures, rewrites and compiles (deviceless too), but its search
       and enact phases have not run on a device of its kind yet, so the decorator runs the
       unmodified step there rather than risk a user's training.
+    emits_fusions: whether the rewriter writes fused groups as `fusion` instructions (XLA:CPU) or
+      leaves XLA's fusion passes to form them from bare ops between its cuts (XLA:GPU). A kernel
+      measured alone is emitted the same way (`gnn_estimator.kernel_module_text`).
     creates_reduce_scatter: whether the compiler turns an all-reduce whose every user is a
       dynamic-slice into a reduce-scatter after the hook (XLA:GPU's ReduceScatterCreator; the
       sharded weight update's gradients); the simulator costs such a gradient's transfer as one.
@@ -65,4 +68,5 @@ class Backend:
     read_decisions: Callable[[Graph, str], Graph] | None = None
     decisions_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     decorator_ready: bool = True
+    emits_fusions: bool = True
     creates_reduce_scatter: bool = False

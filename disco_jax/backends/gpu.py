@@ -266,5 +266,6 @@ GPU = Backend(
     # Compiled and rewritten deviceless only: no plan has run on a GPU yet (issue 15), and the
     # simulator does not cost XLA:GPU's kernels (gemm fusions, the schedule) yet.
     decorator_ready=False,
+    emits_fusions=False,
     creates_reduce_scatter=True,
 )
