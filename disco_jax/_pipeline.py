@@ -187,9 +187,9 @@ def _phase(step: Captured, options: Options, search: bool, report: StepReport, u
     report.default_counts = compiled_stats(step.default_compiled.as_text())
     if costs is None:
         agree(step, report)
-    if not graph.gradients:
-        ui.say(f"{graph.module.name}: no all-reduce in the step, nothing to optimize; running it unmodified")
-        report.reason = "no collectives"
+    if not graph.gradients and not graph.fusible_ops:  # one device still has fusion to decide
+        ui.say(f"{graph.module.name}: no all-reduce and no fusible op in the step; running it unmodified")
+        report.reason = "nothing to optimize"
         return step.default_compiled
     if search:
         return search_phase(step, options, report, ui, costs)

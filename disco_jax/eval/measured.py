@@ -78,16 +78,31 @@ def compile_baseline(captured: Captured, b: baselines.Baseline) -> tuple:
     return captured.lowered.compile(compiler_options=b.compiler_options), "compile options"
 
 
-def measured_row(name: str, style: str, *, budget_s: float, pairs: int, plan_dir: str) -> dict | None:
-    """The measured row of a tiny zoo model on every device of the job: every baseline compiled,
-    checked, timed against JAX_default and simulated; disco-jax by `optimize_distributed`'s search
-    phase. Process 0 returns the row, the others None."""
-    spec = zoo.get_model(name, "tiny")
-    step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(), style)
+def measured_row(
+    name: str,
+    style: str,
+    *,
+    budget_s: float,
+    pairs: int,
+    plan_dir: str,
+    config: str = "tiny",
+    global_batch_size: int | None = None,
+) -> dict | None:
+    """The measured row of a zoo model (`config`, at the spec's global batch unless given) on
+    every device of the job, on the default backend's devices: every baseline compiled, checked,
+    timed against JAX_default and simulated; disco-jax by `optimize_distributed`'s search phase.
+    Process 0 returns the row, the others None."""
+    spec = zoo.get_model(name, config)
+    step, state, batch = zoo.make_train_step(
+        spec, optax.adam(1e-3), zoo.data_mesh(), style, global_batch_size=global_batch_size
+    )
     args = (state, batch)
     job = Job(name)
     started = time.perf_counter()
-    captured = capture(step.lower(*args), backends.CPU, args, {})
+    backend = backends.for_platform(jax.default_backend())
+    if backend is None:
+        raise ValueError(f"disco-jax has no backend for {jax.default_backend()!r}")
+    captured = capture(step.lower(*args), backend, args, {})
     graph = captured.graph
     capture_s = time.perf_counter() - started
     validation_pairs = max(8, pairs // 2)
@@ -187,7 +202,7 @@ def measured_row(name: str, style: str, *, budget_s: float, pairs: int, plan_dir
         "capture_s": capture_s,
         "processes": jax.process_count(),
         "parameters": spec.param_count(),
-        "global_batch": spec.default_global_batch,
+        "global_batch": spec.default_global_batch if global_batch_size is None else global_batch_size,
         "description": spec.description,
         "graph_summary": graph.summary(),
     }
