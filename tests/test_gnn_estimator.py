@@ -316,3 +316,7 @@ def test_a_gpu_kernel_is_bare_ops_that_xla_gpu_compiles_deviceless():
         )
         assert " fusion(" in compiled.as_text()  # XLA:GPU fused the ops itself
 
+
+def test_shipped_h100_weights_load_for_the_h100_device_kind():
+    estimator = load_estimator("NVIDIA H100 80GB HBM3")
+    assert estimator is not None and estimator.name == "gnn"

@@ -33,6 +33,7 @@ def test_wheel_ships_and_loads_the_cpu_estimator_weights(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "disco_jax/profiles/cpu/gnn_estimator.msgpack" in names
     assert "disco_jax/profiles/cpu/gnn_estimator.json" in names
+    assert "disco_jax/profiles/nvidia-h100-80gb-hbm3/gnn_estimator.msgpack" in names  # measured on an H100
     assert "disco_jax/targets/h100_sxm.txtpb" in names
     assert not any(n.endswith("kernel_samples.jsonl") for n in names), "training data belongs in the source tree"
 
