@@ -106,6 +106,24 @@ def kernel_inputs(
     return inner, params, constants
 
 
+def member_instructions(
+    graph: Graph, members: frozenset[int], inner: dict[int, str], suffix: str
+) -> list[_hlo.Instruction]:
+    """`members`' instructions in op order, renamed `{name}.{suffix}` (recorded in `inner`, which
+    already names their outside inputs) and reading each other by those names."""
+    out = []
+    for o in sorted(members):
+        op = graph.ops[o]
+        inner[o] = f"{op.name}.{suffix}"
+        attrs = [(k, v) for k, v in op.inst.attrs if k not in ("metadata", "control-predecessors")]
+        out.append(
+            dataclasses.replace(
+                op.inst, name=inner[o], operands=[inner[v] for v in op.operands], attrs=attrs, is_root=False
+            )
+        )
+    return out
+
+
 def fused_computation(
     graph: Graph, members: frozenset[int], exports: list[int], name: str, suffix: str
 ) -> tuple[_hlo.Computation, list[int], str]:
@@ -119,15 +137,7 @@ def fused_computation(
     param_insts = [
         _hlo.Instruction(inner[v], graph.ops[v].inst.shape, "parameter", [], str(i), []) for i, v in enumerate(params)
     ]
-    for o in sorted(members):
-        op = graph.ops[o]
-        inner[o] = f"{op.name}.{suffix}"
-        attrs = [(k, v) for k, v in op.inst.attrs if k not in ("metadata", "control-predecessors")]
-        body.append(
-            dataclasses.replace(
-                op.inst, name=inner[o], operands=[inner[v] for v in op.operands], attrs=attrs, is_root=False
-            )
-        )
+    body += member_instructions(graph, members, inner, suffix)
     if len(exports) == 1:
         root_shape = graph.ops[exports[0]].inst.shape
         body = [dataclasses.replace(i, is_root=True) if i.name == inner[exports[0]] else i for i in body]

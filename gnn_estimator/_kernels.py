@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from disco_jax import _hlo
 from disco_jax._graph import Graph
-from disco_jax._rewrite import fused_computation, kernel_inputs
+from disco_jax._rewrite import fused_computation, kernel_inputs, member_instructions
 
 
 def default_exports(graph: Graph, kernel: frozenset[int]) -> list[int]:
@@ -163,16 +163,7 @@ def kernel_module_text(graph: Graph, kernel: frozenset[int], header: str) -> tup
     elif not graph.backend.emits_fusions:
         # XLA:GPU forms the fusions itself (its rewriter only cuts): the kernel is the ops bare,
         # and what XLA's fusion passes make of them is what it costs.
-        entry_body = list(constants)
-        for o in sorted(kernel):
-            op = graph.ops[o]
-            inner[o] = f"{op.name}.k"
-            attrs = [(k, v) for k, v in op.inst.attrs if k not in ("metadata", "control-predecessors")]
-            entry_body.append(
-                dataclasses.replace(
-                    op.inst, name=inner[o], operands=[inner[v] for v in op.operands], attrs=attrs, is_root=False
-                )
-            )
+        entry_body = constants + member_instructions(graph, kernel, inner, "k")
         if len(exports) == 1:
             entry_body = [dataclasses.replace(i, is_root=i.name == inner[exports[0]]) for i in entry_body]
         else:
