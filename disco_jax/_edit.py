@@ -58,6 +58,7 @@ class StrategyEdit:
         self.index = list(index)
         self.touched: set[int] = set()  # groups whose members or homed ops changed
         self.changed_ops: set[int] = set()  # members of changed groups (before and after)
+        self.rehomed: set[int] = set()  # ops given another home
 
     def set_group(self, gi: int, members: frozenset[int]) -> None:
         old = self.groups[gi]
@@ -80,6 +81,7 @@ class StrategyEdit:
     def rehome(self, o: int, gi: int) -> None:
         self.touched.add(self.homes[o])
         self.homes[o] = gi
+        self.rehomed.add(o)
         self.touched.add(gi)
 
     def remove_group(self, gi: int, renamed: list[set[int]] = ()) -> None:

@@ -8,6 +8,7 @@ verbatim, and print lines XLA accepts. Shapes are parsed into `TensorSpec`s for 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import re
 from collections.abc import Iterator
@@ -70,8 +71,10 @@ class TensorSpec:
 _ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 
 
-def parse_shape(text: str) -> list[TensorSpec]:
-    """All arrays in a (possibly tuple) shape text, flattened in order. `token[]` counts as 0 bytes."""
+@functools.lru_cache(maxsize=1 << 16)
+def parse_shape(text: str) -> tuple[TensorSpec, ...]:
+    """All arrays in a (possibly tuple) shape text, flattened in order. `token[]` counts as 0 bytes.
+    Cached: cost models and the GNN's features ask for the same shapes on every candidate."""
     text = re.sub(r"/\*.*?\*/", "", text)
     text = re.sub(r"\{[^{}]*\}", "", text)  # layouts
     specs = []
@@ -80,7 +83,7 @@ def parse_shape(text: str) -> list[TensorSpec]:
         specs.append(TensorSpec(m.group(1), dims))
     if not specs and text.strip().startswith("token"):
         specs.append(TensorSpec("token", ()))
-    return specs
+    return tuple(specs)
 
 
 def split_top_level(text: str, sep: str = ",") -> list[str]:
@@ -151,7 +154,7 @@ class Instruction:
         return default
 
     @property
-    def outputs(self) -> list[TensorSpec]:
+    def outputs(self) -> tuple[TensorSpec, ...]:
         return parse_shape(self.shape)
 
     @property

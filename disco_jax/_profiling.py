@@ -235,11 +235,12 @@ def calibrate(
         step_overhead_us=null.ratio * default_us,
         allreduce_tensor_us=float(getattr(cost_model.allreduce, "per_tensor_us", 0.0)),
     )
-    dags = {label: _strategy.kernel_dag(graph, s) for label, s in strategies.items()}
+    states = {label: cost.kernel_state(graph, s) for label, s in strategies.items()}
 
     def simulate_at(p: cost.SimulatorParams) -> list[float]:
+        model = cost_model
         return [
-            cost.simulate(graph, strategies[x], cost_model.estimator, cost_model.allreduce, p, dag=dags[x]).iteration_us
+            cost.simulate(graph, strategies[x], model.estimator, model.allreduce, p, state=states[x]).iteration_us
             for x in labels
         ]
 

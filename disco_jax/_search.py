@@ -115,12 +115,12 @@ def backtracking_search(
     round of the measured search starts from its best measured candidate).
 
     `cost(strategy)` returns the simulated iteration time, or None for an invalid strategy; a
-    `cost.many(strategies)` (`cost.SimulatedCost`), when there is one, costs the candidates of
-    one step together.
+    `cost.many(strategies, parent=)` (`cost.SimulatedCost`), when there is one, costs the
+    candidates of one step together, from the state of the strategy their moves started from.
     `progress(best_cost, evaluated, elapsed_s)` is called after every step."""
     rng = random.Random(config.seed)
     started = time.perf_counter()
-    evaluate_many = getattr(cost, "many", None) or (lambda strategies: [cost(s) for s in strategies])
+    evaluate_many = getattr(cost, "many", None) or (lambda strategies, parent: [cost(s) for s in strategies])
     tie = itertools.count()
     seen: set = set()
     queue: list = []
@@ -170,13 +170,14 @@ def backtracking_search(
         current_cost, _, current = heapq.heappop(queue)
         walk_to = None
         step: list[Strategy] = []  # this step's new candidates, evaluated together
+        root = dataclasses.replace(current, rehomed=frozenset())  # the moves record what they re-home
         for move in moves.values():
-            candidate = current
+            candidate = root
             for _ in range(rng.randint(0, config.beta)):
                 nxt = move(graph, candidate, rng)
                 if nxt is not None:
                     candidate = nxt
-            if candidate is current:
+            if candidate is root:
                 continue
             key = candidate.key()
             if key in seen:
@@ -185,7 +186,7 @@ def backtracking_search(
                 continue
             seen.add(key)
             step.append(candidate)
-        for candidate, c in zip(step, evaluate_many(step) if step else []):
+        for candidate, c in zip(step, evaluate_many(step, parent=current) if step else []):
             evaluated += 1
             if c is None:
                 invalid += 1

@@ -43,13 +43,22 @@ class Strategy:
     # emittable when its first ancestor was (`kernel_dag` checks only those without); None: built
     # when a move first needs it.
     index: tuple[tuple[int, ...], ...] | None = dataclasses.field(default=None, compare=False, repr=False)
+    # The ops whose home the moves changed since the strategy they started from (the search
+    # starts each step's moves from an empty set): with the group and bucket changes, what
+    # `cost.kernels.derive` rebuilds of that strategy's kernel graph. None: unknown.
+    rehomed: frozenset[int] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def group_index(self) -> tuple[tuple[int, ...], ...]:
         return self.index if self.index is not None else group_index(self.groups, len(self.homes))
 
+    # `key()`, computed once (the search asks for it at every turn)
+    _key: list = dataclasses.field(default_factory=list, init=False, compare=False, repr=False)
+
     def key(self) -> tuple:
         """Identity of the decisions (group order and origin do not matter)."""
-        return self.fusion_key(), frozenset(self.buckets)
+        if not self._key:
+            self._key.append((self.fusion_key(), frozenset(self.buckets)))
+        return self._key[0]
 
     def fusion_key(self) -> tuple:
         """Identity of the op-fusion decisions alone: two strategies with equal fusion keys
@@ -236,7 +245,8 @@ def normalize(graph: Graph, s: Strategy) -> Strategy | None:
 def _finish(s: Strategy, edit: StrategyEdit) -> Strategy | None:
     if not edit.normalize():
         return None  # the backend could not emit a group the move changed
-    return Strategy(tuple(edit.groups), tuple(edit.homes), s.buckets, s.origin, tuple(edit.index))
+    rehomed = None if s.rehomed is None else s.rehomed | edit.rehomed
+    return Strategy(tuple(edit.groups), tuple(edit.homes), s.buckets, s.origin, tuple(edit.index), rehomed)
 
 
 def fuse_producer(graph: Graph, s: Strategy, rng: random.Random, duplicate: bool) -> Strategy | None:

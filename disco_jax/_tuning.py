@@ -166,17 +166,16 @@ def recalibrate(
     than two configurations."""
     unique: dict = {}
     for s, us, label in points:
-        dag = kernel_dag(graph, s)
-        if dag is not None and us > 0:
-            unique.setdefault(s.key(), (s, dag, float(us), label))
+        if us > 0 and kernel_dag(graph, s) is not None:
+            unique.setdefault(s.key(), (s, cost.kernel_state(graph, s), float(us), label))
     if len(unique) < 2:
         return None
-    strategies, dags, measured, labels = zip(*unique.values())
+    strategies, states, measured, labels = zip(*unique.values())
 
     def simulate_at(params: cost.SimulatorParams) -> list[float]:
         return [
-            cost.simulate(graph, s, cost_model.estimator, cost_model.allreduce, params, dag=d).iteration_us
-            for s, d in zip(strategies, dags)
+            cost.simulate(graph, s, cost_model.estimator, cost_model.allreduce, params, state=st).iteration_us
+            for s, st in zip(strategies, states)
         ]
 
     free = _profiling.calibrated_free(len(measured))

@@ -3,16 +3,19 @@
 For random sequences of moves on small graphs, each move's result is compared with a from-scratch
 evaluation of the same strategy: its group index rebuilt from its groups, its normalization redone
 over every group (a move normalizes only what it touched), the backend's emittability checked
-over every group (a move checks only the groups whose exports it may have changed), and its cost
-simulated on a freshly parsed graph with fresh estimator caches."""
+over every group (a move checks only the groups whose exports it may have changed), its kernel
+state derived from its parent's (`cost.kernels.derive`) against one built from scratch, and its
+cost, derived as the search derives it, against a simulation on a freshly parsed graph with fresh
+estimator caches."""
 
+import dataclasses
 import random
 
 import optax
 import pytest
 
 from disco_jax import _capture, _edit, _graph, _strategy, backends
-from disco_jax.cost import AllReduceCostModel, AnalyticalEstimator, CostModel, chain, simulate
+from disco_jax.cost import AllReduceCostModel, AnalyticalEstimator, CostModel, chain, kernels, simulate
 
 from _steps import make_step
 
@@ -41,6 +44,53 @@ def _random_walk(graph, seed: int, length: int):
             continue
         yield s, child
         s = child
+
+
+def _by_key(st: kernels.KernelState) -> dict:
+    """A kernel state with slots replaced by kernel keys (slot numbers differ between builds)."""
+    keys = st.keys
+    return {
+        "kernels": {
+            keys[k]: (st.kinds[k], st.members[k], st.rank[k], st.comm[k], frozenset(keys[p] for p in st.deps[k]))
+            for k in st.alive()
+        },
+        "users": {keys[k]: frozenset(keys[u] for u in st.users[k]) for k in st.alive()},
+        "provider": [keys[k] if k >= 0 else None for k in st.provider],
+        "bucket_of": [keys[k] for k in st.bucket_of],
+    }
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_derived_kernel_state_and_cost_equal_a_from_scratch_evaluation(captured, seed):
+    """As the search does: a run of 1 to 12 moves from an evaluated strategy, the result's state
+    derived from that strategy's, its cost from the derived state."""
+    text, graph = captured
+    rng = random.Random(seed)
+    allreduce = AllReduceCostModel(per_byte_us=1e-3, latency_us=20.0)
+    evaluator = CostModel(chain(AnalyticalEstimator()), allreduce, {}).evaluator(graph)
+    fresh = _graph.build_graph(text, backends.CPU)
+    base = rng.choice(_strategy.start_candidates(graph))
+    assert evaluator(base) is not None
+    derived = changed_kernels = 0
+    for _ in range(40):
+        child = dataclasses.replace(base, rehomed=frozenset())
+        for _ in range(rng.randint(1, 12)):
+            child = _strategy.MOVES[rng.choice(sorted(_strategy.MOVES))](graph, child, rng) or child
+        if child.key() == base.key():
+            continue
+        got = evaluator.many([child], parent=base)[0]
+        plain = _strategy.Strategy(child.groups, child.homes, child.buckets)
+        expected = simulate(fresh, plain, chain(AnalyticalEstimator()), allreduce)
+        assert (got is None) == (expected is None)
+        if got is None:
+            continue
+        assert got == pytest.approx(expected.iteration_us, rel=1e-12)
+        state = evaluator.state(child)
+        assert _by_key(state) == _by_key(kernels.build(graph, child))
+        derived += child.index is not None
+        changed_kernels += len(set(state.keys) ^ set(evaluator.state(base).keys))
+        base = child
+    assert derived > 10 and changed_kernels > 0
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -6,6 +6,9 @@
   measured table, analytical roofline, calibrated wrapper, `chain`; plus the registry of
   estimator plugins (entry-point group ``disco_jax.estimators``; the GNN is one).
 * `allreduce`: the `AllReduceCost` protocol and the measured line `AllReduceCostModel`.
+* `kernels`: a strategy's kernel graph as the simulator runs it (`KernelState`), built from
+  scratch or derived from its parent's by what the search's moves changed, and the simulation
+  core `run`.
 * `simulator`: `simulate`, `SimulatorParams` and their multi-point `calibrate` (-> `Calibrated`:
   the parameters, the misfit and each point), `CostModel`, and `SimulatedCost` (the search's
   cost function, `CostModel.evaluator`).
@@ -40,6 +43,7 @@ from disco_jax.cost.simulator import (
     SimulatedStep,
     SimulatorParams,
     calibrate,
+    kernel_state,
     simulate,
 )
 from disco_jax.cost.work import (
@@ -84,6 +88,7 @@ __all__ = [
     "fit_allreduce_samples",
     "kernel_features",
     "kernel_io_bytes",
+    "kernel_state",
     "kernel_work",
     "loop_work",
     "plugin_estimators",

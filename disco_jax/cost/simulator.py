@@ -15,15 +15,17 @@ the model is what it is on XLA:CPU.
 from __future__ import annotations
 
 import dataclasses
-import heapq
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from disco_jax._strategy import BUCKET, GROUP, OPAQUE, KernelDag, Strategy, kernel_dag
-from disco_jax.cost.allreduce import AllReduceCost, bucket_time_us, collective_time_us
+from disco_jax._strategy import BUCKET, GROUP, Strategy, emittable
+from disco_jax.cost import kernels
+from disco_jax.cost.allreduce import AllReduceCost, bucket_time_us
 from disco_jax.cost.estimators import ChainEstimator, Estimator
+from disco_jax.cost.kernels import KernelState
 
 if TYPE_CHECKING:
     from disco_jax._graph import Graph
@@ -298,7 +300,7 @@ def simulate(
     allreduce: AllReduceCost,
     params: SimulatorParams = SimulatorParams(),
     *,
-    dag: KernelDag | None = None,
+    state: KernelState | None = None,
     record: bool = False,
 ) -> SimulatedStep | None:
     """DisCo's simulator: a ready queue of compute kernels on one stream in dependency order;
@@ -308,103 +310,43 @@ def simulate(
     the all-gathers and reduce-scatters of a sharded weight update) share that channel, costed by
     `collective_time_us`. A compute kernel costs `params.kernel_us` of its
     estimate; the step's fixed cost `params.step_overhead_us` is added to the iteration time (and
-    to the full-overlap bound; not to compute time). None if the strategy is invalid."""
-    dag = dag or kernel_dag(graph, strategy)
-    if dag is None:
+    to the full-overlap bound; not to compute time). None if the strategy is invalid: a fused
+    group the backend cannot emit, or a dependency cycle. `state`: the strategy's kernel state
+    (`cost.kernels`), when the caller simulates it several times (calibration)."""
+    if state is None:
+        if strategy.index is None and not emittable(graph, strategy):
+            return None
+        state = kernels.build(graph, strategy)
+    kernels.estimate_missing(graph, [state], estimator)
+    timeline = kernels.run(graph, state, params, allreduce, record=record)
+    if timeline is None:
         return None
-    n = len(dag.kinds)
-    kinds = dag.kinds
-    collectives = graph.collective_ops
-    comm = [kind == BUCKET for kind in kinds]
-    if collectives:
-        for k in range(n):
-            comm[k] = comm[k] or (kinds[k] == OPAQUE and next(iter(dag.members[k])) in collectives)
-    compute = [k for k in range(n) if not comm[k]]
-    costs = [0.0] * n
-    times = estimator.estimate(graph, [dag.members[k] for k in compute])
-    scale, overhead = float(params.compute_scale), params.kernel_overhead_us
-    for k, t in zip(compute, times):
-        costs[k] = float(t or 0.0) * scale + overhead
-    for k in range(n):
-        if kinds[k] == BUCKET:
-            costs[k] = params.bucket_us(allreduce, [graph.transfer_bytes[g] for g in dag.members[k]])
-        elif comm[k]:
-            costs[k] = collective_time_us(allreduce, *collectives[next(iter(dag.members[k]))])
-    position = [0] * n
-    for i, k in enumerate(dag.order):
-        position[k] = i
-    users = dag.users
-    if users is None:
-        users = [[] for _ in range(n)]
-        for k, d in enumerate(dag.deps):
-            for p in d:
-                users[p].append(k)
-    waiting = [len(d) for d in dag.deps]
-    ready_at = [0.0] * n
-    end = [0.0] * n
-    heap = [(0.0, position[k], k) for k in range(n) if waiting[k] == 0 and not comm[k]]
-    heapq.heapify(heap)
-    stream_free = channel_free = 0.0
-    events = []
-    comm_queue = [k for k in range(n) if waiting[k] == 0 and comm[k]]
-
-    def release(k: int):
-        nonlocal channel_free
-        done = end[k]
-        for u in users[k]:
-            if done > ready_at[u]:
-                ready_at[u] = done
-            waiting[u] -= 1
-            if waiting[u] == 0:
-                if comm[u]:
-                    start = max(channel_free, ready_at[u])
-                    end[u] = channel_free = start + costs[u]
-                    if record:
-                        events.append(("comm", _label(graph, dag, u), start, end[u]))
-                    if params.comm_blocking > 0:  # the stream is held once the all-reduce starts
-                        heapq.heappush(heap, (start, -1, -1 - u))
-                    release(u)
-                else:
-                    heapq.heappush(heap, (ready_at[u], position[u], u))
-
-    for k in comm_queue:  # all-reduces of values that need no computation
-        start = channel_free
-        end[k] = channel_free = start + costs[k]
-        if params.comm_blocking > 0:
-            heapq.heappush(heap, (start, -1, -1 - k))
-        release(k)
-    while heap:
-        # The stream takes the kernel that can start first (program order breaks ties).
-        r, _, k = heapq.heappop(heap)
-        if k < 0:  # compute time taken by a blocking all-reduce
-            stream_free = max(stream_free, r) + params.comm_blocking * costs[-1 - k]
-            continue
-        start = max(stream_free, r)
-        end[k] = stream_free = start + costs[k]
-        if record:
-            events.append(("compute", _label(graph, dag, k), start, end[k]))
-        release(k)
-    compute_us = sum(costs[k] for k in compute)
-    comm_us = sum(costs[k] for k in range(n) if comm[k])
-    iteration = max(stream_free, channel_free)
-    hidden = max(0.0, compute_us + comm_us - iteration) if comm_us else 0.0
+    alive = state.alive()
     return SimulatedStep(
-        iteration_us=iteration + params.step_overhead_us,
-        compute_us=compute_us,
-        comm_us=comm_us,
-        overlap_ratio=min(1.0, hidden / comm_us) if comm_us else 1.0,
-        full_overlap_us=max(compute_us, comm_us) + params.step_overhead_us,
-        num_fusions=sum(1 for k in range(n) if dag.kinds[k] == GROUP and len(dag.members[k]) > 1),
-        num_allreduces=sum(1 for k in range(n) if dag.kinds[k] == BUCKET),
-        events=events,
-        allreduce_ready_us=[ready_at[k] for k in range(n) if dag.kinds[k] == BUCKET],
+        iteration_us=timeline.iteration_us + params.step_overhead_us,
+        compute_us=timeline.compute_us,
+        comm_us=timeline.comm_us,
+        overlap_ratio=timeline.overlap_ratio,
+        full_overlap_us=max(timeline.compute_us, timeline.comm_us) + params.step_overhead_us,
+        num_fusions=sum(1 for k in alive if state.kinds[k] == GROUP and len(state.members[k]) > 1),
+        num_allreduces=sum(1 for k in alive if state.kinds[k] == BUCKET),
+        events=[(lane, _label(graph, state, k), a, b) for lane, k, a, b in timeline.events],
+        allreduce_ready_us=[timeline.ready_at[k] for k in state.bucket_slots(strategy)],
     )
 
 
-def _label(graph: Graph, dag: KernelDag, k: int) -> str:
-    if dag.kinds[k] == BUCKET:
-        return f"all-reduce[{len(dag.members[k])}]"
-    ops = sorted(dag.members[k])
+def kernel_state(graph: Graph, strategy: Strategy) -> KernelState | None:
+    """The strategy's kernel state for repeated `simulate(..., state=)` calls; None when the
+    backend cannot emit it. A cycle shows when it is simulated."""
+    if strategy.index is None and not emittable(graph, strategy):
+        return None
+    return kernels.build(graph, strategy)
+
+
+def _label(graph: Graph, state: KernelState, k: int) -> str:
+    if state.kinds[k] == BUCKET:
+        return f"all-reduce[{len(state.members[k])}]"
+    ops = sorted(state.members[k])
     first = graph.ops[ops[-1]].name
     return first if len(ops) == 1 else f"fusion[{len(ops)}]:{first}"
 
@@ -437,22 +379,47 @@ class CostModel:
 @dataclasses.dataclass(frozen=True)
 class SimulatedCost:
     """A strategy's simulated iteration time, None when it is invalid: `cost(strategy)`, or
-    `cost.many(strategies)` for the candidates of one search step, whose new kernels the
-    estimators then see in one call (the GNN predicts them in one batch)."""
+    `cost.many(strategies, parent=)` for the candidates of one search step. Their kernel states
+    are derived from the parent's (`kernels.derive`: only what the moves touched is rebuilt),
+    their new kernels are estimated in one call (the GNN predicts them in one batch), and the
+    states of the last `KEEP_STATES` valid strategies are kept for the next steps' parents."""
 
     graph: Graph
     model: CostModel
+    _states: OrderedDict = dataclasses.field(default_factory=OrderedDict, init=False, repr=False, compare=False)
+
+    KEEP_STATES: ClassVar[int] = 256
 
     def __call__(self, strategy: Strategy) -> float | None:
         return self.many([strategy])[0]
 
-    def many(self, strategies: Sequence[Strategy]) -> list[float | None]:
+    def state(self, strategy: Strategy) -> KernelState | None:
+        """The kernel state of an evaluated strategy (kept), else built; None if not emittable."""
+        key = strategy.key()
+        found = self._states.get(key)
+        if found is not None:
+            self._states.move_to_end(key)
+            return found
+        return kernel_state(self.graph, strategy)
+
+    def many(self, strategies: Sequence[Strategy], parent: Strategy | None = None) -> list[float | None]:
         graph, model = self.graph, self.model
-        dags = [kernel_dag(graph, s) for s in strategies]
-        kernels = {m: None for d in dags if d is not None for m, kind in zip(d.members, d.kinds) if kind != BUCKET}
-        model.estimator.estimate(graph, list(kernels))  # the estimators cache what they answer
+        base = self.state(parent) if parent is not None else None
+        states: list[KernelState | None] = []
+        for s in strategies:
+            if base is not None and s.rehomed is not None and s.index is not None:
+                states.append(kernels.derive(graph, base, s))
+            else:
+                states.append(kernel_state(graph, s))
+        kernels.estimate_missing(graph, [st for st in states if st is not None], model.estimator)
         out: list[float | None] = []
-        for s, d in zip(strategies, dags):
-            step = None if d is None else simulate(graph, s, model.estimator, model.allreduce, model.params, dag=d)
-            out.append(None if step is None else step.iteration_us)
+        for s, st in zip(strategies, states):
+            timeline = None if st is None else kernels.run(graph, st, model.params, model.allreduce)
+            if timeline is None:
+                out.append(None)
+                continue
+            out.append(timeline.iteration_us + model.params.step_overhead_us)
+            self._states[s.key()] = st
+            if len(self._states) > self.KEEP_STATES:
+                self._states.popitem(last=False)
         return out

@@ -1,0 +1,351 @@
+"""A strategy's kernel graph in slots, derived from an ancestor's by what the moves changed.
+
+`KernelState` is what the simulator runs: one *slot* per kernel (a fusion group, an opaque op or
+an all-reduce bucket) with its dependencies, users, tie-break rank and estimated time, plus, per
+op, the slot whose output holds its value (`provider`). Kernels are identified across strategies
+by a *key*: a group's member set, an opaque op's singleton set, and a bucket's gradient ids
+complemented (``~gid``, negative, so a bucket's key never equals a group's).
+
+`build(graph, strategy)` makes a state from scratch. `derive(graph, parent, child)` makes the
+child's from the parent's (FlexFlow's delta idea applied to the kernel graph): the parent's lists
+are copied, the kernels whose keys the child no longer has are removed, the new ones added, and
+only the kernels that read a value whose provider may have changed get their dependencies
+recomputed: the consumers of the members of removed and added groups, of the ops the moves
+re-homed (`Strategy.rehomed`) and of the gradients of removed and added buckets. A slot keeps its
+number while its kernel lives, so the unchanged part of the graph is never touched. New compute
+kernels have no estimate until `estimate_missing` asks the estimators for all of them at once.
+
+`run` is the one simulation core (`simulator.simulate` and `simulator.SimulatedCost` call it).
+Ties between kernels ready at the same time go to the earlier rank: program position (a group's
+last op, an all-reduce after its last gradient's producer), then a hash of the key. A state with a
+dependency cycle leaves kernels unrun: `run` returns None for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from disco_jax.cost.allreduce import AllReduceCost, collective_time_us
+
+if TYPE_CHECKING:
+    from disco_jax._graph import Graph
+    from disco_jax._strategy import Strategy
+    from disco_jax.cost.estimators import Estimator
+    from disco_jax.cost.simulator import SimulatorParams
+
+GROUP, OPAQUE, BUCKET = "group", "opaque", "bucket"  # the values of `_strategy`'s kernel kinds
+_NONE: frozenset[int] = frozenset()
+_HASH_SPAN = 1 << 20
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def bucket_key(bucket: tuple[int, ...]) -> frozenset[int]:
+    return frozenset(~g for g in bucket)
+
+
+def _rank(anchor: float, key) -> float:
+    """Program position first, a hash of the key within it (below the next position's half)."""
+    return anchor + (hash(key) % _HASH_SPAN) / (_HASH_SPAN * 2.5)
+
+
+@dataclasses.dataclass
+class KernelState:
+    keys: list  # per slot: the kernel's key, None for a free slot
+    members: list[frozenset[int]]  # ops of a group or opaque kernel, gradient ids of a bucket
+    kinds: list[str]
+    deps: list[frozenset[int]]
+    users: list[frozenset[int]]  # replaced, never changed in place: states share them
+    rank: list[float]
+    comm: list[bool]  # runs on the communication channel (buckets and opaque collectives)
+    estimate: list[float | None]  # compute kernels: the estimator's time (None: not asked yet)
+    provider: list[int]  # per op: the slot whose output holds its value (-1: none)
+    bucket_of: list[int]  # per gradient: its bucket's slot
+    slot_of: dict
+    group_keys: set
+    bucket_keys: set
+    free: list[int]
+
+    def copy(self) -> KernelState:
+        return KernelState(
+            self.keys.copy(),
+            self.members.copy(),
+            self.kinds.copy(),
+            self.deps.copy(),
+            self.users.copy(),
+            self.rank.copy(),
+            self.comm.copy(),
+            self.estimate.copy(),
+            self.provider.copy(),
+            self.bucket_of.copy(),
+            self.slot_of.copy(),
+            self.group_keys.copy(),
+            self.bucket_keys.copy(),
+            self.free.copy(),
+        )
+
+    def alive(self) -> list[int]:
+        return [k for k, key in enumerate(self.keys) if key is not None]
+
+    def bucket_slots(self, strategy: Strategy) -> list[int]:
+        """The slots of the strategy's buckets, in its order."""
+        return [self.slot_of[bucket_key(b)] for b in strategy.buckets]
+
+    # ----------------------------------------------------------------- edits
+
+    def _add(self, graph: Graph, key, members: frozenset[int], kind: str) -> int:
+        if kind == BUCKET:
+            anchor = max(graph.gradients[g].producer for g in members) + 0.5
+        else:
+            anchor = graph.kernel_reads(members)[0]
+        comm = kind == BUCKET or (kind == OPAQUE and next(iter(members)) in graph.collective_ops)
+        entry = (key, members, kind, _NONE, _NONE, _rank(anchor, key), comm, None if not comm else 0.0)
+        if self.free:
+            k = self.free.pop()
+            for column, value in zip(self._columns(), entry):
+                column[k] = value
+        else:
+            k = len(self.keys)
+            for column, value in zip(self._columns(), entry):
+                column.append(value)
+        self.slot_of[key] = k
+        return k
+
+    def _columns(self) -> tuple[list, ...]:
+        return (self.keys, self.members, self.kinds, self.deps, self.users, self.rank, self.comm, self.estimate)
+
+    def _remove(self, k: int) -> list[int]:
+        """Free slot `k`; returns its users (their dependencies must be recomputed)."""
+        gone = frozenset([k])
+        for p in self.deps[k]:
+            self.users[p] -= gone
+        users = list(self.users[k])
+        for u in users:  # the slot may be reused: no edge may point at it
+            self.deps[u] -= gone
+        del self.slot_of[self.keys[k]]
+        self.keys[k] = self.estimate[k] = None
+        self.deps[k] = self.users[k] = _NONE
+        self.free.append(k)
+        return users
+
+    def _set_deps(self, graph: Graph, k: int) -> None:
+        provider = self.provider
+        if self.kinds[k] == BUCKET:
+            sources, gradients = graph.free_sources, graph.gradients
+            new = {provider[src] for gid in self.members[k] for src in sources[gradients[gid].producer]}
+        else:
+            new = {provider[src] for src in graph.kernel_reads(self.members[k])[1]}
+        new.discard(k)
+        new.discard(-1)
+        old, me, users = self.deps[k], frozenset([k]), self.users
+        for p in old.difference(new):
+            users[p] -= me
+        for p in new.difference(old):
+            users[p] |= me
+        self.deps[k] = frozenset(new)
+
+
+def _empty(graph: Graph) -> KernelState:
+    return KernelState(
+        [], [], [], [], [], [], [], [], [-1] * len(graph.ops), [-1] * len(graph.gradients), {}, set(), set(), []
+    )
+
+
+def build(graph: Graph, strategy: Strategy) -> KernelState:
+    """The kernel state of `strategy` from scratch (no check that the backend can emit it)."""
+    st = _empty(graph)
+    group_slots = []
+    for i, g in enumerate(strategy.groups):
+        key = g if g not in st.slot_of else (g, i)  # a repeated member set (duplicate fusions)
+        group_slots.append(st._add(graph, key, g, GROUP))
+        st.group_keys.add(key)
+    for o, kernel in zip(graph.opaque_ops, graph.opaque_kernels):
+        st.provider[o] = st._add(graph, kernel, kernel, OPAQUE)
+    for b in strategy.buckets:
+        key = bucket_key(b)
+        k = st._add(graph, key, frozenset(b), BUCKET)
+        st.bucket_keys.add(key)
+        for gid in b:
+            st.bucket_of[gid] = k
+            st.provider[graph.gradients[gid].reduced] = k
+    for o in graph.fusible_ops:
+        st.provider[o] = group_slots[strategy.homes[o]]
+    for k in range(len(st.keys)):
+        st._set_deps(graph, k)
+    return st
+
+
+def derive(graph: Graph, parent: KernelState, child: Strategy) -> KernelState:
+    """The kernel state of `child` from the state of the strategy its moves started from
+    (`child.rehomed`: the ops they re-homed; None when unknown: built from scratch)."""
+    groups = child.groups
+    group_set = set(groups)
+    if child.rehomed is None or len(group_set) != len(groups):
+        return build(graph, child)
+    st = parent.copy()
+    changed = set(child.rehomed)
+    dirty: set[int] = set()
+    removed: set[int] = set()  # freed slots: a value they provided moved, even if the slot is reused
+    for key in st.group_keys - group_set:
+        k = st.slot_of[key]
+        changed.update(st.members[k])
+        dirty.update(st._remove(k))
+        removed.add(k)
+        st.group_keys.discard(key)
+    bucket_keys = [bucket_key(b) for b in child.buckets]
+    for key in st.bucket_keys - set(bucket_keys):
+        k = st.slot_of[key]
+        changed.update(graph.gradients[gid].reduced for gid in st.members[k])
+        dirty.update(st._remove(k))
+        removed.add(k)
+        st.bucket_keys.discard(key)
+    for g in group_set - st.group_keys:
+        dirty.add(st._add(graph, g, g, GROUP))
+        st.group_keys.add(g)
+        changed.update(g)
+    ops, slot_of, provider, homes = graph.ops, st.slot_of, st.provider, child.homes
+    moved = []  # ops whose provider changed: their consumers' dependencies are recomputed
+    for key, b in zip(bucket_keys, child.buckets):
+        if key not in st.bucket_keys:
+            k = st._add(graph, key, frozenset(b), BUCKET)
+            st.bucket_keys.add(key)
+            dirty.add(k)
+            for gid in b:
+                st.bucket_of[gid] = k
+                provider[graph.gradients[gid].reduced] = k
+                moved.append(graph.gradients[gid].reduced)
+    for o in changed:
+        if ops[o].kind == "fusible":
+            k = slot_of[groups[homes[o]]]
+            if k != provider[o] or k in removed:
+                provider[o] = k
+                moved.append(o)
+    index = child.group_index() if moved else ()
+    for o in moved:
+        for u in graph.consumers(o):
+            if u < 0:
+                continue
+            if ops[u].kind == "fusible":
+                dirty.update(slot_of[groups[x]] for x in index[u])
+            else:  # an opaque op or an all-reduce result: its own kernel
+                dirty.add(provider[u])
+    for k in dirty:
+        if st.keys[k] is not None:
+            st._set_deps(graph, k)
+    return st
+
+
+def estimate_missing(graph: Graph, states: Sequence[KernelState], estimator: Estimator) -> None:
+    """Fill every compute kernel without an estimate, asking the estimator once for all of them."""
+    wanted: dict[frozenset[int], list[tuple[KernelState, int]]] = {}
+    for st in states:
+        for k, e in enumerate(st.estimate):
+            if e is None and st.keys[k] is not None:
+                wanted.setdefault(st.members[k], []).append((st, k))
+    if not wanted:
+        return
+    kernels = list(wanted)
+    for kernel, t in zip(kernels, estimator.estimate(graph, kernels)):
+        for st, k in wanted[kernel]:
+            st.estimate[k] = float(t or 0.0)
+
+
+@dataclasses.dataclass
+class Timeline:
+    """What `run` computed: times in microseconds and, when recorded, the schedule."""
+
+    iteration_us: float
+    compute_us: float
+    comm_us: float
+    end: list[float]
+    ready_at: list[float]
+    events: list[tuple[str, int, float, float]]  # (lane, slot, start, end)
+
+    @property
+    def overlap_ratio(self) -> float:
+        """The fraction of communication time hidden under compute."""
+        if not self.comm_us:
+            return 1.0
+        hidden = max(0.0, self.compute_us + self.comm_us - self.iteration_us)
+        return min(1.0, hidden / self.comm_us)
+
+
+def run(
+    graph: Graph, st: KernelState, params: SimulatorParams, allreduce: AllReduceCost, record: bool = False
+) -> Timeline | None:
+    """Compute kernels on one stream, each taking the stream when it is free and the kernel is
+    the earliest ready (rank breaks ties); communication kernels on one channel, each starting
+    when its inputs are ready and the channel is free, in the order their last input finishes
+    (holding the stream for `params.comm_blocking` of their time). None on a dependency cycle.
+    The step overhead is not added here (`simulator.simulate` adds it)."""
+    keys, deps, users, comm, rank, members = st.keys, st.deps, st.users, st.comm, st.rank, st.members
+    n = len(keys)
+    scale, overhead, blocking = float(params.compute_scale), params.kernel_overhead_us, params.comm_blocking
+    costs = [0.0 if e is None else e * scale + overhead for e in st.estimate]
+    comm_slots = [k for k in range(n) if comm[k] and keys[k] is not None]
+    collectives = graph.collective_ops
+    for k in comm_slots:
+        if st.kinds[k] == BUCKET:
+            costs[k] = params.bucket_us(allreduce, [graph.transfer_bytes[g] for g in members[k]])
+        else:
+            costs[k] = collective_time_us(allreduce, *collectives[next(iter(members[k]))])
+    waiting = [len(d) for d in deps]
+    ready_at = [0.0] * n
+    end = [0.0] * n
+    heap = [(0.0, rank[k], k) for k in range(n) if not waiting[k] and not comm[k] and keys[k] is not None]
+    heapq.heapify(heap)
+    stream_free = channel_free = 0.0
+    events: list[tuple[str, int, float, float]] = []
+    done = 0
+
+    def release(k: int) -> None:
+        nonlocal channel_free, done
+        done += 1
+        finished = end[k]
+        ready_comm = None
+        for u in users[k]:
+            if finished > ready_at[u]:
+                ready_at[u] = finished
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                if comm[u]:
+                    ready_comm = [u] if ready_comm is None else [*ready_comm, u]
+                else:
+                    heapq.heappush(heap, (ready_at[u], rank[u], u))
+        if ready_comm is None:
+            return
+        for u in sorted(ready_comm, key=rank.__getitem__):  # the channel takes them by rank
+            start = max(channel_free, ready_at[u])
+            end[u] = channel_free = start + costs[u]
+            if record:
+                events.append(("comm", u, start, end[u]))
+            if blocking > 0:  # the stream is held once the all-reduce starts
+                heapq.heappush(heap, (start, -1.0, -1 - u))
+            release(u)
+
+    for k in sorted((k for k in comm_slots if not waiting[k]), key=rank.__getitem__):
+        start = channel_free  # collectives of values that need no computation
+        end[k] = channel_free = start + costs[k]
+        if record:
+            events.append(("comm", k, start, end[k]))
+        if blocking > 0:
+            heapq.heappush(heap, (start, -1.0, -1 - k))
+        release(k)
+    while heap:
+        r, _, k = heapq.heappop(heap)
+        if k < 0:  # compute time taken by a blocking all-reduce
+            stream_free = max(stream_free, r) + blocking * costs[-1 - k]
+            continue
+        start = stream_free if stream_free > r else r
+        end[k] = stream_free = start + costs[k]
+        if record:
+            events.append(("compute", k, start, end[k]))
+        release(k)
+    if done != n - len(st.free):
+        return None  # a cycle: some kernels never became ready
+    comm_us = sum(costs[k] for k in comm_slots)
+    compute_us = sum(costs) - comm_us
+    return Timeline(max(stream_free, channel_free), compute_us, comm_us, end, ready_at, events)
