@@ -113,16 +113,22 @@ class StrategyEdit:
     def exports(self, gi: int) -> list[int]:
         """The ops group `gi` hands to kernels that do not compute them themselves
         (`_strategy.group_exports` for one group)."""
-        graph, groups, index, ops = self.graph, self.groups, self.index, self.graph.ops
+        graph, groups, index, ops, homes = self.graph, self.groups, self.index, self.graph.ops, self.homes
         out = []
-        for o in sorted(self.homed(gi)):
+        for o in sorted(o for o in groups[gi] if homes[o] == gi):
+            exported = False
             for u in graph.consumers(o):
                 if u < 0 or ops[u].kind != "fusible":
-                    out.append(o)
+                    exported = True
                     break
-                if not all(o in groups[x] for x in index[u]):
-                    out.append(o)
+                for x in index[u]:  # loops, not all(): the moves' hottest code; gi holds o
+                    if x != gi and o not in groups[x]:
+                        exported = True
+                        break
+                if exported:
                     break
+            if exported:
+                out.append(o)
         return out
 
     def reaches(self, start: int, target: int, buckets: Sequence[Sequence[int]], limit: int = 4096) -> bool:

@@ -57,6 +57,8 @@ def _by_key(st: kernels.KernelState) -> dict:
         "users": {keys[k]: frozenset(keys[u] for u in st.users[k]) for k in st.alive()},
         "provider": [keys[k] if k >= 0 else None for k in st.provider],
         "bucket_of": [keys[k] for k in st.bucket_of],
+        "slot_of": st.slot_of == {keys[k]: k for k in st.alive()},
+        "keys": (st.group_keys, st.bucket_keys),
     }
 
 

@@ -47,6 +47,14 @@ def bucket_key(bucket: tuple[int, ...]) -> frozenset[int]:
     return frozenset(~g for g in bucket)
 
 
+def _anchor(graph: Graph, members: frozenset[int], kind: str) -> float:
+    """Where a kernel stands in the program: a group's or opaque op's last op, an all-reduce
+    just after its last gradient's producer."""
+    if kind == BUCKET:
+        return max(graph.gradients[g].producer for g in members) + 0.5
+    return graph.kernel_reads(members)[0]
+
+
 def _rank(anchor: float, key) -> float:
     """Program position first, a hash of the key within it (below the next position's half)."""
     return anchor + (hash(key) % _HASH_SPAN) / (_HASH_SPAN * 2.5)
@@ -58,7 +66,7 @@ class KernelState:
     members: list[frozenset[int]]  # ops of a group or opaque kernel, gradient ids of a bucket
     kinds: list[str]
     deps: list[frozenset[int]]
-    users: list[frozenset[int]]  # replaced, never changed in place: states share them
+    users: list[set[int]]  # shared with the parent until `_users` copies one (`owned`)
     rank: list[float]
     comm: list[bool]  # runs on the communication channel (buckets and opaque collectives)
     estimate: list[float | None]  # compute kernels: the estimator's time (None: not asked yet)
@@ -68,6 +76,7 @@ class KernelState:
     group_keys: set
     bucket_keys: set
     free: list[int]
+    owned: set[int] = dataclasses.field(default_factory=set)  # slots whose users set is this state's own
 
     def copy(self) -> KernelState:
         return KernelState(
@@ -87,6 +96,14 @@ class KernelState:
             self.free.copy(),
         )
 
+    def _users(self, k: int) -> set[int]:
+        """Slot k's users, to change: copied first if the set is shared (a kernel read by
+        thousands would otherwise be copied at every edit)."""
+        if k not in self.owned:
+            self.users[k] = set(self.users[k])
+            self.owned.add(k)
+        return self.users[k]
+
     def alive(self) -> list[int]:
         return [k for k, key in enumerate(self.keys) if key is not None]
 
@@ -97,12 +114,9 @@ class KernelState:
     # ----------------------------------------------------------------- edits
 
     def _add(self, graph: Graph, key, members: frozenset[int], kind: str) -> int:
-        if kind == BUCKET:
-            anchor = max(graph.gradients[g].producer for g in members) + 0.5
-        else:
-            anchor = graph.kernel_reads(members)[0]
+        anchor = _anchor(graph, members, kind)
         comm = kind == BUCKET or (kind == OPAQUE and next(iter(members)) in graph.collective_ops)
-        entry = (key, members, kind, _NONE, _NONE, _rank(anchor, key), comm, None if not comm else 0.0)
+        entry = (key, members, kind, _NONE, set(), _rank(anchor, key), comm, None if not comm else 0.0)
         if self.free:
             k = self.free.pop()
             for column, value in zip(self._columns(), entry):
@@ -112,7 +126,17 @@ class KernelState:
             for column, value in zip(self._columns(), entry):
                 column.append(value)
         self.slot_of[key] = k
+        self.owned.add(k)
         return k
+
+    def _rekey(self, graph: Graph, k: int, key, members: frozenset[int]) -> None:
+        """Slot k holds another kernel of the same kind now (its dependencies to recompute)."""
+        del self.slot_of[self.keys[k]]
+        self.slot_of[key] = k
+        self.keys[k], self.members[k] = key, members
+        self.rank[k] = _rank(_anchor(graph, members, self.kinds[k]), key)
+        if not self.comm[k]:
+            self.estimate[k] = None
 
     def _columns(self) -> tuple[list, ...]:
         return (self.keys, self.members, self.kinds, self.deps, self.users, self.rank, self.comm, self.estimate)
@@ -121,13 +145,15 @@ class KernelState:
         """Free slot `k`; returns its users (their dependencies must be recomputed)."""
         gone = frozenset([k])
         for p in self.deps[k]:
-            self.users[p] -= gone
+            self._users(p).discard(k)
         users = list(self.users[k])
         for u in users:  # the slot may be reused: no edge may point at it
             self.deps[u] -= gone
         del self.slot_of[self.keys[k]]
         self.keys[k] = self.estimate[k] = None
-        self.deps[k] = self.users[k] = _NONE
+        self.deps[k] = _NONE
+        self.users[k] = set()
+        self.owned.add(k)
         self.free.append(k)
         return users
 
@@ -140,11 +166,11 @@ class KernelState:
             new = {provider[src] for src in graph.kernel_reads(self.members[k])[1]}
         new.discard(k)
         new.discard(-1)
-        old, me, users = self.deps[k], frozenset([k]), self.users
+        old = self.deps[k]
         for p in old.difference(new):
-            users[p] -= me
+            self._users(p).discard(k)
         for p in new.difference(old):
-            users[p] |= me
+            self._users(p).add(k)
         self.deps[k] = frozenset(new)
 
 
@@ -180,43 +206,70 @@ def build(graph: Graph, strategy: Strategy) -> KernelState:
 
 def derive(graph: Graph, parent: KernelState, child: Strategy) -> KernelState:
     """The kernel state of `child` from the state of the strategy its moves started from
-    (`child.rehomed`: the ops they re-homed; None when unknown: built from scratch)."""
+    (`child.rehomed`: the ops they re-homed; None when unknown: built from scratch).
+
+    A new group (or bucket) takes the slot of a gone one that provided most of the values it
+    provides now (`_heir`): a group that grew or was cut, or a bucket that was merged or split,
+    keeps its slot, so the consumers of the values it still provides keep their edges. Gone
+    kernels without an heir are removed, new ones without a predecessor added."""
     groups = child.groups
     group_set = set(groups)
     if child.rehomed is None or len(group_set) != len(groups):
         return build(graph, child)
     st = parent.copy()
-    changed = set(child.rehomed)
-    dirty: set[int] = set()
-    removed: set[int] = set()  # freed slots: a value they provided moved, even if the slot is reused
-    for key in st.group_keys - group_set:
-        k = st.slot_of[key]
-        changed.update(st.members[k])
-        dirty.update(st._remove(k))
-        removed.add(k)
-        st.group_keys.discard(key)
-    bucket_keys = [bucket_key(b) for b in child.buckets]
-    for key in st.bucket_keys - set(bucket_keys):
-        k = st.slot_of[key]
-        changed.update(graph.gradients[gid].reduced for gid in st.members[k])
-        dirty.update(st._remove(k))
-        removed.add(k)
-        st.bucket_keys.discard(key)
+    ops, slot_of, provider, homes, gradients = graph.ops, st.slot_of, st.provider, child.homes, graph.gradients
+    changed = set(child.rehomed)  # fusible ops whose provider may have changed
+    dirty: set[int] = set()  # kernels whose dependencies are recomputed
+    moved = []  # values whose provider changed: their consumers are dirty
+
+    gone = {slot_of[key]: key for key in st.group_keys - group_set}
+    born = []
     for g in group_set - st.group_keys:
+        k = _heir(gone, (provider[o] for o in g if groups[homes[o]] is g))
+        if k is None:
+            born.append(g)
+            continue
+        changed.update(st.members[k])
+        st.group_keys.discard(gone.pop(k))
+        st._rekey(graph, k, g, g)
+        st.group_keys.add(g)
+        changed.update(g)
+        dirty.add(k)
+    bucket_keys = [bucket_key(b) for b in child.buckets]
+    gone_buckets = {slot_of[key]: key for key in st.bucket_keys - set(bucket_keys)}
+    new_buckets = []  # (slot or None, key, bucket)
+    for key, b in zip(bucket_keys, child.buckets):
+        if key not in st.bucket_keys:
+            k = _heir(gone_buckets, (st.bucket_of[g] for g in b))
+            if k is not None:
+                st.bucket_keys.discard(gone_buckets.pop(k))
+            new_buckets.append((k, key, b))
+
+    removed: set[int] = set()  # freed slots: a value they provided moved, even if the slot is reused
+    for k in [*gone, *gone_buckets]:
+        if st.kinds[k] == GROUP:
+            changed.update(st.members[k])
+        dirty.update(st._remove(k))
+        removed.add(k)
+    st.group_keys.difference_update(gone.values())
+    st.bucket_keys.difference_update(gone_buckets.values())
+    for g in born:
         dirty.add(st._add(graph, g, g, GROUP))
         st.group_keys.add(g)
         changed.update(g)
-    ops, slot_of, provider, homes = graph.ops, st.slot_of, st.provider, child.homes
-    moved = []  # ops whose provider changed: their consumers' dependencies are recomputed
-    for key, b in zip(bucket_keys, child.buckets):
-        if key not in st.bucket_keys:
+    for k, key, b in new_buckets:
+        if k is None:
             k = st._add(graph, key, frozenset(b), BUCKET)
-            st.bucket_keys.add(key)
-            dirty.add(k)
-            for gid in b:
-                st.bucket_of[gid] = k
-                provider[graph.gradients[gid].reduced] = k
-                moved.append(graph.gradients[gid].reduced)
+        else:
+            st._rekey(graph, k, key, frozenset(b))
+        st.bucket_keys.add(key)
+        dirty.add(k)
+        for gid in b:
+            st.bucket_of[gid] = k
+            r = gradients[gid].reduced
+            if provider[r] != k or k in removed:
+                provider[r] = k
+                moved.append(r)
     for o in changed:
         if ops[o].kind == "fusible":
             k = slot_of[groups[homes[o]]]
@@ -236,6 +289,15 @@ def derive(graph: Graph, parent: KernelState, child: Strategy) -> KernelState:
         if st.keys[k] is not None:
             st._set_deps(graph, k)
     return st
+
+
+def _heir(gone: dict[int, object], providers) -> int | None:
+    """The gone slot that provided most of `providers` (slots, one per value), if any."""
+    votes: dict[int, int] = {}
+    for p in providers:
+        if p in gone:
+            votes[p] = votes.get(p, 0) + 1
+    return max(votes, key=votes.__getitem__) if votes else None
 
 
 def estimate_missing(graph: Graph, states: Sequence[KernelState], estimator: Estimator) -> None:
@@ -301,49 +363,63 @@ def run(
     events: list[tuple[str, int, float, float]] = []
     done = 0
 
+    push, pop = heapq.heappush, heapq.heappop
+
     def release(k: int) -> None:
-        nonlocal channel_free, done
+        """Kernel `k` ended: ready its users (`start_comm` for the communication ones)."""
+        nonlocal done
         done += 1
         finished = end[k]
-        ready_comm = None
+        ready_comm = []
         for u in users[k]:
             if finished > ready_at[u]:
                 ready_at[u] = finished
             waiting[u] -= 1
-            if waiting[u] == 0:
+            if not waiting[u]:
                 if comm[u]:
-                    ready_comm = [u] if ready_comm is None else [*ready_comm, u]
+                    ready_comm.append(u)
                 else:
-                    heapq.heappush(heap, (ready_at[u], rank[u], u))
-        if ready_comm is None:
-            return
-        for u in sorted(ready_comm, key=rank.__getitem__):  # the channel takes them by rank
+                    push(heap, (ready_at[u], rank[u], u))
+        if ready_comm:
+            start_comm(ready_comm)
+
+    def start_comm(ready: list[int]) -> None:
+        """Communication kernels whose inputs are ready take the channel now, by rank."""
+        nonlocal channel_free
+        for u in sorted(ready, key=rank.__getitem__):
             start = max(channel_free, ready_at[u])
             end[u] = channel_free = start + costs[u]
             if record:
                 events.append(("comm", u, start, end[u]))
             if blocking > 0:  # the stream is held once the all-reduce starts
-                heapq.heappush(heap, (start, -1.0, -1 - u))
+                push(heap, (start, -1.0, -1 - u))
             release(u)
 
-    for k in sorted((k for k in comm_slots if not waiting[k]), key=rank.__getitem__):
-        start = channel_free  # collectives of values that need no computation
-        end[k] = channel_free = start + costs[k]
-        if record:
-            events.append(("comm", k, start, end[k]))
-        if blocking > 0:
-            heapq.heappush(heap, (start, -1.0, -1 - k))
-        release(k)
+    start_comm([k for k in comm_slots if not waiting[k]])  # collectives of values needing no compute
     while heap:
-        r, _, k = heapq.heappop(heap)
+        r, _, k = pop(heap)
         if k < 0:  # compute time taken by a blocking all-reduce
             stream_free = max(stream_free, r) + blocking * costs[-1 - k]
             continue
         start = stream_free if stream_free > r else r
-        end[k] = stream_free = start + costs[k]
+        end[k] = stream_free = finished = start + costs[k]
         if record:
-            events.append(("compute", k, start, end[k]))
-        release(k)
+            events.append(("compute", k, start, finished))
+        # `release(k)`, inlined: this loop is the search's hottest.
+        done += 1
+        ready_comm = None
+        for u in users[k]:
+            if finished > ready_at[u]:
+                ready_at[u] = finished
+            left = waiting[u] - 1
+            waiting[u] = left
+            if not left:
+                if comm[u]:
+                    ready_comm = [u] if ready_comm is None else [*ready_comm, u]
+                else:
+                    push(heap, (ready_at[u], rank[u], u))
+        if ready_comm is not None:
+            start_comm(ready_comm)
     if done != n - len(st.free):
         return None  # a cycle: some kernels never became ready
     comm_us = sum(costs[k] for k in comm_slots)

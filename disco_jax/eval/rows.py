@@ -27,6 +27,7 @@ import optax
 
 from disco_jax import (
     ChainEstimator,
+    CostModel,
     Graph,
     SearchConfig,
     Strategy,
@@ -205,10 +206,7 @@ def simulated_row(
             "valid": sim is not None,
         }
 
-    def cost(s: Strategy) -> float | None:
-        r = simulated(s)
-        return None if r is None else r.iteration_us
-
+    cost = CostModel(estimator, allreduce, {}).evaluator(graph)  # incremental: `cost.kernels`
     starts, seen = [], set()
     for s in start_candidates(graph) + [b.strategy for b in candidates]:
         if s.key() not in seen:
