@@ -336,24 +336,35 @@ class Timeline:
 
 
 def run(
-    graph: Graph, st: KernelState, params: SimulatorParams, allreduce: AllReduceCost, record: bool = False
+    graph: Graph,
+    st: KernelState,
+    params: SimulatorParams,
+    allreduce: AllReduceCost,
+    record: bool = False,
+    comm_costs: dict | None = None,
 ) -> Timeline | None:
     """Compute kernels on one stream, each taking the stream when it is free and the kernel is
     the earliest ready (rank breaks ties); communication kernels on one channel, each starting
     when its inputs are ready and the channel is free, in the order their last input finishes
     (holding the stream for `params.comm_blocking` of their time). None on a dependency cycle.
-    The step overhead is not added here (`simulator.simulate` adds it)."""
+    The step overhead is not added here (`simulator.simulate` adds it). `comm_costs`: a memo of
+    communication kernels' times by members, for these params and all-reduce cost only."""
     keys, deps, users, comm, rank, members = st.keys, st.deps, st.users, st.comm, st.rank, st.members
     n = len(keys)
     scale, overhead, blocking = float(params.compute_scale), params.kernel_overhead_us, params.comm_blocking
     costs = [0.0 if e is None else e * scale + overhead for e in st.estimate]
     comm_slots = [k for k in range(n) if comm[k] and keys[k] is not None]
     collectives = graph.collective_ops
+    memo = {} if comm_costs is None else comm_costs
     for k in comm_slots:
-        if st.kinds[k] == BUCKET:
-            costs[k] = params.bucket_us(allreduce, [graph.transfer_bytes[g] for g in members[k]])
-        else:
-            costs[k] = collective_time_us(allreduce, *collectives[next(iter(members[k]))])
+        c = memo.get(members[k])
+        if c is None:
+            if st.kinds[k] == BUCKET:
+                c = params.bucket_us(allreduce, [graph.transfer_bytes[g] for g in members[k]])
+            else:
+                c = collective_time_us(allreduce, *collectives[next(iter(members[k]))])
+            memo[members[k]] = c
+        costs[k] = c
     waiting = [len(d) for d in deps]
     ready_at = [0.0] * n
     end = [0.0] * n

@@ -387,6 +387,10 @@ class SimulatedCost:
     graph: Graph
     model: CostModel
     _states: OrderedDict = dataclasses.field(default_factory=OrderedDict, init=False, repr=False, compare=False)
+    # Communication times by kernel for (params, all-reduce cost): calibration may change the params.
+    _comm_costs: list = dataclasses.field(
+        default_factory=lambda: [None, None, {}], init=False, repr=False, compare=False
+    )
 
     KEEP_STATES: ClassVar[int] = 256
 
@@ -413,8 +417,11 @@ class SimulatedCost:
                 states.append(kernel_state(graph, s))
         kernels.estimate_missing(graph, [st for st in states if st is not None], model.estimator)
         out: list[float | None] = []
+        if self._comm_costs[0] != model.params or self._comm_costs[1] is not model.allreduce:
+            self._comm_costs[:] = [model.params, model.allreduce, {}]
+        memo = self._comm_costs[2]
         for s, st in zip(strategies, states):
-            timeline = None if st is None else kernels.run(graph, st, model.params, model.allreduce)
+            timeline = None if st is None else kernels.run(graph, st, model.params, model.allreduce, comm_costs=memo)
             if timeline is None:
                 out.append(None)
                 continue
