@@ -13,7 +13,9 @@ A `Strategy` says, over one `Graph`:
 * `buckets`: which gradients each all-reduce carries; issued once its last gradient is ready.
 
 `kernel_dag` turns a strategy into kernels (groups, opaque ops, all-reduce buckets) with their
-dependencies; the simulator and the rewrite both read that.
+dependencies in a topological order, or None for a cycle; the rewrite emits in that order. The
+simulator keeps its own kernel graph (`cost.kernels.KernelState`), which the search derives from a
+candidate's parent instead of building it again.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ dependency cycle leaves kernels unrun: `run` returns None for it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import heapq
@@ -180,12 +181,32 @@ def _empty(graph: Graph) -> KernelState:
     )
 
 
+def group_keys(strategy: Strategy) -> list | None:
+    """Per group, its kernel key: its member set; for a member set several groups share
+    (XLA:GPU clones small fusions), the member set and the ops that group homes. None when even
+    that repeats (then the groups are keyed by position, and a child is built from scratch)."""
+    groups = strategy.groups
+    count = collections.Counter(groups)
+    if len(count) == len(groups):
+        return list(groups)
+    homes, keys = strategy.homes, list(groups)
+    for i, g in enumerate(groups):
+        if count[g] > 1:
+            if len(g) == 1:  # most clones: one op, homed in one of them
+                keys[i] = (g, g if homes[next(iter(g))] == i else _NONE)
+            else:
+                keys[i] = (g, frozenset(o for o in g if homes[o] == i))
+    return keys if len(set(keys)) == len(keys) else None
+
+
 def build(graph: Graph, strategy: Strategy) -> KernelState:
     """The kernel state of `strategy` from scratch (no check that the backend can emit it)."""
     st = _empty(graph)
     group_slots = []
-    for i, g in enumerate(strategy.groups):
-        key = g if g not in st.slot_of else (g, i)  # a repeated member set (duplicate fusions)
+    keys = group_keys(strategy)
+    if keys is None:
+        keys = [(g, i) for i, g in enumerate(strategy.groups)]  # not derivable (see group_keys)
+    for g, key in zip(strategy.groups, keys):
         group_slots.append(st._add(graph, key, g, GROUP))
         st.group_keys.add(key)
     for o, kernel in zip(graph.opaque_ops, graph.opaque_kernels):
@@ -213,26 +234,29 @@ def derive(graph: Graph, parent: KernelState, child: Strategy) -> KernelState:
     keeps its slot, so the consumers of the values it still provides keep their edges. Gone
     kernels without an heir are removed, new ones without a predecessor added."""
     groups = child.groups
-    group_set = set(groups)
-    if child.rehomed is None or len(group_set) != len(groups):
+    keys = None if child.rehomed is None else group_keys(child)
+    if keys is None:
         return build(graph, child)
+    position = {key: i for i, key in enumerate(keys)}
     st = parent.copy()
     ops, slot_of, provider, homes, gradients = graph.ops, st.slot_of, st.provider, child.homes, graph.gradients
     changed = set(child.rehomed)  # fusible ops whose provider may have changed
     dirty: set[int] = set()  # kernels whose dependencies are recomputed
     moved = []  # values whose provider changed: their consumers are dirty
 
-    gone = {slot_of[key]: key for key in st.group_keys - group_set}
+    gone = {slot_of[key]: key for key in st.group_keys.difference(position)}
     born = []
-    for g in group_set - st.group_keys:
-        k = _heir(gone, (provider[o] for o in g if groups[homes[o]] is g))
+    for key in position.keys() - st.group_keys:
+        i = position[key]
+        g = groups[i]
+        k = _heir(gone, (provider[o] for o in g if homes[o] == i))
         if k is None:
-            born.append(g)
+            born.append(key)
             continue
         changed.update(st.members[k])
         st.group_keys.discard(gone.pop(k))
-        st._rekey(graph, k, g, g)
-        st.group_keys.add(g)
+        st._rekey(graph, k, key, g)
+        st.group_keys.add(key)
         changed.update(g)
         dirty.add(k)
     bucket_keys = [bucket_key(b) for b in child.buckets]
@@ -253,9 +277,10 @@ def derive(graph: Graph, parent: KernelState, child: Strategy) -> KernelState:
         removed.add(k)
     st.group_keys.difference_update(gone.values())
     st.bucket_keys.difference_update(gone_buckets.values())
-    for g in born:
-        dirty.add(st._add(graph, g, g, GROUP))
-        st.group_keys.add(g)
+    for key in born:
+        g = groups[position[key]]
+        dirty.add(st._add(graph, key, g, GROUP))
+        st.group_keys.add(key)
         changed.update(g)
     for k, key, b in new_buckets:
         if k is None:
@@ -272,7 +297,7 @@ def derive(graph: Graph, parent: KernelState, child: Strategy) -> KernelState:
                 moved.append(r)
     for o in changed:
         if ops[o].kind == "fusible":
-            k = slot_of[groups[homes[o]]]
+            k = slot_of[keys[homes[o]]]
             if k != provider[o] or k in removed:
                 provider[o] = k
                 moved.append(o)
@@ -282,7 +307,7 @@ def derive(graph: Graph, parent: KernelState, child: Strategy) -> KernelState:
             if u < 0:
                 continue
             if ops[u].kind == "fusible":
-                dirty.update(slot_of[groups[x]] for x in index[u])
+                dirty.update(slot_of[keys[x]] for x in index[u])
             else:  # an opaque op or an all-reduce result: its own kernel
                 dirty.add(provider[u])
     for k in dirty:
