@@ -75,6 +75,7 @@ def two_graphs(request):
     graph, _ = _compile.capture_graph(lowered, backends.GPU)
     xla = _strategy.xla_default(graph)
     assert len(set(xla.groups)) < len(xla.groups)
+    assert len(set(kernels.group_keys(xla))) == len(xla.groups)
     return graph, _compile.capture_graph(lowered, backends.GPU)[0]
 
 
@@ -104,7 +105,7 @@ def test_a_derived_kernel_state_and_cost_equal_a_from_scratch_evaluation(two_gra
         assert got == pytest.approx(expected.iteration_us, rel=1e-12)
         state = evaluator.state(child)
         assert _by_key(state) == _by_key(kernels.build(graph, child))
-        derived += child.index is not None and kernels.group_keys(child) is not None  # not built anew
+        derived += child.index is not None
         changed_kernels += len(set(state.keys) ^ set(evaluator.state(base).keys))
         base = child
     assert derived > 10 and changed_kernels > 0
@@ -143,3 +144,13 @@ def test_whole_normalization_of_a_start_is_a_fixed_point(captured):
             continue
         twice = _strategy.normalize(graph, once)
         assert (twice.groups, twice.homes) == (once.groups, once.homes)
+
+
+def test_cloned_groups_get_distinct_keys():
+    """XLA:GPU clones small fusions: groups with equal members get keys told apart by the ops they
+    home, and clones homing nothing (interchangeable) by their ordinal."""
+    a, b = frozenset([0]), frozenset([1, 2])
+    s = _strategy.Strategy((a, b, a, a, b), (0, 4, 4), ())
+    keys = kernels.group_keys(s)
+    assert keys == [(a, a), (b, frozenset()), (a, frozenset(), 0), (a, frozenset(), 1), (b, frozenset([1, 2]))]
+    assert kernels.group_keys(_strategy.Strategy((a, b), (0, 1, 1), ())) == [a, b]

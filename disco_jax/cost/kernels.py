@@ -181,10 +181,10 @@ def _empty(graph: Graph) -> KernelState:
     )
 
 
-def group_keys(strategy: Strategy) -> list | None:
+def group_keys(strategy: Strategy) -> list:
     """Per group, its kernel key: its member set; for a member set several groups share
-    (XLA:GPU clones small fusions), the member set and the ops that group homes. None when even
-    that repeats (then the groups are keyed by position, and a child is built from scratch)."""
+    (XLA:GPU clones small fusions), the member set and the ops that group homes, and for clones
+    that home nothing (interchangeable: same members, no users) also their ordinal."""
     groups = strategy.groups
     count = collections.Counter(groups)
     if len(count) == len(groups):
@@ -196,17 +196,21 @@ def group_keys(strategy: Strategy) -> list | None:
                 keys[i] = (g, g if homes[next(iter(g))] == i else _NONE)
             else:
                 keys[i] = (g, frozenset(o for o in g if homes[o] == i))
-    return keys if len(set(keys)) == len(keys) else None
+    repeats = collections.Counter(keys)
+    if len(repeats) != len(keys):
+        seen: dict = {}
+        for i, key in enumerate(keys):
+            if repeats[key] > 1:
+                seen[key] = n = seen.get(key, -1) + 1
+                keys[i] = (*key, n)
+    return keys
 
 
 def build(graph: Graph, strategy: Strategy) -> KernelState:
     """The kernel state of `strategy` from scratch (no check that the backend can emit it)."""
     st = _empty(graph)
     group_slots = []
-    keys = group_keys(strategy)
-    if keys is None:
-        keys = [(g, i) for i, g in enumerate(strategy.groups)]  # not derivable (see group_keys)
-    for g, key in zip(strategy.groups, keys):
+    for g, key in zip(strategy.groups, group_keys(strategy)):
         group_slots.append(st._add(graph, key, g, GROUP))
         st.group_keys.add(key)
     for o, kernel in zip(graph.opaque_ops, graph.opaque_kernels):
@@ -233,10 +237,10 @@ def derive(graph: Graph, parent: KernelState, child: Strategy) -> KernelState:
     provides now (`_heir`): a group that grew or was cut, or a bucket that was merged or split,
     keeps its slot, so the consumers of the values it still provides keep their edges. Gone
     kernels without an heir are removed, new ones without a predecessor added."""
-    groups = child.groups
-    keys = None if child.rehomed is None else group_keys(child)
-    if keys is None:
+    if child.rehomed is None:
         return build(graph, child)
+    groups = child.groups
+    keys = group_keys(child)
     position = {key: i for i, key in enumerate(keys)}
     st = parent.copy()
     ops, slot_of, provider, homes, gradients = graph.ops, st.slot_of, st.provider, child.homes, graph.gradients
