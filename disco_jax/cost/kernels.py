@@ -8,11 +8,11 @@ complemented (``~gid``, negative, so a bucket's key never equals a group's).
 
 `build(graph, strategy)` makes a state from scratch. `derive(graph, parent, child)` makes the
 child's from the parent's (FlexFlow's delta idea applied to the kernel graph): the parent's lists
-are copied, the kernels whose keys the child no longer has are removed, the new ones added, and
-only the kernels that read a value whose provider may have changed get their dependencies
-recomputed: the consumers of the members of removed and added groups, of the ops the moves
-re-homed (`Strategy.rehomed`) and of the gradients of removed and added buckets. A slot keeps its
-number while its kernel lives, so the unchanged part of the graph is never touched. New compute
+are copied; a kernel whose key the child no longer has either hands its slot to the new kernel
+that took over most of its values (a grown or cut group, a merged or split bucket) or is removed;
+and only the kernels that read a value whose slot changed get their dependencies recomputed
+(candidates: the members of changed groups, the ops the moves re-homed, `Strategy.rehomed`, and
+the gradients of changed buckets). The unchanged part of the graph is never touched. New compute
 kernels have no estimate until `estimate_missing` asks the estimators for all of them at once.
 
 `run` is the one simulation core (`simulator.simulate` and `simulator.SimulatedCost` call it).
@@ -63,6 +63,9 @@ def _rank(anchor: float, key) -> float:
 
 @dataclasses.dataclass
 class KernelState:
+    """One strategy's kernels by slot (parallel lists), the per-op and per-gradient slot maps,
+    and the key sets. A state is never changed once simulated: `derive` changes a copy."""
+
     keys: list  # per slot: the kernel's key, None for a free slot
     members: list[frozenset[int]]  # ops of a group or opaque kernel, gradient ids of a bucket
     kinds: list[str]
