@@ -313,10 +313,9 @@ def simulate(
     to the full-overlap bound; not to compute time). None if the strategy is invalid: a fused
     group the backend cannot emit, or a dependency cycle. `state`: the strategy's kernel state
     (`cost.kernels`), when the caller simulates it several times (calibration)."""
+    state = state or kernel_state(graph, strategy)
     if state is None:
-        if strategy.index is None and not emittable(graph, strategy):
-            return None
-        state = kernels.build(graph, strategy)
+        return None
     kernels.estimate_missing(graph, [state], estimator)
     timeline = kernels.run(graph, state, params, allreduce, record=record)
     if timeline is None:
