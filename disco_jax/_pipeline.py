@@ -153,7 +153,8 @@ def prepare(
         if search:
             costs = profiled(step, options, ui)
             chosen, layout, report.weight_update = choice.choose(
-                fn, step, args, kwargs, backend, costs, options.memory_limit_bytes, options.validation_pairs, ui
+                *(fn, step, args, kwargs, backend, costs),
+                *(options.memory_limit_bytes, options.validation_pairs, ui, options.search),
             )
             if layout is not None:
                 if jax.process_index() == 0:

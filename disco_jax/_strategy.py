@@ -11,6 +11,10 @@ A `Strategy` says, over one `Graph`:
   moves into the merged group (non-duplicate: a multi-output fusion, the value is ready only when
   the whole fused kernel ends).
 * `buckets`: which gradients each all-reduce carries; issued once its last gradient is ready.
+* `sharded`: the gradients whose weight update is sharded over the data-parallel devices
+  (reduce-scatter, update of one Nth, all-gather; `cost.sharded`). A bucket's gradients are all
+  sharded or none. The rewrite does not enact it: the program is lowered again with the state
+  sharded (`sharding.choice`), and only the simulator reads it on the replicated graph.
 
 `kernel_dag` turns a strategy into kernels (groups, opaque ops, all-reduce buckets) with their
 dependencies in a topological order, or None for a cycle; the rewrite emits in that order. The
@@ -40,6 +44,7 @@ class Strategy:
     homes: tuple[int, ...]  # per op id: index into groups, or -1 for ops that are not fusible
     buckets: tuple[tuple[int, ...], ...]
     origin: str = ""
+    sharded: frozenset[int] = frozenset()
     # Per op, the groups holding it (`_edit.group_index`): the moves hand it from parent to child
     # updated, and refuse any change the backend cannot emit, so a strategy that has one is
     # emittable when its first ancestor was (`kernel_dag` checks only those without); None: built
@@ -59,7 +64,7 @@ class Strategy:
     def key(self) -> tuple:
         """Identity of the decisions (group order and origin do not matter)."""
         if not self._key:
-            self._key.append((self.fusion_key(), frozenset(self.buckets)))
+            self._key.append((self.fusion_key(), frozenset(self.buckets), self.sharded))
         return self._key[0]
 
     def fusion_key(self) -> tuple:
@@ -83,6 +88,7 @@ class Strategy:
                 if len(g) > 1
             ],
             "buckets": [[graph.gradients[gid].result_name for gid in b] for b in self.buckets],
+            "sharded": sorted(graph.gradients[gid].result_name for gid in self.sharded),
             "origin": self.origin,
         }
 
@@ -97,6 +103,7 @@ class Strategy:
                 for grp in data["groups"]
             ]
             buckets = tuple(tuple(by_result[n] for n in b) for b in data["buckets"])
+            sharded = frozenset(by_result[n] for n in data.get("sharded", ()))
         except KeyError as e:
             raise ValueError(f"plan names {e} which is not in this module") from None
         homes = [-1] * len(graph.ops)
@@ -109,7 +116,7 @@ class Strategy:
             if homes[o] < 0:
                 homes[o] = len(groups)
                 groups.append(frozenset([o]))
-        return cls(tuple(groups), tuple(homes), buckets, data.get("origin", "plan"))
+        return cls(tuple(groups), tuple(homes), buckets, data.get("origin", "plan"), sharded)
 
 
 def xla_default(graph: Graph) -> Strategy:
@@ -248,7 +255,7 @@ def _finish(s: Strategy, edit: StrategyEdit) -> Strategy | None:
     if not edit.normalize():
         return None  # the backend could not emit a group the move changed
     rehomed = None if s.rehomed is None else s.rehomed | edit.rehomed
-    return Strategy(tuple(edit.groups), tuple(edit.homes), s.buckets, s.origin, tuple(edit.index), rehomed)
+    return Strategy(tuple(edit.groups), tuple(edit.homes), s.buckets, s.origin, s.sharded, tuple(edit.index), rehomed)
 
 
 def fuse_producer(graph: Graph, s: Strategy, rng: random.Random, duplicate: bool) -> Strategy | None:
@@ -339,6 +346,8 @@ def merge_buckets(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | N
     a, b = order[pos], order[other]
     if graph.gradients[s.buckets[a][0]].compat != graph.gradients[s.buckets[b][0]].compat:
         return None
+    if (s.buckets[a][0] in s.sharded) != (s.buckets[b][0] in s.sharded):
+        return None  # one collective cannot both reduce and reduce-scatter
     merged = tuple(sorted(s.buckets[a] + s.buckets[b], key=lambda g: graph.gradients[g].producer))
     # An all-reduce cannot carry a value computed from another of its own results (batch-norm
     # statistics reduced in the forward pass feed later gradients): that would be a cycle.
@@ -360,6 +369,22 @@ def split_bucket(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | No
     cut = rng.randrange(1, len(ordered))
     buckets = [b for j, b in enumerate(s.buckets) if j != i] + [tuple(ordered[:cut]), tuple(ordered[cut:])]
     return dataclasses.replace(s, buckets=tuple(buckets))
+
+
+def shard_update(graph: Graph, s: Strategy, rng: random.Random, shardable: frozenset[int]) -> Strategy | None:
+    """Shard the weight update of a random bucket's gradients, or make a sharded one replicated
+    again (the bucket's gradients must all be in `shardable`: `cost.sharded.UpdateRegions`)."""
+    choices = [b for b in s.buckets if all(g in shardable for g in b)]
+    if not choices:
+        return None
+    b = rng.choice(choices)
+    sharded = s.sharded.difference(b) if b[0] in s.sharded else s.sharded.union(b)
+    return dataclasses.replace(s, sharded=sharded)
+
+
+def with_sharding(shardable: frozenset[int], moves: dict | None = None) -> dict:
+    """The search's moves plus `shard_update` over `shardable` gradients."""
+    return {**(MOVES if moves is None else moves), "shard_update": lambda g, s, r: shard_update(g, s, r, shardable)}
 
 
 def split(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | None:
@@ -391,5 +416,7 @@ def is_valid(graph: Graph, s: Strategy) -> bool:
     if seen != list(range(len(graph.gradients))):
         return False
     if any(len({graph.gradients[g].compat for g in b}) != 1 for b in s.buckets):
+        return False
+    if any(len({g in s.sharded for g in b}) != 1 for b in s.buckets):
         return False
     return emittable(graph, s) and kernel_dag(graph, s) is not None

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 from disco_jax import _capture, _compile, _edit, _graph, _strategy, backends, targets, zoo
-from disco_jax.cost import AllReduceCostModel, AnalyticalEstimator, CostModel, chain, kernels, simulate
+from disco_jax.cost import AllReduceCostModel, AnalyticalEstimator, CostModel, chain, kernels, sharded, simulate
 
 from _steps import make_step
 
@@ -58,7 +58,8 @@ def _by_key(st: kernels.KernelState) -> dict:
         "provider": [keys[k] if k >= 0 else None for k in st.provider],
         "bucket_of": [keys[k] for k in st.bucket_of],
         "slot_of": st.slot_of == {keys[k]: k for k in st.alive()},
-        "keys": (st.group_keys, st.bucket_keys),
+        "keys": (st.group_keys, st.bucket_keys, st.gather_keys),
+        "sharded": st.sharded,
     }
 
 
@@ -82,26 +83,30 @@ def two_graphs(request):
 @pytest.mark.parametrize("seed", range(6))
 def test_a_derived_kernel_state_and_cost_equal_a_from_scratch_evaluation(two_graphs, seed):
     """As the search does: a run of 1 to 12 moves from an evaluated strategy, the result's state
-    derived from that strategy's, its cost from the derived state."""
+    derived from that strategy's, its cost from the derived state. The moves include sharding a
+    bucket's weight update where the step has optimizer state (Adam)."""
     graph, fresh = two_graphs
+    shardable = sharded.regions_of(graph).shardable
+    moves = _strategy.with_sharding(shardable)
     rng = random.Random(seed)
     allreduce = AllReduceCostModel(per_byte_us=1e-3, latency_us=20.0)
     evaluator = CostModel(chain(AnalyticalEstimator()), allreduce, {}).evaluator(graph)
     base = rng.choice(_strategy.start_candidates(graph))
     assert evaluator(base) is not None
-    derived = changed_kernels = 0
+    derived = changed_kernels = with_sharded = 0
     for _ in range(40):
         child = dataclasses.replace(base, rehomed=frozenset())
         for _ in range(rng.randint(1, 12)):
-            child = _strategy.MOVES[rng.choice(sorted(_strategy.MOVES))](graph, child, rng) or child
+            child = moves[rng.choice(sorted(moves))](graph, child, rng) or child
         if child.key() == base.key():
             continue
         got = evaluator.many([child], parent=base)[0]
-        plain = _strategy.Strategy(child.groups, child.homes, child.buckets)
+        plain = _strategy.Strategy(child.groups, child.homes, child.buckets, sharded=child.sharded)
         expected = simulate(fresh, plain, chain(AnalyticalEstimator()), allreduce)
         assert (got is None) == (expected is None)
         if got is None:
             continue
+        with_sharded += bool(child.sharded)
         assert got == pytest.approx(expected.iteration_us, rel=1e-12)
         state = evaluator.state(child)
         assert _by_key(state) == _by_key(kernels.build(graph, child))
@@ -109,6 +114,7 @@ def test_a_derived_kernel_state_and_cost_equal_a_from_scratch_evaluation(two_gra
         changed_kernels += len(set(state.keys) ^ set(evaluator.state(base).keys))
         base = child
     assert derived > 10 and changed_kernels > 0
+    assert with_sharded > 0 or not shardable
 
 
 @pytest.mark.parametrize("seed", range(6))

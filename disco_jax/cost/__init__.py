@@ -9,6 +9,9 @@
 * `kernels`: a strategy's kernel graph as the simulator runs it (`KernelState`), built from
   scratch or derived from its parent's by what the search's moves changed, and the simulation
   core `run`.
+* `sharded`: the sharded weight update as the simulator costs it (`Strategy.sharded`): per
+  gradient, its update region and optimizer state (`UpdateRegions`).
+* `events`: `run`, the event simulation of a kernel state.
 * `simulator`: `simulate`, `SimulatorParams` and their multi-point `calibrate` (-> `Calibrated`:
   the parameters, the misfit and each point), `CostModel`, and `SimulatedCost` (the search's
   cost function, `CostModel.evaluator`).

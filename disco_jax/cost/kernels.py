@@ -1,10 +1,13 @@
 """A strategy's kernel graph in slots, derived from an ancestor's by what the moves changed.
 
-`KernelState` is what the simulator runs: one *slot* per kernel (a fusion group, an opaque op or
-an all-reduce bucket) with its dependencies, users, tie-break rank and estimated time, plus, per
-op, the slot whose output holds its value (`provider`). Kernels are identified across strategies
-by a *key*: a group's member set, an opaque op's singleton set, and a bucket's gradient ids
-complemented (``~gid``, negative, so a bucket's key never equals a group's).
+`KernelState` is what the simulator runs: one *slot* per kernel (a fusion group, an opaque op, an
+all-reduce bucket or, for a bucket whose update is sharded, its all-gather) with its dependencies,
+users, tie-break rank and estimated time, plus, per op, the slot whose output holds its value
+(`provider`). Kernels are identified across strategies by a *key*: a group's member set, an opaque
+op's singleton set, a bucket's gradient ids complemented (``~gid``, negative, so a bucket's key
+never equals a group's), tagged ``("scatter", ids)`` when its update is sharded
+(`Strategy.sharded`), and ``("gather", ids)`` for that bucket's all-gather of the updated
+parameters (`cost.sharded`).
 
 `build(graph, strategy)` makes a state from scratch. `derive(graph, parent, child)` makes the
 child's from the parent's (FlexFlow's delta idea applied to the kernel graph): the parent's lists
@@ -15,10 +18,7 @@ and only the kernels that read a value whose slot changed get their dependencies
 the gradients of changed buckets). The unchanged part of the graph is never touched. New compute
 kernels have no estimate until `estimate_missing` asks the estimators for all of them at once.
 
-`run` is the one simulation core (`simulator.simulate` and `simulator.SimulatedCost` call it).
-Ties between kernels ready at the same time go to the earlier rank: program position (a group's
-last op, an all-reduce after its last gradient's producer), then a hash of the key. A state with a
-dependency cycle leaves kernels unrun: `run` returns None for it.
+`events.run` simulates a state.
 """
 
 from __future__ import annotations
@@ -26,33 +26,39 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import heapq
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from disco_jax.cost.allreduce import AllReduceCost, collective_time_us
+from disco_jax.cost.sharded import UpdateRegions, regions_of
 
 if TYPE_CHECKING:
     from disco_jax._graph import Graph
     from disco_jax._strategy import Strategy
     from disco_jax.cost.estimators import Estimator
-    from disco_jax.cost.simulator import SimulatorParams
 
 GROUP, OPAQUE, BUCKET = "group", "opaque", "bucket"  # the values of `_strategy`'s kernel kinds
+GATHER = "gather"  # a sharded bucket's all-gather of the updated parameters
 _NONE: frozenset[int] = frozenset()
 _HASH_SPAN = 1 << 20
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def bucket_key(bucket: tuple[int, ...]) -> frozenset[int]:
+def _ids(bucket: tuple[int, ...]) -> frozenset[int]:
     return frozenset(~g for g in bucket)
 
 
-def _anchor(graph: Graph, members: frozenset[int], kind: str) -> float:
+def bucket_key(bucket: tuple[int, ...], sharded: frozenset[int] = _NONE):
+    """A bucket's kernel key: its gradients complemented, tagged when their update is sharded."""
+    return ("scatter", _ids(bucket)) if bucket[0] in sharded else _ids(bucket)
+
+
+def _anchor(graph: Graph, members: frozenset[int], kind: str, regions: UpdateRegions | None) -> float:
     """Where a kernel stands in the program: a group's or opaque op's last op, an all-reduce
-    just after its last gradient's producer."""
+    just after its last gradient's producer, an all-gather after the update's last output."""
     if kind == BUCKET:
         return max(graph.gradients[g].producer for g in members) + 0.5
+    if kind == GATHER:
+        return max(o for g in members for o in (*regions.outputs[g], graph.gradients[g].reduced)) + 0.5
     return graph.kernel_reads(members)[0]
 
 
@@ -80,6 +86,9 @@ class KernelState:
     group_keys: set
     bucket_keys: set
     free: list[int]
+    sharded: frozenset[int] = _NONE  # the strategy's sharded gradients
+    regions: UpdateRegions | None = None  # the graph's update regions, where `sharded` is not empty
+    gather_keys: set = dataclasses.field(default_factory=set)
     owned: set[int] = dataclasses.field(default_factory=set)  # slots whose users set is this state's own
 
     def copy(self) -> KernelState:
@@ -98,6 +107,9 @@ class KernelState:
             self.group_keys.copy(),
             self.bucket_keys.copy(),
             self.free.copy(),
+            self.sharded,
+            self.regions,
+            self.gather_keys.copy(),
         )
 
     def _users(self, k: int) -> set[int]:
@@ -113,13 +125,13 @@ class KernelState:
 
     def bucket_slots(self, strategy: Strategy) -> list[int]:
         """The slots of the strategy's buckets, in its order."""
-        return [self.slot_of[bucket_key(b)] for b in strategy.buckets]
+        return [self.slot_of[bucket_key(b, strategy.sharded)] for b in strategy.buckets]
 
     # ----------------------------------------------------------------- edits
 
     def _add(self, graph: Graph, key, members: frozenset[int], kind: str) -> int:
-        anchor = _anchor(graph, members, kind)
-        comm = kind == BUCKET or (kind == OPAQUE and next(iter(members)) in graph.collective_ops)
+        anchor = _anchor(graph, members, kind, self.regions)
+        comm = kind in (BUCKET, GATHER) or (kind == OPAQUE and next(iter(members)) in graph.collective_ops)
         entry = (key, members, kind, _NONE, set(), _rank(anchor, key), comm, None if not comm else 0.0)
         if self.free:
             k = self.free.pop()
@@ -138,7 +150,7 @@ class KernelState:
         del self.slot_of[self.keys[k]]
         self.slot_of[key] = k
         self.keys[k], self.members[k] = key, members
-        self.rank[k] = _rank(_anchor(graph, members, self.kinds[k]), key)
+        self.rank[k] = _rank(_anchor(graph, members, self.kinds[k], self.regions), key)
         if not self.comm[k]:
             self.estimate[k] = None
 
@@ -166,6 +178,9 @@ class KernelState:
         if self.kinds[k] == BUCKET:
             sources, gradients = graph.free_sources, graph.gradients
             new = {provider[src] for gid in self.members[k] for src in sources[gradients[gid].producer]}
+        elif self.kinds[k] == GATHER:
+            outputs, gradients = self.regions.outputs, graph.gradients
+            new = {provider[o] for gid in self.members[k] for o in (*outputs[gid], gradients[gid].reduced)}
         else:
             new = {provider[src] for src in graph.kernel_reads(self.members[k])[1]}
         new.discard(k)
@@ -212,6 +227,8 @@ def group_keys(strategy: Strategy) -> list:
 def build(graph: Graph, strategy: Strategy) -> KernelState:
     """The kernel state of `strategy` from scratch (no check that the backend can emit it)."""
     st = _empty(graph)
+    if strategy.sharded:
+        st.sharded, st.regions = strategy.sharded, regions_of(graph)
     group_slots = []
     for g, key in zip(strategy.groups, group_keys(strategy)):
         group_slots.append(st._add(graph, key, g, GROUP))
@@ -219,7 +236,7 @@ def build(graph: Graph, strategy: Strategy) -> KernelState:
     for o, kernel in zip(graph.opaque_ops, graph.opaque_kernels):
         st.provider[o] = st._add(graph, kernel, kernel, OPAQUE)
     for b in strategy.buckets:
-        key = bucket_key(b)
+        key = bucket_key(b, strategy.sharded)
         k = st._add(graph, key, frozenset(b), BUCKET)
         st.bucket_keys.add(key)
         for gid in b:
@@ -227,9 +244,22 @@ def build(graph: Graph, strategy: Strategy) -> KernelState:
             st.provider[graph.gradients[gid].reduced] = k
     for o in graph.fusible_ops:
         st.provider[o] = group_slots[strategy.homes[o]]
+    _gathers(graph, st, strategy)
     for k in range(len(st.keys)):
         st._set_deps(graph, k)
     return st
+
+
+def _gathers(graph: Graph, st: KernelState, strategy: Strategy) -> list[int]:
+    """Add and remove all-gather slots to match the strategy's sharded buckets; returns the
+    slots of them all (their dependencies still to set)."""
+    wanted = {("gather", _ids(b)): b for b in strategy.buckets if b[0] in strategy.sharded}
+    for key in st.gather_keys - wanted.keys():
+        st._remove(st.slot_of[key])
+    for key in wanted.keys() - st.gather_keys:
+        st._add(graph, key, frozenset(wanted[key]), GATHER)
+    st.gather_keys = set(wanted)
+    return [st.slot_of[key] for key in wanted]
 
 
 def derive(graph: Graph, parent: KernelState, child: Strategy) -> KernelState:
@@ -246,6 +276,9 @@ def derive(graph: Graph, parent: KernelState, child: Strategy) -> KernelState:
     keys = group_keys(child)
     position = {key: i for i, key in enumerate(keys)}
     st = parent.copy()
+    if child.sharded:
+        st.regions = st.regions or regions_of(graph)
+    st.sharded = child.sharded
     ops, slot_of, provider, homes, gradients = graph.ops, st.slot_of, st.provider, child.homes, graph.gradients
     changed = set(child.rehomed)  # fusible ops whose provider may have changed
     dirty: set[int] = set()  # kernels whose dependencies are recomputed
@@ -266,7 +299,7 @@ def derive(graph: Graph, parent: KernelState, child: Strategy) -> KernelState:
         st.group_keys.add(key)
         changed.update(g)
         dirty.add(k)
-    bucket_keys = [bucket_key(b) for b in child.buckets]
+    bucket_keys = [bucket_key(b, child.sharded) for b in child.buckets]
     gone_buckets = {slot_of[key]: key for key in st.bucket_keys - set(bucket_keys)}
     new_buckets = []  # (slot or None, key, bucket)
     for key, b in zip(bucket_keys, child.buckets):
@@ -317,6 +350,8 @@ def derive(graph: Graph, parent: KernelState, child: Strategy) -> KernelState:
                 dirty.update(slot_of[keys[x]] for x in index[u])
             else:  # an opaque op or an all-reduce result: its own kernel
                 dirty.add(provider[u])
+    if st.gather_keys or child.sharded:  # a few kernels: their dependencies are always recomputed
+        dirty.update(_gathers(graph, st, child))
     for k in dirty:
         if st.keys[k] is not None:
             st._set_deps(graph, k)
@@ -345,126 +380,3 @@ def estimate_missing(graph: Graph, states: Sequence[KernelState], estimator: Est
     for kernel, t in zip(kernels, estimator.estimate(graph, kernels)):
         for st, k in wanted[kernel]:
             st.estimate[k] = float(t or 0.0)
-
-
-@dataclasses.dataclass
-class Timeline:
-    """What `run` computed: times in microseconds and, when recorded, the schedule."""
-
-    iteration_us: float
-    compute_us: float
-    comm_us: float
-    end: list[float]
-    ready_at: list[float]
-    events: list[tuple[str, int, float, float]]  # (lane, slot, start, end)
-
-    @property
-    def overlap_ratio(self) -> float:
-        """The fraction of communication time hidden under compute."""
-        if not self.comm_us:
-            return 1.0
-        hidden = max(0.0, self.compute_us + self.comm_us - self.iteration_us)
-        return min(1.0, hidden / self.comm_us)
-
-
-def run(
-    graph: Graph,
-    st: KernelState,
-    params: SimulatorParams,
-    allreduce: AllReduceCost,
-    record: bool = False,
-    comm_costs: dict | None = None,
-) -> Timeline | None:
-    """Compute kernels on one stream, each taking the stream when it is free and the kernel is
-    the earliest ready (rank breaks ties); communication kernels on one channel, each starting
-    when its inputs are ready and the channel is free, in the order their last input finishes
-    (holding the stream for `params.comm_blocking` of their time). None on a dependency cycle.
-    The step overhead is not added here (`simulator.simulate` adds it). `comm_costs`: a memo of
-    communication kernels' times by members, for these params and all-reduce cost only."""
-    keys, deps, users, comm, rank, members = st.keys, st.deps, st.users, st.comm, st.rank, st.members
-    n = len(keys)
-    scale, overhead, blocking = float(params.compute_scale), params.kernel_overhead_us, params.comm_blocking
-    costs = [0.0 if e is None else e * scale + overhead for e in st.estimate]
-    comm_slots = [k for k in range(n) if comm[k] and keys[k] is not None]
-    collectives = graph.collective_ops
-    memo = {} if comm_costs is None else comm_costs
-    for k in comm_slots:
-        c = memo.get(members[k])
-        if c is None:
-            if st.kinds[k] == BUCKET:
-                c = params.bucket_us(allreduce, [graph.transfer_bytes[g] for g in members[k]])
-            else:
-                c = collective_time_us(allreduce, *collectives[next(iter(members[k]))])
-            memo[members[k]] = c
-        costs[k] = c
-    waiting = [len(d) for d in deps]
-    ready_at = [0.0] * n
-    end = [0.0] * n
-    heap = [(0.0, rank[k], k) for k in range(n) if not waiting[k] and not comm[k] and keys[k] is not None]
-    heapq.heapify(heap)
-    stream_free = channel_free = 0.0
-    events: list[tuple[str, int, float, float]] = []
-    done = 0
-
-    push, pop = heapq.heappush, heapq.heappop
-
-    def release(k: int) -> None:
-        """Kernel `k` ended: ready its users (`start_comm` for the communication ones)."""
-        nonlocal done
-        done += 1
-        finished = end[k]
-        ready_comm = []
-        for u in users[k]:
-            if finished > ready_at[u]:
-                ready_at[u] = finished
-            waiting[u] -= 1
-            if not waiting[u]:
-                if comm[u]:
-                    ready_comm.append(u)
-                else:
-                    push(heap, (ready_at[u], rank[u], u))
-        if ready_comm:
-            start_comm(ready_comm)
-
-    def start_comm(ready: list[int]) -> None:
-        """Communication kernels whose inputs are ready take the channel now, by rank."""
-        nonlocal channel_free
-        for u in sorted(ready, key=rank.__getitem__):
-            start = max(channel_free, ready_at[u])
-            end[u] = channel_free = start + costs[u]
-            if record:
-                events.append(("comm", u, start, end[u]))
-            if blocking > 0:  # the stream is held once the all-reduce starts
-                push(heap, (start, -1.0, -1 - u))
-            release(u)
-
-    start_comm([k for k in comm_slots if not waiting[k]])  # collectives of values needing no compute
-    while heap:
-        r, _, k = pop(heap)
-        if k < 0:  # compute time taken by a blocking all-reduce
-            stream_free = max(stream_free, r) + blocking * costs[-1 - k]
-            continue
-        start = stream_free if stream_free > r else r
-        end[k] = stream_free = finished = start + costs[k]
-        if record:
-            events.append(("compute", k, start, finished))
-        # `release(k)`, inlined: this loop is the search's hottest.
-        done += 1
-        ready_comm = None
-        for u in users[k]:
-            if finished > ready_at[u]:
-                ready_at[u] = finished
-            left = waiting[u] - 1
-            waiting[u] = left
-            if not left:
-                if comm[u]:
-                    ready_comm = [u] if ready_comm is None else [*ready_comm, u]
-                else:
-                    push(heap, (ready_at[u], rank[u], u))
-        if ready_comm is not None:
-            start_comm(ready_comm)
-    if done != n - len(st.free):
-        return None  # a cycle: some kernels never became ready
-    comm_us = sum(costs[k] for k in comm_slots)
-    compute_us = sum(costs) - comm_us
-    return Timeline(max(stream_free, channel_free), compute_us, comm_us, end, ready_at, events)

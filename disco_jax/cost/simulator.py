@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from disco_jax._strategy import BUCKET, GROUP, Strategy, emittable
-from disco_jax.cost import kernels
+from disco_jax.cost import events, kernels
 from disco_jax.cost.allreduce import AllReduceCost, bucket_time_us
 from disco_jax.cost.estimators import ChainEstimator, Estimator
 from disco_jax.cost.kernels import KernelState
@@ -317,7 +317,7 @@ def simulate(
     if state is None:
         return None
     kernels.estimate_missing(graph, [state], estimator)
-    timeline = kernels.run(graph, state, params, allreduce, record=record)
+    timeline = events.run(graph, state, params, allreduce, record=record)
     if timeline is None:
         return None
     alive = state.alive()
@@ -344,7 +344,10 @@ def kernel_state(graph: Graph, strategy: Strategy) -> KernelState | None:
 
 def _label(graph: Graph, state: KernelState, k: int) -> str:
     if state.kinds[k] == BUCKET:
-        return f"all-reduce[{len(state.members[k])}]"
+        scatter = isinstance(state.keys[k], tuple) and graph.backend.creates_reduce_scatter
+        return f"{'reduce-scatter' if scatter else 'all-reduce'}[{len(state.members[k])}]"
+    if state.kinds[k] == kernels.GATHER:
+        return f"all-gather[{len(state.members[k])}]"
     ops = sorted(state.members[k])
     first = graph.ops[ops[-1]].name
     return first if len(ops) == 1 else f"fusion[{len(ops)}]:{first}"
@@ -422,7 +425,7 @@ class SimulatedCost:
             self._comm_costs[:] = [model.params, model.allreduce, {}]
         memo = self._comm_costs[2]
         for s, st in zip(strategies, states):
-            timeline = None if st is None else kernels.run(graph, st, model.params, model.allreduce, comm_costs=memo)
+            timeline = None if st is None else events.run(graph, st, model.params, model.allreduce, comm_costs=memo)
             if timeline is None:
                 out.append(None)
                 continue

@@ -2,18 +2,23 @@
 to a per-device memory limit, and measured before it is applied.
 
 The units of the choice are `Layout.groups` (a parameter's optimizer-state leaves, which are
-updated together). The candidates are programs: the replicated step, the step with every group
-sharded and, under a memory limit, the step with the largest groups sharded until it fits
-(`leaf_sets`). Each is lowered again and captured (`update.relowered`), its per-device footprint
-read from its compiled executable, and its XLA plan simulated with the replicated step's cost
-model: the sharded update's all-gathers and reduce-scatters go on the communication channel at
-the measured scatter/gather line (`_profiling.with_scatter_gather`, stored with the all-reduce
-fit, so the chosen program's own profile finds it), its update kernels
-cost what the estimator says for their 1/N shapes. The cheapest candidate within the limit wins;
-a sharded winner is then run against the replicated step (outputs within tolerance, interleaved
-timing by the acceptance rule) and kept only when measured faster, or when the limit leaves no
-other choice. The decision is stored in the replicated program's plan (`decision_plan`), which
-the enact phase reads back (`recall`) to lower the same program again without searching.
+updated together). First the joint search (`search_sharding`) runs on the replicated step's graph
+with the `shard_update` move: a strategy shards the update of chosen buckets' gradients, costed as
+`cost.sharded` models it (reduce-scatter, 1/N update, all-gather), each gradient's state tied to
+the layout's leaves by the entry parameters its update reads (`gradient_leaves`), and under a
+memory limit only strategies whose estimated footprint fits are valid. The candidates are then
+programs: the replicated step, the step with every group sharded, the search's choice and, under a
+memory limit, the step with the largest groups sharded until it fits (`leaf_sets`). Each is lowered
+again and captured (`update.relowered`), its per-device footprint read from its compiled
+executable, and its XLA plan simulated with the replicated step's cost model: the sharded update's
+all-gathers and reduce-scatters go on the communication channel at the measured scatter/gather line
+(`_profiling.with_scatter_gather`, stored with the all-reduce fit, so the chosen program's own
+profile finds it), its update kernels cost what the estimator says for their 1/N shapes. The
+cheapest candidate within the limit wins; a sharded winner is then run against the replicated step
+(outputs within tolerance, interleaved timing by the acceptance rule) and kept only when measured
+faster, or when the limit leaves no other choice. The decision is stored in the replicated
+program's plan (`decision_plan`), which the enact phase reads back (`recall`) to lower the same
+program again without searching.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from typing import Any
 
 import jax
 
-from disco_jax import _distributed, _plan, _profiling, _strategy, _validate
+from disco_jax import _distributed, _plan, _profiling, _search, _strategy, _validate
 from disco_jax._compile import Captured
 from disco_jax.cost.allreduce import communication_bytes
+from disco_jax.cost.sharded import UpdateRegions, regions_of
 from disco_jax.sharding import rules, update
 
 # Memory-analysis fields a program's per-device footprint adds up (aliased bytes counted once).
@@ -55,6 +61,81 @@ def leaf_sets(layout: update.Layout, held: dict, memory_limit: int | None, repli
                 sets.insert(1, tuple(chosen))
                 break
     return sets
+
+
+def gradient_leaves(step: Captured, layout: update.Layout, held: dict) -> dict[int, tuple[int, ...]]:
+    """Per gradient whose update can be sharded, the layout's input leaves it shards: the groups
+    holding the entry parameters its update's state is (`UpdateRegions.state`; parameter number
+    = leaf index, which `held` vouches for: it is empty when XLA dropped an argument)."""
+    graph, regions = step.graph, regions_of(step.graph)
+    out = {}
+    for g in regions.shardable:
+        numbers = set()
+        for o in regions.state[g]:
+            inst = graph.ops[o].inst
+            number = int(inst.literal) if (inst.literal or "").strip().isdigit() else -1
+            if number not in layout.inputs or tuple(held[number].shape) != inst.outputs[0].dims:
+                break
+            numbers.add(number)
+        else:
+            leaves = sorted({i for group in layout.groups if numbers.intersection(group) for i in group})
+            if leaves:
+                out[g] = tuple(leaves)
+    return out
+
+
+class _WithinLimit:
+    """The search's cost with strategies whose estimated footprint exceeds the limit invalid."""
+
+    def __init__(self, cost, regions: UpdateRegions, replicated_bytes: int, limit: int):
+        self.cost, self.regions, self.excess = cost, regions, replicated_bytes - limit
+
+    def fits(self, s: _strategy.Strategy) -> bool:
+        return self.regions.saved_bytes(s.sharded) >= self.excess
+
+    def __call__(self, s: _strategy.Strategy) -> float | None:
+        return self.cost(s) if self.fits(s) else None
+
+    def many(self, strategies, parent=None) -> list[float | None]:
+        kept = [s for s in strategies if self.fits(s)]
+        costs = iter(self.cost.many(kept, parent=parent) if kept else [])
+        return [next(costs) if self.fits(s) else None for s in strategies]
+
+
+def search_sharding(step: Captured, model, leaves_of: dict, limit: int | None, replicated_bytes: int | None, config):
+    """The joint search on the replicated graph with the `shard_update` move over the gradients
+    in `leaves_of`; returns (the leaves its best strategy shards, what the plan records)."""
+    graph, regions = step.graph, regions_of(step.graph)
+    shardable = frozenset(leaves_of)
+    xla = _strategy.xla_default(graph)
+    split = [
+        part
+        for b in xla.buckets
+        for part in (tuple(g for g in b if g in shardable), tuple(g for g in b if g not in shardable))
+        if part
+    ]
+    starts = [
+        *_strategy.start_candidates(graph),
+        dataclasses.replace(xla, buckets=tuple(split), sharded=shardable, origin="xla+sharded"),
+    ]
+    cost = model.evaluator(graph)
+    if (
+        limit is not None
+        and replicated_bytes is not None
+        and regions.saved_bytes(shardable) >= replicated_bytes - limit
+    ):
+        cost = _WithinLimit(cost, regions, replicated_bytes, limit)
+    result = _search.backtracking_search(graph, cost, config, moves=_strategy.with_sharding(shardable), starts=starts)
+    chosen = result.best.sharded
+    leaves = tuple(sorted({i for g in chosen for i in leaves_of[g]}))
+    info = {
+        "sharded_gradients": len(chosen),
+        "shardable_gradients": len(shardable),
+        "simulated_us": result.best_cost,
+        "evaluated": result.evaluated,
+        "seconds": round(result.seconds, 2),
+    }
+    return leaves, info
 
 
 @dataclasses.dataclass
@@ -90,9 +171,12 @@ class Candidate:
         }
 
 
-def choose(fn, step: Captured, args: tuple, kwargs: dict, backend, costs, memory_limit: int | None, pairs: int, ui):
+def choose(
+    fn, step: Captured, args: tuple, kwargs: dict, backend, costs, memory_limit: int | None, pairs: int, ui, config
+):
     """(program, its `Layout` or None, what the plan records) for `weight_update="search"`.
-    `costs`: the replicated step's cost model and the profile database (`_pipeline.profiled`)."""
+    `costs`: the replicated step's cost model and the profile database (`_pipeline.profiled`);
+    `config`: the search's `SearchConfig` (a quarter of its budget goes to `search_sharding`)."""
     info: dict[str, Any] = {"requested": "search", "memory_limit_bytes": memory_limit}
     input_shardings = jax.tree.leaves(step.default_compiled.input_shardings)
     layout, reason = update.find_layout(fn, args, kwargs, step.args, step.kwargs, input_shardings)
@@ -105,16 +189,28 @@ def choose(fn, step: Captured, args: tuple, kwargs: dict, backend, costs, memory
     replicated = Candidate((), step, None, update.memory(step.default_compiled, held))
     if layout is None:
         return step, None, {**info, "mode": "replicated", "reason": reason, **_limit_check(replicated, memory_limit)}
-    candidates = [replicated]
-    for leaves in leaf_sets(layout, held, memory_limit, footprint(replicated.memory))[1:]:
-        sub = layout.subset(leaves)
-        program = update.relowered(fn, step, sub, args, kwargs, backend)
-        candidates.append(Candidate(leaves, program, sub, update.memory(program.default_compiled, held)))
-    ui.say(f"weight update: simulating {len(candidates)} candidates (replicated, sharded over {layout.axis!r})")
     cost_model, database = costs
     allreduce = _profiling.with_scatter_gather(cost_model.allreduce, step, database, ui)
     model = dataclasses.replace(cost_model, allreduce=allreduce)
     info["scatter_gather"] = {"per_byte_us": allreduce.scatter_gather[0], "latency_us": allreduce.scatter_gather[1]}
+    sets = leaf_sets(layout, held, memory_limit, footprint(replicated.memory))
+    leaves_of = gradient_leaves(step, layout, held)
+    if leaves_of:
+        ui.say(f"weight update: searching which of {len(leaves_of)} gradients' updates to shard")
+        budget = dataclasses.replace(config, budget_s=max(1.0, config.budget_s / 4))
+        searched, info["search"] = search_sharding(
+            step, model, leaves_of, memory_limit, footprint(replicated.memory), budget
+        )
+        if step.scope is not None:  # process 0's, so that every process compiles the same programs
+            searched = tuple(_distributed.broadcast_json(f"{step.scope}/weight-update-search", list(searched)))
+        if searched and set(searched) not in map(set, sets):
+            sets.insert(1, searched)
+    candidates = [replicated]
+    for leaves in sets[1:]:
+        sub = layout.subset(leaves)
+        program = update.relowered(fn, step, sub, args, kwargs, backend)
+        candidates.append(Candidate(leaves, program, sub, update.memory(program.default_compiled, held)))
+    ui.say(f"weight update: simulating {len(candidates)} candidates (replicated, sharded over {layout.axis!r})")
     for c in candidates:
         simulated = model.simulate(c.step.graph, _strategy.xla_default(c.step.graph))
         c.simulated_us = None if simulated is None else simulated.iteration_us

@@ -1,0 +1,160 @@
+"""The event simulation of one kernel state (`kernels.KernelState`): `run`.
+
+Compute kernels run on one stream and communication kernels (all-reduce buckets, reduce-scatters
+and all-gathers of sharded updates, opaque collectives) on one channel. Ties between kernels ready
+at the same time go to the earlier rank: program position (a group's last op, an all-reduce after
+its last gradient's producer), then a hash of the key. A state with a dependency cycle leaves
+kernels unrun: `run` returns None for it. `simulator.simulate` and `simulator.SimulatedCost`
+call it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import TYPE_CHECKING
+
+from disco_jax.cost.allreduce import AllReduceCost, collective_time_us
+from disco_jax.cost.kernels import BUCKET, GATHER, GROUP, KernelState
+
+if TYPE_CHECKING:
+    from disco_jax._graph import Graph
+    from disco_jax.cost.simulator import SimulatorParams
+
+
+@dataclasses.dataclass
+class Timeline:
+    """What `run` computed: times in microseconds and, when recorded, the schedule."""
+
+    iteration_us: float
+    compute_us: float
+    comm_us: float
+    end: list[float]
+    ready_at: list[float]
+    events: list[tuple[str, int, float, float]]  # (lane, slot, start, end)
+
+    @property
+    def overlap_ratio(self) -> float:
+        """The fraction of communication time hidden under compute."""
+        if not self.comm_us:
+            return 1.0
+        hidden = max(0.0, self.compute_us + self.comm_us - self.iteration_us)
+        return min(1.0, hidden / self.comm_us)
+
+
+def run(
+    graph: Graph,
+    st: KernelState,
+    params: SimulatorParams,
+    allreduce: AllReduceCost,
+    record: bool = False,
+    comm_costs: dict | None = None,
+) -> Timeline | None:
+    """Compute kernels on one stream, each taking the stream when it is free and the kernel is
+    the earliest ready (rank breaks ties); communication kernels on one channel, each starting
+    when its inputs are ready and the channel is free, in the order their last input finishes
+    (holding the stream for `params.comm_blocking` of their time). None on a dependency cycle.
+    The step overhead is not added here (`simulator.simulate` adds it). `comm_costs`: a memo of
+    communication kernels' times by key, for these params and all-reduce cost only. A sharded
+    update (`cost.sharded`) shows in the state: its buckets reduce-scatter where the backend forms
+    reduce-scatters, its all-gathers are kernels, and a group whose ops all belong to sharded
+    updates costs 1/N of its estimate."""
+    keys, deps, users, comm, rank, members = st.keys, st.deps, st.users, st.comm, st.rank, st.members
+    n = len(keys)
+    scale, overhead, blocking = float(params.compute_scale), params.kernel_overhead_us, params.comm_blocking
+    costs = [0.0 if e is None else e * scale + overhead for e in st.estimate]
+    if st.sharded:
+        region_of, sharded, shards = st.regions.region_of, st.sharded, st.regions.num_shards
+        for k, e in enumerate(st.estimate):
+            if e and st.kinds[k] == GROUP and all(region_of[o] in sharded for o in members[k]):
+                costs[k] = e * scale / shards + overhead
+    comm_slots = [k for k in range(n) if comm[k] and keys[k] is not None]
+    memo = {} if comm_costs is None else comm_costs
+    for k in comm_slots:
+        c = memo.get(keys[k])
+        if c is None:
+            c = memo[keys[k]] = _comm_us(graph, st, k, params, allreduce)
+        costs[k] = c
+    waiting = [len(d) for d in deps]
+    ready_at = [0.0] * n
+    end = [0.0] * n
+    heap = [(0.0, rank[k], k) for k in range(n) if not waiting[k] and not comm[k] and keys[k] is not None]
+    heapq.heapify(heap)
+    stream_free = channel_free = 0.0
+    events: list[tuple[str, int, float, float]] = []
+    done = 0
+
+    push, pop = heapq.heappush, heapq.heappop
+
+    def release(k: int) -> None:
+        """Kernel `k` ended: ready its users (`start_comm` for the communication ones)."""
+        nonlocal done
+        done += 1
+        finished = end[k]
+        ready_comm = []
+        for u in users[k]:
+            if finished > ready_at[u]:
+                ready_at[u] = finished
+            waiting[u] -= 1
+            if not waiting[u]:
+                if comm[u]:
+                    ready_comm.append(u)
+                else:
+                    push(heap, (ready_at[u], rank[u], u))
+        if ready_comm:
+            start_comm(ready_comm)
+
+    def start_comm(ready: list[int]) -> None:
+        """Communication kernels whose inputs are ready take the channel now, by rank."""
+        nonlocal channel_free
+        for u in sorted(ready, key=rank.__getitem__):
+            start = max(channel_free, ready_at[u])
+            end[u] = channel_free = start + costs[u]
+            if record:
+                events.append(("comm", u, start, end[u]))
+            if blocking > 0:  # the stream is held once the all-reduce starts
+                push(heap, (start, -1.0, -1 - u))
+            release(u)
+
+    start_comm([k for k in comm_slots if not waiting[k]])  # collectives of values needing no compute
+    while heap:
+        r, _, k = pop(heap)
+        if k < 0:  # compute time taken by a blocking all-reduce
+            stream_free = max(stream_free, r) + blocking * costs[-1 - k]
+            continue
+        start = stream_free if stream_free > r else r
+        end[k] = stream_free = finished = start + costs[k]
+        if record:
+            events.append(("compute", k, start, finished))
+        # `release(k)`, inlined: this loop is the search's hottest.
+        done += 1
+        ready_comm = None
+        for u in users[k]:
+            if finished > ready_at[u]:
+                ready_at[u] = finished
+            left = waiting[u] - 1
+            waiting[u] = left
+            if not left:
+                if comm[u]:
+                    ready_comm = [u] if ready_comm is None else [*ready_comm, u]
+                else:
+                    push(heap, (ready_at[u], rank[u], u))
+        if ready_comm is not None:
+            start_comm(ready_comm)
+    if done != n - len(st.free):
+        return None  # a cycle: some kernels never became ready
+    comm_us = sum(costs[k] for k in comm_slots)
+    compute_us = sum(costs) - comm_us
+    return Timeline(max(stream_free, channel_free), compute_us, comm_us, end, ready_at, events)
+
+
+def _comm_us(graph: Graph, st: KernelState, k: int, params: SimulatorParams, allreduce: AllReduceCost) -> float:
+    kind, members = st.kinds[k], st.members[k]
+    if kind == GATHER:  # the updated parameters, as large as their gradients
+        return collective_time_us(allreduce, "all-gather", sum(graph.gradients[g].nbytes for g in members))
+    if kind == BUCKET:
+        tensors = [graph.transfer_bytes[g] for g in members]
+        if isinstance(st.keys[k], tuple) and graph.backend.creates_reduce_scatter:
+            return collective_time_us(allreduce, "reduce-scatter", sum(tensors))
+        return params.bucket_us(allreduce, tensors)
+    return collective_time_us(allreduce, *graph.collective_ops[next(iter(members))])
