@@ -382,6 +382,14 @@ def shard_update(graph: Graph, s: Strategy, rng: random.Random, shardable: froze
     return dataclasses.replace(s, sharded=sharded)
 
 
+def sharding_all(s: Strategy, shardable: frozenset[int]) -> Strategy:
+    """`s` with every `shardable` gradient's update sharded, each bucket split in its sharded and
+    its replicated gradients (a start for the search's `shard_update` move)."""
+    parts = [tuple(g for g in b if (g in shardable) == flag) for b in s.buckets for flag in (True, False)]
+    origin = f"{s.origin}+sharded-update"
+    return dataclasses.replace(s, buckets=tuple(p for p in parts if p), sharded=frozenset(shardable), origin=origin)
+
+
 def with_sharding(shardable: frozenset[int], moves: dict | None = None) -> dict:
     """The search's moves plus `shard_update` over `shardable` gradients."""
     return {**(MOVES if moves is None else moves), "shard_update": lambda g, s, r: shard_update(g, s, r, shardable)}

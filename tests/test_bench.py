@@ -1,6 +1,7 @@
 """Every tiny zoo model trains under both data-parallel styles with a plan enacted by the
 decorator, equal to the unmodified step; the bench's rows and report hold together."""
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from disco_jax import _capture, _compile, _graph, _plan, _validate, backends, optimize_distributed, targets, zoo
 from disco_jax._files import write_json_atomic
+from disco_jax.cost import sharded
 from disco_jax.eval import baselines, bench, clusters, report, rows
 
 REPORT = Path(__file__).resolve().parents[1] / "report"
@@ -218,4 +220,31 @@ def test_gpu_cluster_row_is_costed_on_the_program_xla_gpu_compiled():
     assert enacted["simulated"] is not None and disco["simulated"] == enacted["simulated"]
     assert "searched" in disco
     assert row["time_us"][rows.DISCO] == enacted["simulated"]["iteration_us"]
+    json.dumps(row)
+
+
+def test_a_gpu_row_enacts_a_sharded_update_by_lowering_the_step_again():
+    """The search may shard weight updates (`Strategy.sharded`); a GPU row then costs the step
+    lowered again with that state sharded, as XLA:GPU compiles it, against the best plan that
+    shards nothing, and reports the optimizer-state bytes per device of what it took."""
+    lowered = zoo.lower_abstract(zoo.get_model("mlp", "tiny"), optax.adam(1e-3), targets.mesh("h100-sxm", 8), "jit")
+    graph, _ = _compile.capture_graph(lowered, backends.GPU)
+    shardable = sharded.regions_of(graph).shardable
+    relower = functools.partial(rows.sharded_paper_program, "mlp", "jit", "h100-sxm", graph, config="tiny")
+    program = relower(shardable)
+    collectives = {c for c, _ in program.collective_ops.values()}
+    assert "all-gather" in collectives  # the updated parameters, gathered
+    assert sum(program.transfer_bytes) < sum(graph.transfer_bytes)  # gradients reduce-scattered
+    row = rows.simulated_row(
+        graph, clusters.get_cluster("8xH100-NVLink"), budget_s=1.0, lowered=lowered, relower=relower
+    )
+    disco, update = row["strategies"][rows.DISCO], row["weight_update"]
+    assert update["shardable_gradients"] == len(shardable) > 0
+    state = update["state_bytes_per_device"]
+    if disco["enacted"]["sharded"]:
+        assert disco["enacted"]["status"].startswith("sharded update") and state[rows.DISCO] < state["replicated"]
+        assert update["sharded_gradients"] == disco["sharded_gradients"] > 0
+    else:
+        assert state[rows.DISCO] == state["replicated"] and update["sharded_gradients"] == 0
+    assert row["time_us"][rows.DISCO] == disco["enacted"]["simulated"]["iteration_us"]
     json.dumps(row)

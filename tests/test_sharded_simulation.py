@@ -25,10 +25,7 @@ def flax_step():
 
 
 def all_sharded(graph, shardable):
-    """XLA's plan with every shardable gradient's update sharded, in buckets of their own."""
-    xla = _strategy.xla_default(graph)
-    parts = [tuple(g for g in b if (g in shardable) == flag) for b in xla.buckets for flag in (True, False)]
-    return dataclasses.replace(xla, buckets=tuple(p for p in parts if p), sharded=frozenset(shardable))
+    return _strategy.sharding_all(_strategy.xla_default(graph), shardable)
 
 
 def test_update_regions_find_each_gradients_adam_moments(flax_step):
@@ -111,7 +108,7 @@ def test_the_shard_move_toggles_whole_buckets_and_merges_keep_buckets_alike(flax
 
 def test_the_choice_ties_each_gradient_to_its_parameters_moments(flax_step):
     captured, layout = flax_step
-    leaves_of = choice.gradient_leaves(captured, layout, update.held_leaves(captured))
+    leaves_of = choice.gradient_leaves(captured.graph, layout, update.held_leaves(captured))
     assert len(leaves_of) == 5
     for leaves in leaves_of.values():
         paths = sorted(layout.paths[i] for i in leaves)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import signal
 import subprocess
@@ -57,6 +58,7 @@ from disco_jax.eval.rows import (
     log,
     num_devices,
     row_path,
+    sharded_paper_program,
     simulated_row,
 )
 
@@ -155,6 +157,9 @@ def run_model(
             seed=seed,
             progress=progress,
             lowered=lowered if cluster.target else None,
+            relower=functools.partial(sharded_paper_program, model, style, cluster.target, graph)
+            if cluster.target
+            else None,
         )
         row = {
             **common_fields(model, name, style, graph.summary(), KERNELS_ANALYTICAL, cluster.num_devices),

@@ -87,6 +87,10 @@ def _ms(us: float | None) -> str:
     return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
 
 
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB"
+
+
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:+.1%}"
 
@@ -273,6 +277,14 @@ def _platform_tables(prow: list[dict]) -> list[str]:
             )
         )
     blocks = [heading, _t("platform_table", strategies=strategies, strategy_align=align, rows="\n".join(lines))]
+    sharded = [
+        f"{r['model']} {u['sharded_gradients']} of {u['shardable_gradients']} gradients "
+        f"({_gb(u['state_bytes_per_device']['replicated'])} → {_gb(u['state_bytes_per_device'][DISCO])})"
+        for r in prow
+        if (u := r.get("weight_update")) and u["sharded_gradients"]
+    ]
+    if not measured and any(r.get("weight_update") for r in prow):
+        blocks.append(_t("sharded_updates", rows="; ".join(sharded) or "none"))
     if measured:
         details = [
             _table_row([r["model"], *[_measured_cell(r["strategies"].get(s) or {}) for s in STRATEGY_ORDER]])

@@ -15,6 +15,7 @@ Rows live under ``<out>/rows/`` (`row_path`, `load_rows`); `disco_jax.eval.bench
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -39,8 +40,11 @@ from disco_jax import (
     zoo,
 )
 from disco_jax._compile import capture, capture_graph, compile_strategy, compiled_stats
-from disco_jax._strategy import xla_default
+from disco_jax._search import KEEP
+from disco_jax._strategy import sharding_all, with_sharding, xla_default
+from disco_jax.cost import sharded
 from disco_jax.eval import baselines, clusters
+from disco_jax.sharding import choice, update
 
 CPU_PLATFORM = "cpu-8dev"
 GLOO_PLATFORM = "gloo-2x1"
@@ -177,15 +181,21 @@ def simulated_row(
     seed: int = 0,
     progress: Callable | None = None,
     lowered: jax.stages.Lowered | None = None,
+    relower: Callable[[frozenset[int]], Graph | None] | None = None,
 ) -> dict:
-    """One cluster row for a captured graph: baselines simulated, disco-jax searched.
+    """One cluster row for a captured graph: baselines simulated, disco-jax searched, jointly
+    over fusion, all-reduce buckets and which gradients' weight updates are sharded
+    (`Strategy.sharded`, costed on this graph by `cost.sharded`).
 
     `lowered`: the step lowered for the cluster's GPU target when `graph` is XLA:GPU's module
     (`capture_paper_model`): the baselines then take XLA:GPU's fusions and combining as it
     compiled them (JAX_default is XLA's own program), and disco-jax's plan is enacted through the
     GPU rewriter, compiled deviceless, and its time simulated from the module XLA:GPU produced
-    (`enacted_json`). Without it (XLA:CPU's module), XLA's all-reduce combining is XLA:GPU's
-    combiner emulated on the graph."""
+    (`enacted_json`). A plan that shards updates cannot be enacted by the rewriter: `relower(gradients)`
+    gives XLA:GPU's module of the step lowered again with their state sharded, whose XLA plan is
+    then what would run; the cheapest plan without sharding is enacted beside it, and the row takes
+    the faster. Without `lowered` (XLA:CPU's module), XLA's all-reduce combining is XLA:GPU's
+    combiner emulated on the graph, and plans are costed as searched."""
     estimator = ChainEstimator([cluster.kernel_estimator()])
     allreduce = cluster.allreduce_model()
 
@@ -212,22 +222,33 @@ def simulated_row(
         if s.key() not in seen:
             seen.add(s.key())
             starts.append(s)
+    regions = sharded.regions_of(graph)
+    if regions.shardable:
+        starts.append(sharding_all(xla_default(graph), regions.shardable))
     result = backtracking_search(
-        graph, cost, SearchConfig(budget_s=budget_s, seed=seed), starts=starts, progress=progress
+        graph,
+        cost,
+        SearchConfig(budget_s=budget_s, seed=seed),
+        moves=with_sharding(regions.shardable),
+        starts=starts,
+        progress=progress,
     )
     best = simulated(result.best)
     strategies[DISCO] = {
         "simulated": best.to_json(),
         "description": f"search from {result.best.origin}",
         "buckets": len(result.best.buckets),
+        "sharded_gradients": len(result.best.sharded),
         "valid": True,
     }
     if lowered is not None:
-        enacted = enacted_json(lowered, graph, result.best, simulated)
+        enacted = enact_best(lowered, graph, result, simulated, relower)
         strategies[DISCO]["enacted"] = enacted
         if enacted["simulated"] is not None:  # the program XLA:GPU compiled is what would run
             strategies[DISCO]["searched"] = strategies[DISCO]["simulated"]
             strategies[DISCO]["simulated"] = enacted["simulated"]
+    state = sum(regions.state_bytes)
+    chosen = result.best.sharded if (strategies[DISCO].get("enacted") or {}).get("sharded", True) else frozenset()
     times = {k: (v["simulated"] or {}).get("iteration_us") for k, v in strategies.items()}
     fo = min(v["simulated"]["full_overlap_us"] for v in strategies.values() if v["simulated"])
     return {
@@ -236,11 +257,63 @@ def simulated_row(
         "time_kind": "simulated",
         **summarize(times, fo),
         "search": result.stats(),
+        "weight_update": {
+            "shardable_gradients": len(regions.shardable),
+            "sharded_gradients": len(chosen),
+            "state_bytes_per_device": {"replicated": state, DISCO: state - regions.saved_bytes(chosen)},
+        },
         "search_s": result.seconds,
         "allreduce": allreduce.to_json(),
         "cluster": cluster.to_json(),
         "estimator": cluster.kernel_estimator().to_json(),
     }
+
+
+def enact_best(lowered, graph: Graph, result, simulated: Callable, relower: Callable | None) -> dict:
+    """`enacted_json` of the search's best plan; for a plan that shards updates, the step lowered
+    again with that state sharded (`relower`) under XLA's plan, against the cheapest plan that
+    shards nothing enacted: the faster of the two, with `sharded` saying which it is."""
+    best = result.best
+    if not best.sharded:
+        return {**enacted_json(lowered, graph, best, simulated), "sharded": False}
+    program = relower(best.sharded) if relower is not None else None
+    sim = None if program is None else simulated(xla_default(program), program)
+    out = {
+        "status": "sharded update: the step lowered again, XLA's plan"
+        if sim is not None
+        else "sharded update: could not be lowered again",
+        "sharded": True,
+        "simulated": None if sim is None else sim.to_json(),
+    }
+    # The cheapest plan kept that shards nothing, else the best one's fusions and buckets alone.
+    plain = next((s for s, _ in result.top(KEEP) if not s.sharded), dataclasses.replace(best, sharded=frozenset()))
+    other = enacted_json(lowered, graph, plain, simulated)
+    time_of = lambda e: (e["simulated"] or {}).get("iteration_us", float("inf"))  # noqa: E731
+    if time_of(other) < time_of(out):
+        return {**other, "sharded": False, "sharded_candidate": out}
+    return {**out, "unsharded": other}
+
+
+def sharded_paper_program(
+    name: str, style: str, target: str, graph: Graph, gradients: frozenset[int], config: str = "paper"
+) -> Graph | None:
+    """XLA:GPU's module (deviceless, `target`) of a model's paper step lowered again with the
+    optimizer state of `gradients` (of `graph`, the replicated step's module) sharded over the
+    data axis (`sharding.update`); None where the step has no such state."""
+    spec, optimizer = zoo.get_model(name, config), optax.adam(1e-3)
+    mesh = targets.mesh(target, PAPER_DEVICES)
+    args = zoo.abstract_state_and_batch(spec, optimizer, mesh)
+    step = zoo.build_train_step(spec, optimizer, mesh, style)
+    compiled = step.lower(*args).compile()
+    layout, _ = update.find_layout(step, args, {}, args, {}, jax.tree.leaves(compiled.input_shardings))
+    if layout is None:
+        return None
+    leaves_of = choice.gradient_leaves(graph, layout, dict(enumerate(jax.tree.leaves(args))))
+    leaves = {i for g in gradients for i in leaves_of.get(g, ())}
+    if not leaves:
+        return None
+    lowered, _ = update.relower(step, layout.subset(leaves), args, {}, (args, {}), compiled)
+    return capture_graph(lowered, backends.GPU)[0]
 
 
 def enacted_json(lowered: jax.stages.Lowered, graph: Graph, plan: Strategy, simulated: Callable) -> dict:

@@ -63,11 +63,12 @@ def leaf_sets(layout: update.Layout, held: dict, memory_limit: int | None, repli
     return sets
 
 
-def gradient_leaves(step: Captured, layout: update.Layout, held: dict) -> dict[int, tuple[int, ...]]:
-    """Per gradient whose update can be sharded, the layout's input leaves it shards: the groups
-    holding the entry parameters its update's state is (`UpdateRegions.state`; parameter number
-    = leaf index, which `held` vouches for: it is empty when XLA dropped an argument)."""
-    graph, regions = step.graph, regions_of(step.graph)
+def gradient_leaves(graph, layout: update.Layout, held: dict) -> dict[int, tuple[int, ...]]:
+    """Per gradient of `graph` whose update can be sharded, the layout's input leaves it shards:
+    the groups holding the entry parameters its update's state is (`UpdateRegions.state`;
+    parameter number = leaf index, which `held`, index -> aval, vouches for: `update.held_leaves`
+    is empty when XLA dropped an argument)."""
+    regions = regions_of(graph)
     out = {}
     for g in regions.shardable:
         numbers = set()
@@ -107,17 +108,7 @@ def search_sharding(step: Captured, model, leaves_of: dict, limit: int | None, r
     in `leaves_of`; returns (the leaves its best strategy shards, what the plan records)."""
     graph, regions = step.graph, regions_of(step.graph)
     shardable = frozenset(leaves_of)
-    xla = _strategy.xla_default(graph)
-    split = [
-        part
-        for b in xla.buckets
-        for part in (tuple(g for g in b if g in shardable), tuple(g for g in b if g not in shardable))
-        if part
-    ]
-    starts = [
-        *_strategy.start_candidates(graph),
-        dataclasses.replace(xla, buckets=tuple(split), sharded=shardable, origin="xla+sharded"),
-    ]
+    starts = [*_strategy.start_candidates(graph), _strategy.sharding_all(_strategy.xla_default(graph), shardable)]
     cost = model.evaluator(graph)
     if (
         limit is not None
@@ -194,7 +185,7 @@ def choose(
     model = dataclasses.replace(cost_model, allreduce=allreduce)
     info["scatter_gather"] = {"per_byte_us": allreduce.scatter_gather[0], "latency_us": allreduce.scatter_gather[1]}
     sets = leaf_sets(layout, held, memory_limit, footprint(replicated.memory))
-    leaves_of = gradient_leaves(step, layout, held)
+    leaves_of = gradient_leaves(step.graph, layout, held)
     if leaves_of:
         ui.say(f"weight update: searching which of {len(leaves_of)} gradients' updates to shard")
         budget = dataclasses.replace(config, budget_s=max(1.0, config.budget_s / 4))
