@@ -105,6 +105,8 @@ def main() -> None:
     search = _search.backtracking_search
 
     def counted_search(graph, *a, **k):
+        if "moves" in k:  # the weight-update search (disco_jax.sharding.choice): not the plan's search
+            return search(graph, *a, **k)
         searches.append(1)
         result = search(graph, *a, **k)
         return dataclasses.replace(result, best=per_gradient(graph)) if args.pick_per_gradient else result
