@@ -14,6 +14,8 @@ from test_weight_update_choice import layout_of
 from disco_jax import _strategy, backends, targets, zoo
 from disco_jax._compile import capture, capture_graph
 from disco_jax.cost import AllReduceCostModel, AnalyticalEstimator, chain, kernel_state, kernels, sharded, simulate
+from disco_jax.cost.allreduce import collective_time_us
+from disco_jax.eval import clusters
 from disco_jax.sharding import choice, update
 
 
@@ -89,6 +91,26 @@ def test_on_xla_gpu_a_sharded_bucket_reduce_scatters():
     assert len(scatters) == len({b for b in shard.buckets if b[0] in shard.sharded})
     replicated = simulate(graph, dataclasses.replace(shard, sharded=frozenset()), chain(AnalyticalEstimator()), line)
     assert sim.comm_us != replicated.comm_us
+
+
+def test_a_simulated_gpu_cluster_reduce_scatters_on_xla_cpus_graph(flax_step):
+    """The report's cluster rows cost XLA:CPU's module for GPU clusters: the cluster's NCCL, not
+    the capturing backend, decides that a sharded bucket reduce-scatters."""
+    graph = flax_step[0].graph
+    shard = all_sharded(graph, sharded.regions_of(graph).shardable)
+    cluster = clusters.get_cluster("clusterA-12x1080Ti").allreduce_model()
+    estimator = chain(AnalyticalEstimator())
+    sim = simulate(graph, shard, estimator, cluster, record=True)
+    scatters = sorted(b - a for _, label, a, b in sim.events if label.startswith("reduce-scatter"))
+    buckets = [b for b in shard.buckets if b[0] in shard.sharded]
+    reduces = [e for e in sim.events if e[1].startswith("all-reduce")]
+    assert len(scatters) == len(buckets) and len(reduces) == len(shard.buckets) - len(buckets)
+    expected = [
+        collective_time_us(cluster, "reduce-scatter", sum(graph.gradients[g].nbytes for g in b)) for b in buckets
+    ]
+    assert scatters == pytest.approx(sorted(expected))
+    plain = simulate(graph, shard, estimator, AllReduceCostModel(1e-3, 20.0), record=True)
+    assert not [e for e in plain.events if e[1].startswith("reduce-scatter")]
 
 
 def test_the_shard_move_toggles_whole_buckets_and_merges_keep_buckets_alike(flax_step):

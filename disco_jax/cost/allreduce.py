@@ -28,7 +28,10 @@ import numpy as np
 
 @runtime_checkable
 class AllReduceCost(Protocol):
-    """Time of one all-reduce, by the bytes of one device's tensor."""
+    """Time of one all-reduce, by the bytes of one device's tensor. Optional members the simulator
+    reads when present: `bucket_time_us(tensor_bytes)`, `collective_time_us(collective, nbytes)`,
+    and `forms_reduce_scatter` (whether the platform modelled turns a sharded update's all-reduce
+    into a reduce-scatter; absent or None: the graph's backend decides)."""
 
     def time_us(self, nbytes: int | float) -> float: ...
 

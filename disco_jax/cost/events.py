@@ -14,6 +14,7 @@ import dataclasses
 import heapq
 from typing import TYPE_CHECKING
 
+from disco_jax.cost import sharded
 from disco_jax.cost.allreduce import AllReduceCost, collective_time_us
 from disco_jax.cost.kernels import BUCKET, GATHER, GROUP, KernelState
 
@@ -154,7 +155,7 @@ def _comm_us(graph: Graph, st: KernelState, k: int, params: SimulatorParams, all
         return collective_time_us(allreduce, "all-gather", sum(graph.gradients[g].nbytes for g in members))
     if kind == BUCKET:
         tensors = [graph.transfer_bytes[g] for g in members]
-        if isinstance(st.keys[k], tuple) and graph.backend.creates_reduce_scatter:
+        if isinstance(st.keys[k], tuple) and sharded.reduce_scatters(graph, allreduce):
             return collective_time_us(allreduce, "reduce-scatter", sum(tensors))
         return params.bucket_us(allreduce, tensors)
     return collective_time_us(allreduce, *graph.collective_ops[next(iter(members))])

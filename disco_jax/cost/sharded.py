@@ -4,8 +4,9 @@ Sharding a gradient's update (Xu et al. 2020; ZeRO stage 1; `disco_jax.sharding.
 it by lowering the step again) changes three things in a data-parallel step, and a strategy's
 `Strategy.sharded` gradients are simulated with exactly these:
 
-* the gradient's all-reduce becomes a reduce-scatter where the backend forms one
-  (`Backend.creates_reduce_scatter`, XLA:GPU); XLA:CPU keeps the all-reduce and slices its result;
+* the gradient's all-reduce becomes a reduce-scatter where the platform forms one
+  (`reduce_scatters`: a simulated GPU cluster's NCCL, or `Backend.creates_reduce_scatter`, XLA:GPU);
+  XLA:CPU keeps the all-reduce and slices its result;
 * its update (the gradient's `UpdateRegions.ops`) runs on 1/N of each tensor: a compute kernel
   whose ops all belong to sharded updates costs 1/N of its estimate;
 * the updated parameter is all-gathered: one all-gather per sharded bucket, of the bucket's
@@ -159,3 +160,11 @@ def regions_of(graph: Graph) -> UpdateRegions:
             del _REGIONS[key]
         found = _REGIONS[id(graph)] = (weakref.ref(graph), update_regions(graph))
     return found[1]
+
+
+def reduce_scatters(graph: Graph, allreduce) -> bool:
+    """Whether a sharded bucket's all-reduce becomes a reduce-scatter: the communication model's
+    `forms_reduce_scatter` where it models a platform of its own (a simulated GPU cluster, whose
+    rows may cost XLA:CPU's module), else the backend that compiles `graph`."""
+    own = getattr(allreduce, "forms_reduce_scatter", None)
+    return graph.backend.creates_reduce_scatter if own is None else bool(own)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from disco_jax._strategy import BUCKET, GROUP, Strategy, emittable
-from disco_jax.cost import events, kernels
+from disco_jax.cost import events, kernels, sharded
 from disco_jax.cost.allreduce import AllReduceCost, bucket_time_us
 from disco_jax.cost.estimators import ChainEstimator, Estimator
 from disco_jax.cost.kernels import KernelState
@@ -329,7 +329,7 @@ def simulate(
         full_overlap_us=max(timeline.compute_us, timeline.comm_us) + params.step_overhead_us,
         num_fusions=sum(1 for k in alive if state.kinds[k] == GROUP and len(state.members[k]) > 1),
         num_allreduces=sum(1 for k in alive if state.kinds[k] == BUCKET),
-        events=[(lane, _label(graph, state, k), a, b) for lane, k, a, b in timeline.events],
+        events=[(lane, _label(graph, state, k, allreduce), a, b) for lane, k, a, b in timeline.events],
         allreduce_ready_us=[timeline.ready_at[k] for k in state.bucket_slots(strategy)],
     )
 
@@ -342,9 +342,9 @@ def kernel_state(graph: Graph, strategy: Strategy) -> KernelState | None:
     return kernels.build(graph, strategy)
 
 
-def _label(graph: Graph, state: KernelState, k: int) -> str:
+def _label(graph: Graph, state: KernelState, k: int, allreduce: AllReduceCost) -> str:
     if state.kinds[k] == BUCKET:
-        scatter = isinstance(state.keys[k], tuple) and graph.backend.creates_reduce_scatter
+        scatter = isinstance(state.keys[k], tuple) and sharded.reduce_scatters(graph, allreduce)
         return f"{'reduce-scatter' if scatter else 'all-reduce'}[{len(state.members[k])}]"
     if state.kinds[k] == kernels.GATHER:
         return f"all-gather[{len(state.members[k])}]"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import ClassVar
 
 from disco_jax import Graph
 from disco_jax.cost import TRANSCENDENTAL_FLOPS, AllReduceCost, kernel_work
@@ -132,6 +133,9 @@ class ClusterAllReduce(AllReduceCost):
     latency_ll_us: float
     latency_simple_us: float
     ll_bandwidth_fraction: float = 0.25
+    # NCCL on GPUs: a sharded weight update's all-reduce becomes a reduce-scatter, whichever
+    # backend captured the graph the cluster's row costs (`cost.sharded.reduce_scatters`).
+    forms_reduce_scatter: ClassVar[bool] = True
 
     @property
     def num_devices(self) -> int:
