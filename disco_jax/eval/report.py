@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import statistics
 import string
 import time
 from importlib import resources
@@ -186,7 +187,7 @@ def _headline(by_platform: dict[str, list[dict]]) -> list[str]:
                 best_model=best["model"],
                 worst=_pct(worst["speedup"]),
                 worst_model=worst["model"],
-                captured=_frac(captured[len(captured) // 2] if captured else None),
+                captured=_frac(statistics.median(captured) if captured else None),
                 fo=_pct(fo),
                 plans=_plans(prow) if prow[0]["time_kind"] == "measured" else "",
             )
