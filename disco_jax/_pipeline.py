@@ -161,7 +161,9 @@ def prepare(
                     store(choice.decision_plan(step, report.weight_update), {}, options.plan_dir)
                 step, costs = chosen, None
         else:
-            step, layout, report.weight_update = choice.recall(fn, step, args, kwargs, backend, options.plan_dir)
+            step, layout, report.weight_update = choice.recall(
+                *(fn, step, args, kwargs, backend), options.plan_dir, options.memory_limit_bytes
+            )
     else:
         report.weight_update = {"mode": "replicated", "requested": options.weight_update, "reason": None}
     run = _phase(step, options, search, report, ui, costs)
@@ -387,6 +389,10 @@ def enact_phase(step: Captured, options: Options, report: StepReport, ui: Ui) ->
     plan = load(step, options.plan_dir, report)
     if plan is None:
         return step.default_compiled
+    if plan.use_default:  # nothing to misapply, whatever weight update the plan was made with
+        ui.say(f"{step.graph.module.name}: plan keeps XLA's default ({plan.reason})")
+        report.reason = plan.reason
+        return step.default_compiled
     recorded = (plan.weight_update or {}).get("leaves")
     if recorded is not None and recorded != (report.weight_update or {}).get("leaves"):
         warnings.warn(
@@ -396,10 +402,6 @@ def enact_phase(step: Captured, options: Options, report: StepReport, ui: Ui) ->
             stacklevel=7,
         )
         report.reason = "the plan's weight update differs"
-        return step.default_compiled
-    if plan.use_default:
-        ui.say(f"{step.graph.module.name}: plan keeps XLA's default ({plan.reason})")
-        report.reason = plan.reason
         return step.default_compiled
     return apply(step, plan, options, report, ui)
 

@@ -165,6 +165,36 @@ def test_a_memory_limit_shards_the_largest_groups_and_enactment_reuses_the_decis
     assert enacted_state[0].mu["params"]["Dense_0"]["kernel"].sharding.spec == P("data")
     np.testing.assert_allclose(enacted, reference, rtol=1e-5, atol=1e-7)
 
+    # A tighter limit than the stored choice needs: chosen again from the recorded candidates, the
+    # fastest simulated that fits, with a warning.
+    chosen = next(c for c in info["candidates"] if c["leaves"] == sorted(info["leaves"]))
+    tighter = chosen["footprint_bytes"] - 1
+    fitting = [c for c in info["candidates"] if c["footprint_bytes"] <= tighter]
+    expected = min(fitting, key=lambda c: c["simulated_us"])
+    enacting = optimize_distributed(search=False, plan_dir=tmp_path, memory_limit_bytes=tighter, **FAST)(step)
+    with pytest.warns(_plan.PlanWarning, match="chosen again"):
+        _, again_state, again_losses = train(enacting, params, opt_state, batches)
+    again = enacting.reports[0].weight_update
+    assert sorted(again["leaves"]) == expected["leaves"] != chosen["leaves"]
+    assert again["stored_memory_limit_bytes"] == 120_000 and again["memory_limit_bytes"] == tighter
+    sharded_paths = {p for p in expected["leaves"] if "Dense_0" in p and "bias" in p and ".mu" in p}
+    if sharded_paths:
+        assert again_state[0].mu["params"]["Dense_0"]["bias"].sharding.spec == P("data")
+    np.testing.assert_allclose(again_losses, reference, rtol=1e-5, atol=1e-7)
+
+    # No limit: a sharding only the old limit forced gives way to the replicated update; one
+    # measured faster stays.
+    free = optimize_distributed(search=False, plan_dir=tmp_path, **FAST)(step)
+    if info["forced"]:
+        with pytest.warns(_plan.PlanWarning, match="chosen again"):
+            _, free_state, free_losses = train(free, params, opt_state, batches)
+        assert free.reports[0].weight_update["mode"] == "replicated"
+        assert free_state[0].mu["params"]["Dense_0"]["kernel"].sharding.is_fully_replicated
+    else:
+        _, free_state, free_losses = train(free, params, opt_state, batches)
+        assert sorted(free.reports[0].weight_update["leaves"]) == sorted(info["leaves"])
+    np.testing.assert_allclose(free_losses, reference, rtol=1e-5, atol=1e-7)
+
 
 @pytest.mark.parametrize("value", [0, -5, 1.5, "1GB", True])
 def test_bad_memory_limits_raise(value):

@@ -241,6 +241,7 @@ def choose(
     info.update(
         best.layout.to_json(),
         mode="sharded",
+        forced=forced,
         reason=f"{best.label}: {why}, {ratio}",
         program=best.step.graph.fingerprint,
     )
@@ -267,13 +268,18 @@ def decision_plan(step: Captured, info: dict) -> _plan.Plan:
     return _plan.Plan(graph.fingerprint, graph.module.name, step.machine, True, None, reason, weight_update=info)
 
 
-def recall(fn, step: Captured, args: tuple, kwargs: dict, backend, plan_dir: str | None):
+def recall(
+    fn, step: Captured, args: tuple, kwargs: dict, backend, plan_dir: str | None, memory_limit: int | None = None
+):
     """The enact phase's side of `choose`: (program, layout or None, info) as the stored decision
-    for this program says, without searching; the replicated program when there is none."""
+    for this program says, without searching; the replicated program when there is none. A decision
+    made under another `memory_limit` is made again from the candidates it recorded (`rechoose`)."""
     plan, _ = _plan.find_plan(step.graph.fingerprint, step.machine, plan_dir)
     if step.scope is not None:
         plan = _plan.shared_plan(f"{step.scope}/weight-update", plan)
     decided = (plan.weight_update or {}) if plan is not None else {}
+    if decided.get("candidates") and decided.get("memory_limit_bytes") != memory_limit:
+        decided = rechoose(decided, memory_limit)
     if decided.get("mode") != "sharded":
         return step, None, {"mode": "replicated", "requested": "search", "reason": decided.get("reason")}
     input_shardings = jax.tree.leaves(step.default_compiled.input_shardings)
@@ -289,4 +295,46 @@ def recall(fn, step: Captured, args: tuple, kwargs: dict, backend, plan_dir: str
         )
         return step, None, {"mode": "replicated", "requested": "search", "reason": "stored decision does not fit"}
     layout = layout.subset(by_path[path] for path in wanted)
-    return update.relowered(fn, step, layout, args, kwargs, backend), layout, decided
+    return update.relowered(fn, step, layout, args, kwargs, backend), layout, {**decided, **layout.to_json()}
+
+
+def rechoose(decided: dict, limit: int | None) -> dict:
+    """A stored decision made under another memory limit, made again for `limit` from the candidates
+    it recorded (footprints, simulated times), measuring nothing: the stored choice where it fits
+    and was not only forced by the old limit; else the replicated update where it fits; else the
+    fastest simulated candidate that fits, or the smallest when none does. Warns when the choice
+    changes; running once with ENABLE_SEARCH=1 chooses with measurements."""
+    candidates, old = decided["candidates"], decided.get("memory_limit_bytes")
+    fits = lambda c: limit is None or (c.get("footprint_bytes") or 0) <= limit  # noqa: E731
+    stored = sorted(decided.get("leaves", {})) if decided.get("mode") == "sharded" else []
+    chosen = next((c for c in candidates if c["leaves"] == stored), None)
+    if chosen is not None and fits(chosen) and not (stored and decided.get("forced")):
+        return {**decided, "memory_limit_bytes": limit, "stored_memory_limit_bytes": old}
+    fitting = [c for c in candidates if fits(c)]
+    replicated = next((c for c in fitting if not c["leaves"]), None)
+    if replicated is not None:
+        chosen = replicated
+    elif fitting:
+        chosen = min(fitting, key=lambda c: float("inf") if c.get("simulated_us") is None else c["simulated_us"])
+    else:
+        chosen = min(candidates, key=lambda c: c.get("footprint_bytes") or 0)
+    reason = (
+        f"{chosen['label']}: chosen again from the recorded candidates for a memory limit of {limit} bytes "
+        f"per device (the stored decision, {decided.get('mode')}, was made for {old})"
+        + ("" if fits(chosen) else "; none fits, the smallest")
+    )
+    warnings.warn(
+        f"disco-jax: {reason}; run once with ENABLE_SEARCH=1 to choose with measurements",
+        _plan.PlanWarning,
+        stacklevel=7,
+    )
+    leaves = {path: True for path in chosen["leaves"]}
+    return {
+        "mode": "sharded" if leaves else "replicated",
+        "leaves": leaves,
+        "forced": bool(leaves) and replicated is None,
+        "reason": reason,
+        "candidates": candidates,
+        "memory_limit_bytes": limit,
+        "stored_memory_limit_bytes": old,
+    }
