@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 COORDINATOR_ENV = "DISCO_JAX_COORDINATOR"
 NUM_PROCESSES_ENV = "DISCO_JAX_NUM_PROCESSES"
@@ -185,6 +186,45 @@ def agree(key: str, value: dict, timeout_s: float | None = None, what: str = "pr
             "with the same versions and ENABLE_SEARCH."
         )
     return values
+
+
+def regions(outputs: Any, like: Any) -> Any:
+    """`outputs` cut to the regions `like`'s local shards cover, so that two programs whose outputs
+    are sharded differently (a sharded update's state against the replicated update's) compare
+    shard by shard: each array spanning other processes' devices becomes the list, one per local
+    device in `addressable(like)`'s order, of that region cut from a local shard of `outputs`
+    that holds it (identity in a single-process job). `like`: the same program outputs' structure."""
+    if not is_multiprocess():
+        return outputs
+
+    def cut(x, shape_of):
+        if not isinstance(shape_of, jax.Array) or shape_of.is_fully_addressable:
+            return addressable(x)
+        pieces = []
+        for target in shape_of.addressable_shards:
+            for source in x.addressable_shards:
+                inside = _inside(target.index, source.index, x.shape)
+                if inside is not None:
+                    pieces.append(np.asarray(source.data)[inside])
+                    break
+            else:
+                raise ValueError(f"no local shard of an output of shape {x.shape} holds the region {target.index}")
+        return pieces
+
+    return jax.tree.map(cut, outputs, like)
+
+
+def _inside(target: tuple, source: tuple, shape: tuple) -> tuple | None:
+    """`target`'s region relative to `source`'s (both tuples of slices into an array of `shape`),
+    or None where `source` does not hold all of it."""
+    relative = []
+    for t, s, n in zip(target, source, shape):
+        t0, t1, _ = t.indices(n)
+        s0, s1, _ = s.indices(n)
+        if not (s0 <= t0 and t1 <= s1):
+            return None
+        relative.append(slice(t0 - s0, t1 - s0))
+    return tuple(relative)
 
 
 def addressable(outputs: Any) -> Any:

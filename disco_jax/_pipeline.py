@@ -147,6 +147,7 @@ def prepare(
     step = capture(fn.lower(*args, **kwargs), backend, dynamic_args, dynamic_kwargs)
     layout, costs = None, None
     if options.weight_update == "sharded":  # the program to optimize is the step lowered again
+        agree(step, report)  # its output check runs both programs and merges every process's verdict
         step, layout, report.weight_update = update.sharded_step(fn, step, args, kwargs, backend, search, stacklevel=6)
     elif options.weight_update == "search" and step.graph.gradients:
         agree(step, report)  # before anything collective

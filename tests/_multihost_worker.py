@@ -1,7 +1,7 @@
 """One process of a multi-process test job, started by test_multihost.py through the launcher.
 
     python tests/_multihost_worker.py PLAN_DIR [--width-on-process-1 W] [--handmade-plan]
-        [--default-plan-on-process-1] [--pick-per-gradient]
+        [--default-plan-on-process-1] [--pick-per-gradient] [--weight-update MODE]
 
 Joins the job (`disco_jax.initialize_from_env`), builds a small data-parallel MLP step over every
 device of the job, and calls it through `@optimize_distributed` (ENABLE_SEARCH from the
@@ -14,6 +14,7 @@ searched, and how the outputs compare. `{process}` in PLAN_DIR becomes the proce
 --default-plan-on-process-1: process 1 first stores a plan that keeps XLA's default.
 --pick-per-gradient: the search (process 0) runs, then picks one all-reduce per gradient, so
   that validation always runs.
+--weight-update MODE: the decorator's `weight_update` (default "search").
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--handmade-plan", action="store_true")
     parser.add_argument("--default-plan-on-process-1", action="store_true")
     parser.add_argument("--pick-per-gradient", action="store_true")
+    parser.add_argument("--weight-update", default="search")
     args = parser.parse_args()
     process = jax.process_index()
     plan_dir = args.plan_dir.format(process=process)
@@ -116,14 +118,20 @@ def main() -> None:
     # first and keep XLA's plan if gloo makes it slower, so that check runs without the loop.
     measured = 0 if args.pick_per_gradient else 4
     optimized = disco_jax.optimize_distributed(
-        budget_s=2.0, validation_pairs=4, verbose=False, plan_dir=plan_dir, measured_candidates=measured
+        budget_s=2.0,
+        validation_pairs=4,
+        verbose=False,
+        plan_dir=plan_dir,
+        measured_candidates=measured,
+        weight_update=args.weight_update,
     )(step)
     out = optimized(*step_args)  # first: the decorator runs before anything collective
     reference = step(*step_args)
     local = _distributed.addressable
     nudged = _validate.nudge(step_args)
-    floor = _validate.sensitivity(local(reference), local(step(*nudged)))
-    comparison = _validate.compare_outputs(local(reference), local(out), bitwise=False, floor=floor)
+    # Cut to the regions of this process's shards of `out` (a sharded update shards the state).
+    floor = _validate.sensitivity(_distributed.regions(reference, out), _distributed.regions(step(*nudged), out))
+    comparison = _validate.compare_outputs(_distributed.regions(reference, out), local(out), bitwise=False, floor=floor)
     again = optimized(*step_args)
     report = optimized.last_report
     plan = report.plan or {}
@@ -152,6 +160,8 @@ def main() -> None:
                 "measured": plan.get("measured") or {},
                 "bitwise_equal": comparison.bitwise_equal,
                 "within_tolerance": comparison.within_tolerance,
+                "weight_update": report.weight_update or {},
+                "sharded_state_leaves": sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(out[1])),
                 "repeat_bitwise_equal": _validate.compare_outputs(local(out), local(again), bitwise=True).bitwise_equal,
                 "output_digest": outputs_digest(out),
                 "reference_digest": outputs_digest(reference),

@@ -76,6 +76,19 @@ def test_search_on_process_0_then_every_process_enacts_the_plan(tmp_path):
             assert r["plan_counts"]["all-reduce"] == r["gradients"]
 
 
+def test_a_forced_sharded_update_checks_outputs_across_processes(tmp_path):
+    """weight_update="sharded": the processes agree before the output check runs both programs, and
+    the check's verdict is merged: every process records the same one and keeps the sharding."""
+    result, reports = run_job(tmp_path / "plans", "--weight-update", "sharded", search=True)
+    _succeeded(result, reports)
+    p0, p1 = reports[0], reports[1]
+    for r in (p0, p1):
+        assert r["weight_update"]["mode"] == "sharded", r["weight_update"]["reason"]
+        assert r["weight_update"]["check"]["within_tolerance"] and r["within_tolerance"]
+        assert r["sharded_state_leaves"] > 0
+    assert p0["weight_update"]["check"] == p1["weight_update"]["check"]
+
+
 def test_a_process_with_a_different_program_fails_every_process(tmp_path):
     start = time.monotonic()
     result, reports = run_job(tmp_path / "plans", "--width-on-process-1", 48, search=True)

@@ -422,13 +422,13 @@ def check_outputs(step: Captured, sharded: Captured) -> _validate.Comparison:
     """The sharded program's outputs against the replicated one's, within the validation
     tolerance (a reduce-scatter may sum in another order than an all-reduce: not bitwise), every
     process's verdict merged in a multi-process job."""
-    reference = _distributed.addressable(step.runner(step.default_compiled)())
+    out = sharded.runner(sharded.default_compiled)()
+    # Each process compares the regions of its own shards of the sharded program's outputs.
+    reference = _distributed.regions(step.runner(step.default_compiled)(), out)
     nudged_args, nudged_kwargs = _validate.nudge((step.args, step.kwargs))
-    floor = _validate.sensitivity(
-        reference, _distributed.addressable(step.runner(step.default_compiled, nudged_args, nudged_kwargs)())
-    )
-    out = _distributed.addressable(sharded.runner(sharded.default_compiled)())
-    comparison = _validate.compare_outputs(reference, out, bitwise=False, floor=floor)
+    nudged = step.runner(step.default_compiled, nudged_args, nudged_kwargs)()
+    floor = _validate.sensitivity(reference, _distributed.regions(nudged, out))
+    comparison = _validate.compare_outputs(reference, _distributed.addressable(out), bitwise=False, floor=floor)
     if step.scope is None:
         return comparison
     # Each process compares its own shards; all must take the same decision.
