@@ -130,8 +130,9 @@ def main() -> None:
     local = _distributed.addressable
     nudged = _validate.nudge(step_args)
     # Cut to the regions of this process's shards of `out` (a sharded update shards the state).
-    floor = _validate.sensitivity(_distributed.regions(reference, out), _distributed.regions(step(*nudged), out))
-    comparison = _validate.compare_outputs(_distributed.regions(reference, out), local(out), bitwise=False, floor=floor)
+    expected = _distributed.regions(reference, out)
+    floor = _validate.sensitivity(expected, _distributed.regions(step(*nudged), out))
+    comparison = _validate.compare_outputs(expected, local(out), bitwise=False, floor=floor)
     again = optimized(*step_args)
     report = optimized.last_report
     plan = report.plan or {}
