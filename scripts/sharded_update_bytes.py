@@ -17,7 +17,6 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 
 import argparse  # noqa: E402
 
-import jax  # noqa: E402
 import optax  # noqa: E402
 
 from disco_jax import backends, zoo  # noqa: E402
@@ -38,11 +37,9 @@ def main() -> None:
     step_args = zoo.abstract_state_and_batch(spec, optimizer, mesh)
     step = zoo.build_train_step(spec, optimizer, mesh, "jit")
     replicated, compiled = capture_graph(step.lower(*step_args), backends.CPU)
-    shardings = jax.tree.leaves(compiled.input_shardings)
-    layout, reason = update.find_layout(step, step_args, {}, step_args, {}, shardings)
-    if layout is None:
+    lowered, _, reason = update.relower_positional(step, step_args, compiled)
+    if lowered is None:
         raise SystemExit(f"{args.model}: no optimizer state to shard ({reason})")
-    lowered, _ = update.relower(step, layout, step_args, {}, (step_args, {}), compiled)
     sharded, _ = capture_graph(lowered, backends.CPU)
     print(f"{args.model} {args.config}, MB sent per device per step ({DEVICES} devices, ring):")
     for label, graph in (("replicated", replicated), ("sharded", sharded)):

@@ -48,11 +48,9 @@ def programs(name: str) -> dict:
     step = zoo.build_train_step(spec, optimizer, mesh, "jit")
     started = time.perf_counter()
     replicated, compiled = capture_graph(step.lower(*args), backends.GPU)
-    shardings = jax.tree.leaves(compiled.input_shardings)
-    layout, reason = update.find_layout(step, args, {}, args, {}, shardings)
-    if layout is None:
+    lowered, layout, reason = update.relower_positional(step, args, compiled)
+    if lowered is None:
         raise RuntimeError(f"{name}: no optimizer state to shard ({reason})")
-    lowered, _ = update.relower(step, layout, args, {}, (args, {}), compiled)
     sharded, sharded_compiled = capture_graph(lowered, backends.GPU)
     avals = dict(enumerate(jax.tree.leaves(args)))
     state = layout.state_bytes(avals) * layout.num_shards

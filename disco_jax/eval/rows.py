@@ -304,16 +304,14 @@ def sharded_paper_program(
     mesh = targets.mesh(target, PAPER_DEVICES)
     args = zoo.abstract_state_and_batch(spec, optimizer, mesh)
     step = zoo.build_train_step(spec, optimizer, mesh, style)
-    compiled = step.lower(*args).compile()
-    layout, _ = update.find_layout(step, args, {}, args, {}, jax.tree.leaves(compiled.input_shardings))
-    if layout is None:
-        return None
-    leaves_of = choice.gradient_leaves(graph, layout, dict(enumerate(jax.tree.leaves(args))))
-    leaves = {i for g in gradients for i in leaves_of.get(g, ())}
-    if not leaves:
-        return None
-    lowered, _ = update.relower(step, layout.subset(leaves), args, {}, (args, {}), compiled)
-    return capture_graph(lowered, backends.GPU)[0]
+    avals = dict(enumerate(jax.tree.leaves(args)))
+
+    def leaves(layout):
+        leaves_of = choice.gradient_leaves(graph, layout, avals)
+        return {i for g in gradients for i in leaves_of.get(g, ())}
+
+    lowered, _, _ = update.relower_positional(step, args, step.lower(*args).compile(), leaves)
+    return None if lowered is None else capture_graph(lowered, backends.GPU)[0]
 
 
 def enacted_json(lowered: jax.stages.Lowered, graph: Graph, plan: Strategy, simulated: Callable) -> dict:

@@ -287,6 +287,22 @@ def _with_dynamic(args: tuple, kwargs: dict, old_dynamic: tuple, new_dynamic: tu
     return tuple(out), {k: new_kwargs.get(k, v) for k, v in kwargs.items()}
 
 
+def relower_positional(step, args: tuple, compiled, leaves=None) -> tuple:
+    """(lowered or None, `Layout` or None, reason) for a jitted step called with positional `args`
+    only, every one dynamic (the zoo's steps lowered from shapes): the step lowered again with its
+    optimizer state sharded. `compiled`: the unmodified step's executable; `leaves(layout)`: the
+    leaf indices to shard (default all; none: lowered is None)."""
+    layout, reason = find_layout(step, args, {}, args, {}, jax.tree.leaves(compiled.input_shardings))
+    if layout is None:
+        return None, None, reason
+    if leaves is not None:
+        chosen = leaves(layout)
+        if not chosen:
+            return None, layout, "no leaf chosen"
+        layout = layout.subset(chosen)
+    return relower(step, layout, args, {}, (args, {}), compiled)[0], layout, reason
+
+
 def relower(fn, layout: Layout, args: tuple, kwargs: dict, dynamic: tuple, default: Any) -> tuple:
     """(lowered, resharded dynamic args, kwargs): the user's function jitted again with its own
     jit options but its shardings: the state leaves in `layout`'s sharding at input and output,
