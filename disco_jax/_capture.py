@@ -5,9 +5,13 @@ first time it is needed. It does nothing unless one of our own compiles is in pr
 only touches the module it was armed for (by name). JAX's in-memory and persistent caches do not
 key on registered passes (a cached executable would come back without our pass having run), so
 every compile of ours passes an XLA debug option that changes nothing in code generation but
-changes the cache key: `xla_dump_max_hlo_modules`
-(only read when dumping is on). Capture uses a fresh value each time; enactment a value derived
-from the plan, so a plan compiles once per process and a persistent-cache hit is the same plan.
+changes both cache keys: `xla_debug_buffer_assignment_show_max` (only read when printing a buffer
+assignment). `xla_dump_max_hlo_modules`, used before, is one of the dump options JAX leaves out
+of the persistent cache's key: with `jax_compilation_cache_dir` set, a capture was served the
+step's cached executable and never saw the module. Capture uses a value no process used before,
+and writes nothing to the persistent cache (the executable is never looked up again); enactment
+uses a value derived from the plan, so a plan compiles once and a persistent-cache hit is the same
+plan.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import math
+import secrets
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +33,8 @@ _lock = threading.RLock()
 _registered_for: set[tuple[str, str]] = set()
 _active: dict[str, Any] = {}
 _fresh = itertools.count(1)
-CACHE_KEY_OPTION = "xla_dump_max_hlo_modules"
+CACHE_KEY_OPTION = "xla_debug_buffer_assignment_show_max"
+_NO_PERSISTENT_WRITE = "jax_persistent_cache_min_compile_time_secs"
 
 
 def module_text(module) -> str:
@@ -125,16 +132,22 @@ def compile_with_hooks(
 
         return wrapped
 
-    tag = cache_tag if cache_tag is not None else f"fresh-{next(_fresh)}-{id(seen)}"
+    # A fresh tag must be fresh across processes too: another run's entry in the persistent cache
+    # would be served without the hook running.
+    tag = cache_tag if cache_tag is not None else f"fresh-{next(_fresh)}-{secrets.token_hex(8)}"
     options = dict(compiler_options or {})
     options[CACHE_KEY_OPTION] = cache_key_value(tag)
     with _lock:
         _active["handlers"] = {stage: wrap(stage, h) for stage, h in handlers.items()}
         _active["module_name"] = module_name(lowered)
+        min_compile_s = getattr(jax.config, _NO_PERSISTENT_WRITE)
+        if cache_tag is None:  # nothing will look this entry up again: keep it out of the cache
+            jax.config.update(_NO_PERSISTENT_WRITE, math.inf)
         try:
             compiled = lowered.compile(compiler_options=options)
         finally:
             _active.clear()
+            jax.config.update(_NO_PERSISTENT_WRITE, min_compile_s)
     if not seen and cache_tag is None:
         raise RuntimeError("the XLA pass hook did not see the step's module; is this jax >= 0.11.2?")
     return compiled

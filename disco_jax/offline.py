@@ -101,7 +101,7 @@ def plan_for_target(
     if best_us < default_us:
         compiled, status = compile_strategy(lowered, graph, best)
         counts = compiled_stats(compiled.as_text())
-        if status != "rewritten" or counts["all-reduce"] != len(best.buckets):
+        if status == "fingerprint-mismatch" or counts["all-reduce"] != len(best.buckets):
             best, best_us = default, default_us
             reason = f"XLA:GPU did not keep the searched plan's all-reduces ({status}, {counts['all-reduce']})"
     use_default = best_us >= default_us

@@ -32,7 +32,10 @@ report = wrapped.last_report
 print(
     "RESULT "
     + json.dumps(
-        {key: report.to_json()[key] for key in ("phase", "search_ran", "applied", "plan_path", "fingerprint")}
+        {
+            key: report.to_json()[key]
+            for key in ("phase", "search_ran", "applied", "plan_path", "fingerprint", "compile_status", "plan_counts")
+        }
     ),
     flush=True,
 )

@@ -59,3 +59,16 @@ def make_step(style: str, sizes=(16, 32, 32, 4), batch=64, optimizer=None):
     else:
         raise ValueError(style)
     return jax.jit(step), (params, opt_state, x, y)
+
+
+def store_per_gradient_plan(step, args, plan_dir):
+    """A plan made by hand and stored in `plan_dir`: XLA's fusions, one all-reduce per gradient.
+    Returns (plan, number of gradients)."""
+    from disco_jax import _capture, _compile, _graph, _plan, _strategy, backends
+
+    graph = _graph.build_graph(_capture.capture(step.lower(*args))[0], backends.CPU)
+    s = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "test")
+    machine = _plan.MachineKey.current(_compile.step_devices(args, {}))
+    plan = _plan.Plan(graph.fingerprint, graph.module.name, machine, False, s.to_json(graph), "made by a test")
+    _plan.save_plan(plan, plan_dir)
+    return plan, len(graph.gradients)

@@ -8,31 +8,17 @@ import jax.numpy as jnp
 import pytest
 
 from disco_jax import (
-    _capture,
-    _compile,
     _files,
-    _graph,
     _plan,
     _search,
-    _strategy,
     _validate,
     backends,
     optimize_distributed,
 )
 
-from _steps import make_step
+from _steps import make_step, store_per_gradient_plan
 
 FAST = dict(budget_s=2.0, validation_pairs=4, verbose=False)
-
-
-def _store_per_gradient_plan(step, args, plan_dir):
-    """A plan made by hand: XLA's fusions, one all-reduce per gradient."""
-    graph = _graph.build_graph(_capture.capture(step.lower(*args))[0], backends.CPU)
-    s = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "test")
-    machine = _plan.MachineKey.current(_compile.step_devices(args, {}))
-    plan = _plan.Plan(graph.fingerprint, graph.module.name, machine, False, s.to_json(graph), "made by a test")
-    _plan.save_plan(plan, plan_dir)
-    return plan, len(graph.gradients)
 
 
 @pytest.mark.parametrize("style", ["jit", "shard_map"])
@@ -70,7 +56,7 @@ def test_search_phase_then_enactment_phase(style, tmp_path, monkeypatch):
 def test_stored_plan_is_enacted_in_the_compiled_hlo(style, tmp_path):
     step, args = make_step(style)
     reference = step(*args)  # compiled and cached by JAX first: the plan must still be applied
-    plan, num_gradients = _store_per_gradient_plan(step, args, tmp_path)
+    plan, num_gradients = store_per_gradient_plan(step, args, tmp_path)
     enacting = optimize_distributed(**FAST, plan_dir=tmp_path)(step)
     out = enacting(*args)
     report = enacting.last_report
@@ -107,7 +93,7 @@ def test_a_backend_not_ready_for_the_decorator_runs_the_jitted_step(monkeypatch)
 
 def test_corrupt_plan_is_refused_and_the_default_runs(tmp_path):
     step, args = make_step("jit")
-    plan, _ = _store_per_gradient_plan(step, args, tmp_path)
+    plan, _ = store_per_gradient_plan(step, args, tmp_path)
     (tmp_path / plan.file_name).write_text('{"format_version": 1, "garbage": tru')
     wrapped = optimize_distributed(**FAST, plan_dir=tmp_path)(step)
     with pytest.warns(_plan.PlanWarning, match="ignoring plan"):
@@ -118,7 +104,7 @@ def test_corrupt_plan_is_refused_and_the_default_runs(tmp_path):
 
 def test_plan_naming_unknown_ops_is_refused(tmp_path):
     step, args = make_step("jit")
-    plan, _ = _store_per_gradient_plan(step, args, tmp_path)
+    plan, _ = store_per_gradient_plan(step, args, tmp_path)
     data = plan.to_json()
     data["strategy"]["buckets"][0] = ["not-an-op"]
     _files.write_json_atomic(tmp_path / plan.file_name, data)

@@ -1,6 +1,7 @@
 """Faults a training job meets, in real processes: a search killed mid-way, two processes
 searching the same step into the same plan directory, a plan directory that is missing, a
-truncated plan, and a step whose outputs hold more than arrays."""
+truncated plan, a step whose outputs hold more than arrays, and JAX's persistent compilation
+cache shared by successive runs."""
 
 import json
 import os
@@ -18,14 +19,14 @@ import pytest
 
 from disco_jax import _plan, _validate, optimize_distributed
 
-from _steps import make_step
+from _steps import make_step, store_per_gradient_plan
 
 WORKER = Path(__file__).resolve().parent / "_search_worker.py"
 FAST = dict(budget_s=1.0, validation_pairs=4, verbose=False)
 
 
-def _worker(plan_dir, budget_s, phase="1"):
-    env = {**os.environ, "ENABLE_SEARCH": phase}
+def _worker(plan_dir, budget_s, phase="1", env=None):
+    env = {**os.environ, **(env or {}), "ENABLE_SEARCH": phase}
     return subprocess.Popen(
         [sys.executable, str(WORKER), str(plan_dir), str(budget_s)],
         env=env,
@@ -133,3 +134,29 @@ def test_outputs_with_non_array_leaves(tmp_path, monkeypatch):
         assert out[0].name == "mlp" and out[1] is None and int(out[2]["count"]) == 3
         assert _validate.compare_outputs(reference, out, bitwise=False).within_tolerance
     assert jnp.isfinite(out[0].loss)
+
+
+def test_runs_sharing_a_persistent_compilation_cache_capture_and_enact(tmp_path):
+    """With `jax_compilation_cache_dir` set (usual on clusters), XLA's executable of the step is in
+    the cache before the capture compiles it: the capture must still reach the hook, and a later
+    run is served the plan's own executable, not the unmodified step's."""
+    import optax
+
+    step, args = make_step("jit", optimizer=optax.adam(1e-2))  # the worker's step
+    plan, num_gradients = store_per_gradient_plan(step, args, tmp_path / "plans")
+    cache = tmp_path / "cache"
+    env = {
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    }
+    entries = []
+    for run in range(2):
+        result = _result(_worker(tmp_path / "plans", 1, phase="0", env=env))
+        entries.append(sorted(p.name for p in cache.iterdir()))
+        assert result["phase"] == "enact" and result["applied"], result
+        assert result["fingerprint"] == plan.fingerprint
+        assert result["plan_counts"]["all-reduce"] == num_gradients  # the plan's executable
+        assert result["compile_status"] == ("rewritten" if run == 0 else "cached")
+    assert entries[0], "the runs wrote nothing to the persistent cache"
+    assert entries[1] == entries[0], "the second run compiled something new: a capture or the plan was cached anew"

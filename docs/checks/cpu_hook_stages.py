@@ -21,7 +21,7 @@ gradients = len(jax.tree.leaves(state.params))
 lowered = step.lower(state, batch)
 
 rec.reset()
-compiled = lowered.compile(compiler_options={"xla_dump_max_hlo_modules": 101})
+compiled = lowered.compile(compiler_options={"xla_debug_buffer_assignment_show_max": 101})
 pre, post = rec.texts["PRE_SCHEDULER"][-1], rec.texts["POST_SCHEDULER"][-1]
 fact(count(pre, "fusion") > 0, "PRE_SCHEDULER on CPU is after fusion", f"{count(pre, 'fusion')} fusions")
 fact(
@@ -107,7 +107,7 @@ def split_allreduce(text: str) -> str:
 
 
 rec.reset(edit=("PRE_SCHEDULER", split_allreduce))
-edited = lowered.compile(compiler_options={"xla_dump_max_hlo_modules": 102})
+edited = lowered.compile(compiler_options={"xla_debug_buffer_assignment_show_max": 102})
 final = edited.as_text()
 fact(
     operand_counts(final, "all-reduce") == [1] * (gradients + 1),
@@ -123,17 +123,17 @@ fact(
 )
 
 rec.reset()
-lowered.compile(compiler_options={"xla_dump_max_hlo_modules": 101})
+lowered.compile(compiler_options={"xla_debug_buffer_assignment_show_max": 101})
 fact(
     not rec.texts["PRE_SCHEDULER"],
     "the same compile options hit JAX's in-memory cache: the hook does not run again",
     f"{len(rec.texts['PRE_SCHEDULER'])} modules seen",
 )
 rec.reset()
-lowered.compile(compiler_options={"xla_dump_max_hlo_modules": 103})
+lowered.compile(compiler_options={"xla_debug_buffer_assignment_show_max": 103})
 fact(
     len(rec.texts["PRE_SCHEDULER"]) == 1,
-    "a fresh xla_dump_max_hlo_modules value forces a compile through the hook",
+    "a fresh xla_debug_buffer_assignment_show_max value forces a compile through the hook",
     f"{len(rec.texts['PRE_SCHEDULER'])} modules seen",
 )
 finish()

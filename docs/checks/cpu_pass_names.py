@@ -26,7 +26,7 @@ fresh = itertools.count(200)
 
 
 def compiled_text(disabled: str | None, lowered=lowered) -> str:
-    options = {"xla_dump_max_hlo_modules": next(fresh)}
+    options = {"xla_debug_buffer_assignment_show_max": next(fresh)}
     if disabled:
         options["xla_disable_hlo_passes"] = disabled
     return lowered.compile(compiler_options=options).as_text()

@@ -42,7 +42,7 @@ x = jax.ShapeDtypeStruct((64, WIDTH), jnp.float32, sharding=NamedSharding(mesh, 
 lowered = jax.jit(step).lower(ws, x)
 
 rec.reset()
-final = lowered.compile(compiler_options={"xla_dump_max_hlo_modules": 301}).as_text()
+final = lowered.compile(compiler_options={"xla_debug_buffer_assignment_show_max": 301}).as_text()
 pre, post = rec.texts["PRE_SCHEDULER"], rec.texts["POST_SCHEDULER"]
 fact(
     len(pre) == 1 and len(post) == 1,
@@ -91,7 +91,7 @@ def drop_one_allreduce(text: str) -> str:
 
 
 rec.reset(edit=("PRE_SCHEDULER", drop_one_allreduce))
-final = lowered.compile(compiler_options={"xla_dump_max_hlo_modules": 302}).as_text()
+final = lowered.compile(compiler_options={"xla_debug_buffer_assignment_show_max": 302}).as_text()
 post = rec.texts["POST_SCHEDULER"][-1]
 fact(
     reduced_elements(post) == [(LAYERS - 1) * WIDTH * WIDTH],
@@ -127,9 +127,9 @@ def step_chain(x):
 
 
 chain = step_chain.lower(jax.ShapeDtypeStruct((1024,), jnp.float32, sharding=NamedSharding(mesh, P())))
-plain = chain.compile(compiler_options={"xla_dump_max_hlo_modules": 303}).as_text()
+plain = chain.compile(compiler_options={"xla_debug_buffer_assignment_show_max": 303}).as_text()
 rec.reset(edit=("PRE_SCHEDULER", barrier_after_sine))
-split = chain.compile(compiler_options={"xla_dump_max_hlo_modules": 304}).as_text()
+split = chain.compile(compiler_options={"xla_debug_buffer_assignment_show_max": 304}).as_text()
 fact(
     count(plain, "fusion") == 1 and count(split, "fusion") == 2 and "opt-barrier" not in split,
     "an optimization barrier added at PRE_SCHEDULER is a fusion boundary on XLA:GPU, removed after fusion",
