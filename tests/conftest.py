@@ -1,6 +1,12 @@
-"""Test setup: 8 virtual CPU devices, set before jax is imported anywhere."""
+"""Test setup: 8 virtual CPU devices, set before jax is imported anywhere, and one persistent
+compilation cache for the session (tests compile the same steps, timing programs and estimator
+buckets again and again; the cache is also how many clusters run JAX, and disco-jax must work
+under it). Subprocesses get no cache unless a test gives them one."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
@@ -10,7 +16,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.pop("ENABLE_SEARCH", None)
 os.environ.pop("DISCO_JAX_PLAN_DIR", None)
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+_cache_dir = tempfile.mkdtemp(prefix="disco-jax-test-xla-cache-")
+atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _cache_dir)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 @pytest.fixture(autouse=True)
