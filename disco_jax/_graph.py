@@ -15,10 +15,10 @@
 * `xla_groups` / `xla_buckets`: how XLA grouped the ops into fusions and gradients into
   all-reduces, which is the JAX-default strategy the search starts from.
 
-Everything downstream (strategy, simulator, rewrite) works on op ids of one `Graph`, and asks the
-graph its questions: `op_work` / `op_flops` (counted by `disco_jax.cost.work`), `free_sources`,
-`consumers(op)`, `reduced_dependencies`, `kernel_signature(kernel)`, `kernel_reads(kernel)`; each is computed once per
-graph and cached on it.
+Everything downstream (strategy, simulator, rewrite) works on op ids of one `Graph`, and asks the graph its
+questions: `op_work` / `op_flops` (counted by `disco_jax.cost.work`), `free_sources`, `consumers(op)`,
+`reduced_dependencies`, `xla_holders`, `kernel_signature(kernel)`, `kernel_reads(kernel)`; each is computed once
+per graph and cached on it.
 """
 
 from __future__ import annotations
@@ -76,6 +76,9 @@ class Gradient:
     result_name: str  # the name users referred to it by (get-tuple-element or the all-reduce)
 
 
+_cache = functools.partial(dataclasses.field, default_factory=dict, init=False, repr=False, compare=False)
+
+
 @dataclasses.dataclass
 class Graph:
     module: _hlo.HloModuleText
@@ -95,15 +98,9 @@ class Graph:
     # `disco_jax.backends.gpu_schedule.ScheduledKernel`s); empty when the capture is unscheduled.
     xla_schedule: tuple = ()
     # Caches of the queries below that take an argument (the others are cached properties).
-    _signatures: dict[frozenset[int], str] = dataclasses.field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
-    _consumers: dict[int, tuple[int, ...]] = dataclasses.field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
-    _inputs: dict[frozenset[int], tuple[int, tuple[int, ...]]] = dataclasses.field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
+    _signatures: dict[frozenset[int], str] = _cache()
+    _consumers: dict[int, tuple[int, ...]] = _cache()
+    _inputs: dict[frozenset[int], tuple[int, tuple[int, ...]]] = _cache()
 
     def __post_init__(self):
         users: list[list[int]] = [[] for _ in self.ops]
@@ -182,8 +179,7 @@ class Graph:
         return found
 
     def kernel_reads(self, members: frozenset[int]) -> tuple[int, tuple[int, ...]]:
-        """A kernel's last op, and the non-free ops outside it whose values it reads (through
-        free ops)."""
+        """A kernel's last op, and the non-free ops outside it whose values it reads (through free ops)."""
         found = self._inputs.get(members)
         if found is None:
             sources, seen = self.free_sources, {}
@@ -196,14 +192,20 @@ class Graph:
         return found
 
     @functools.cached_property
+    def xla_holders(self) -> dict[int, frozenset[int]]:
+        """Per fusible op, the indices of the `xla_groups` holding it (several where XLA duplicated it)."""
+        holders: dict[int, frozenset[int]] = {}
+        for gi, g in enumerate(self.xla_groups):
+            holders.update((o, holders.get(o, frozenset()) | {gi}) for o in g)
+        return holders
+
+    @functools.cached_property
     def reduced_dependencies(self) -> list[int]:
         """Per gradient, a bitmask of the gradients whose all-reduced value its producer depends on
         (forward-pass all-reduces such as batch-norm statistics feed later gradients)."""
         masks: list[int] = []
         for op in self.ops:
-            m = 0
-            for v in op.operands:
-                m |= masks[v]
+            m = functools.reduce(int.__or__, (masks[v] for v in op.operands), 0)
             if op.kind == "reduced" and op.gradient is not None:
                 m |= 1 << op.gradient
             masks.append(m)

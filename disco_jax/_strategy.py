@@ -277,6 +277,8 @@ def fuse_producer(graph: Graph, s: Strategy, rng: random.Random, duplicate: bool
     producer = s.groups[pi]
     if any(graph.ops[o].opcode in no_producer and any(u in group for u in graph.users[o]) for o in producer):
         return None
+    if not fusible_together(graph, group | producer):
+        return None
     edit = StrategyEdit(graph, s.groups, s.homes, s.group_index())
     if not duplicate and edit.reaches(pi, gi, s.buckets):
         return None  # the merged kernel would feed a kernel it waits for: a cycle
@@ -289,6 +291,21 @@ def fuse_producer(graph: Graph, s: Strategy, rng: random.Random, duplicate: bool
                 edit.rehome(o, gi)
         edit.remove_group(pi)
     return _finish(s, edit)
+
+
+def fusible_together(graph: Graph, members: frozenset[int]) -> bool:
+    """Can the compiler be made to fuse `members` into one kernel? A rewriter that emits fusions
+    (XLA:CPU) emits any group. XLA:GPU's own fusion passes form the kernels and the rewriter only
+    cuts edges (`Backend.emits_fusions`), so there a group must lie inside one of XLA's fusions: a
+    plan fusing more is costed as fused but compiles apart, and the search would chase it."""
+    if graph.backend.emits_fusions:
+        return True
+    holders, common = graph.xla_holders, None
+    for o in members:
+        common = holders.get(o, frozenset()) if common is None else common & holders.get(o, frozenset())
+        if not common:
+            return False
+    return True
 
 
 def split_group(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | None:

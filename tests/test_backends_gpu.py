@@ -3,6 +3,7 @@ captured at PRE_SCHEDULER with XLA's own decisions read at POST_SCHEDULER, and p
 the GPU rewriter, asserted on the compiled module. Never skipped: a missing CUDA plugin fails."""
 
 import dataclasses
+import random
 
 import optax
 import pytest
@@ -141,6 +142,27 @@ def test_splitting_one_xla_fusion_cuts_exactly_there(captured):
     # The fusion became two kernels: the multiply (with its broadcast) and the add alone.
     assert after["fusion"] == before["fusion"] + 1
     assert after["multi_op_loop_fusions"] == before["multi_op_loop_fusions"]
+
+
+def _fuse_randomly(graph, moves=300):
+    """Multi-op groups the search's fuse moves form from the unfused plan."""
+    rng, s, formed = random.Random(0), _strategy.unfused(graph), set()
+    for _ in range(moves):
+        s = _strategy.MOVES["fuse"](graph, s, rng) or s
+        formed |= {g for g in s.groups if len(g) > 1}
+    return formed
+
+
+def test_fuse_moves_only_form_groups_inside_xla_gpu_fusions(captured):
+    """XLA:GPU forms its kernels itself and the rewriter only cuts edges, so a group outside XLA's
+    fusions would be costed fused and compile apart: the fuse moves never make one. A backend
+    that emits its fusions (XLA:CPU's way) makes them from the same graph and moves."""
+    _, graph, _ = captured
+    inside = lambda g: any(g <= x for x in graph.xla_groups)  # noqa: E731
+    formed = _fuse_randomly(graph)
+    assert formed and all(inside(g) for g in formed)
+    emitting = dataclasses.replace(graph, backend=dataclasses.replace(backends.GPU, emits_fusions=True))
+    assert not all(inside(g) for g in _fuse_randomly(emitting))
 
 
 def test_rewriter_rejects_an_invalid_strategy(captured):

@@ -122,13 +122,10 @@ def _cut_fusions(graph: Graph, s: Strategy, body: list[_hlo.Instruction]) -> lis
     # the reading of its fusions is imperfect. Every other edge the plan separates is cut: XLA's
     # fusion decisions are not local (an op whose fusion the plan opens may join another one).
     # Without XLA's decisions (a graph read at the hook stage alone) every separated edge is cut.
-    xla_holders: dict[int, set[frozenset[int]]] = {}
-    for g in graph.xla_groups if graph.xla_schedule else ():
-        for o in g:
-            xla_holders.setdefault(o, set()).add(g)
+    xla_holders = graph.xla_holders if graph.xla_schedule else {}
 
     def kept(o: int) -> bool:
-        return {s.groups[gi] for gi in groups_of.get(o, [])} == xla_holders.get(o)
+        return {s.groups[gi] for gi in groups_of.get(o, [])} == {graph.xla_groups[x] for x in xla_holders.get(o, ())}
 
     def separated(v: int, u: int) -> bool:
         if graph.xla_schedule and kept(v) and kept(u) and not xla_holders[v] & xla_holders[u]:
