@@ -105,7 +105,8 @@ def compile_strategy(
     (e.g. `backends.gpu.collective_options(...)`) go on top of the backend's `rewrite_options`.
 
     Returns (compiled, status): 'rewritten'; 'cached' when JAX served the executable compiled
-    earlier in this process for the same plan (the cache key carries the plan's digest); or
+    earlier for the same plan, in this process or from the persistent compilation cache (the
+    cache key carries the plan's digest); or
     'fingerprint-mismatch' when the module at the hook is not the one the plan was made for
     (it is then compiled unmodified)."""
     text = graph.backend.rewriter.rewrite(graph, strategy)
