@@ -145,24 +145,27 @@ def test_splitting_one_xla_fusion_cuts_exactly_there(captured):
 
 
 def _fuse_randomly(graph, moves=300):
-    """Multi-op groups the search's fuse moves form from the unfused plan."""
+    """The plan the search's fuse moves reach from the unfused one, and every multi-op group they formed."""
     rng, s, formed = random.Random(0), _strategy.unfused(graph), set()
     for _ in range(moves):
         s = _strategy.MOVES["fuse"](graph, s, rng) or s
         formed |= {g for g in s.groups if len(g) > 1}
-    return formed
+    return s, formed
 
 
 def test_fuse_moves_only_form_groups_inside_xla_gpu_fusions(captured):
     """XLA:GPU forms its kernels itself and the rewriter only cuts edges, so a group outside XLA's
-    fusions would be costed fused and compile apart: the fuse moves never make one. A backend
-    that emits its fusions (XLA:CPU's way) makes them from the same graph and moves."""
-    _, graph, _ = captured
-    inside = lambda g: any(g <= x for x in graph.xla_groups)  # noqa: E731
-    formed = _fuse_randomly(graph)
-    assert formed and all(inside(g) for g in formed)
+    fusions would be costed fused and compile apart: the fuse moves never make one, and the plan
+    they reach compiles with each of its groups inside one fusion of the compiled module. A backend
+    that emits its fusions (XLA:CPU's way) makes groups outside from the same graph and moves."""
+    lowered, graph, _ = captured
+    inside = lambda g, groups: any(g <= x for x in groups)  # noqa: E731
+    plan, formed = _fuse_randomly(graph)
+    assert formed and all(inside(g, graph.xla_groups) for g in formed)
+    compiled = backends.GPU.read_decisions(graph, _compile_plan(captured, plan))
+    assert all(inside(g, compiled.xla_groups) for g in plan.groups if len(g) > 1)
     emitting = dataclasses.replace(graph, backend=dataclasses.replace(backends.GPU, emits_fusions=True))
-    assert not all(inside(g) for g in _fuse_randomly(emitting))
+    assert not all(inside(g, graph.xla_groups) for g in _fuse_randomly(emitting)[1])
 
 
 def test_rewriter_rejects_an_invalid_strategy(captured):
