@@ -147,7 +147,8 @@ def compile_with_hooks(
             compiled = lowered.compile(compiler_options=options)
         finally:
             _active.clear()
-            jax.config.update(_NO_PERSISTENT_WRITE, min_compile_s)
+            if cache_tag is None:
+                jax.config.update(_NO_PERSISTENT_WRITE, min_compile_s)
     if not seen and cache_tag is None:
         raise RuntimeError("the XLA pass hook did not see the step's module; is this jax >= 0.11.2?")
     return compiled

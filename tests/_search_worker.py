@@ -3,7 +3,8 @@
 
     python tests/_search_worker.py PLAN_DIR BUDGET_S
 
-Prints the decorator's progress on stderr and one line `RESULT {json}` on stdout at the end.
+Prints the decorator's progress on stderr and one line `RESULT {json}` on stdout at the end
+(`outputs_match`: the decorated call's outputs against the unmodified step's, computed first).
 """
 
 from __future__ import annotations
@@ -20,22 +21,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import optax  # noqa: E402
 
-from disco_jax import optimize_distributed  # noqa: E402
+from disco_jax import _validate, optimize_distributed  # noqa: E402
 
 from _steps import make_step  # noqa: E402
 
 plan_dir, budget_s = sys.argv[1], float(sys.argv[2])
 step, args = make_step("jit", optimizer=optax.adam(1e-2))
+reference = step(*args)  # the unmodified step, compiled (and cached, where a cache is set) first
 wrapped = optimize_distributed(budget_s=budget_s, validation_pairs=4, plan_dir=plan_dir, verbose=True)(step)
-jax.block_until_ready(wrapped(*args))
+out = jax.block_until_ready(wrapped(*args))
 report = wrapped.last_report
-print(
-    "RESULT "
-    + json.dumps(
-        {
-            key: report.to_json()[key]
-            for key in ("phase", "search_ran", "applied", "plan_path", "fingerprint", "compile_status", "plan_counts")
-        }
-    ),
-    flush=True,
-)
+keys = ("phase", "search_ran", "applied", "plan_path", "fingerprint", "compile_status", "plan_counts")
+result = {key: report.to_json()[key] for key in keys}
+result["outputs_match"] = _validate.compare_outputs(reference, out, bitwise=False).within_tolerance
+print("RESULT " + json.dumps(result), flush=True)

@@ -157,6 +157,7 @@ def test_runs_sharing_a_persistent_compilation_cache_capture_and_enact(tmp_path)
         assert result["phase"] == "enact" and result["applied"], result
         assert result["fingerprint"] == plan.fingerprint
         assert result["plan_counts"]["all-reduce"] == num_gradients  # the plan's executable
+        assert result["outputs_match"]
         assert result["compile_status"] == ("rewritten" if run == 0 else "cached")
     assert entries[0], "the runs wrote nothing to the persistent cache"
     assert entries[1] == entries[0], "the second run compiled something new: a capture or the plan was cached anew"
