@@ -1,11 +1,16 @@
 """The cost package on hand-built graphs with answers worked out by hand: the work counter, the
 estimators and their plugin registry, the all-reduce cost protocol and the simulator."""
 
+import random
+
 import numpy as np
+import optax
 import pytest
 
-from disco_jax import _graph, _strategy, backends, cost
-from disco_jax.cost import AllReduceCostModel
+from disco_jax import _capture, _graph, _strategy, backends, cost
+from disco_jax.cost import AllReduceCostModel, sharded
+
+from _steps import make_step
 
 # Two gradients produced one after the other (g1 then g2), each consumed by an update.
 HLO = """HloModule handmade, entry_computation_layout={(f32[4]{0}, f32[4]{0})->(f32[4]{0}, f32[4]{0})}
@@ -133,6 +138,49 @@ def test_kernel_and_step_overheads(graph):
         "step_overhead_us",
         "allreduce_tensor_us",
     }
+
+
+def test_the_dependency_bound_is_reached_where_the_schedule_is_forced(graph):
+    unfused = _strategy.unfused(graph)
+    combined = _strategy.with_buckets(unfused, [(0, 1)], "combined")
+    overheads = cost.SimulatorParams(kernel_overhead_us=1.0, step_overhead_us=3.0)
+    # Worked out above: g2 feeds ar2, which feeds u2 (26); the one bucket waits for both
+    # gradients and both updates wait for it (27); with overheads g1 g2 ar2 u2 + step (32).
+    for s, params, expected in [
+        (unfused, cost.SimulatorParams(), 26.0),
+        (combined, cost.SimulatorParams(), 27.0),
+        (unfused, overheads, 32.0),
+    ]:
+        r = cost.simulate(graph, s, FixedEstimator(), ALLREDUCE, params, bound=True)
+        assert r.dependency_bound_us == pytest.approx(expected) == r.iteration_us
+        assert r.full_overlap_us < expected  # FO ignores that ar2 waits for g2 and u2 for ar2
+    # A blocking all-reduce costs stream time no dependency forces: the bound stays below.
+    blocking = cost.SimulatorParams(comm_blocking=1.0)
+    r = cost.simulate(graph, unfused, FixedEstimator(), ALLREDUCE, blocking, bound=True)
+    assert r.dependency_bound_us == pytest.approx(26.0) and r.iteration_us == pytest.approx(32.0)
+    assert "dependency_bound_us" not in cost.simulate(graph, unfused, FixedEstimator(), ALLREDUCE).to_json()
+
+
+@pytest.mark.parametrize("latency_us", [1.0, 2000.0])
+def test_no_strategy_simulates_below_its_dependency_bound(latency_us):
+    """Random strategies of a small Adam step (fusions, buckets, sharded updates): the simulated
+    iteration never beats the bound. Where communication dominates, the bound exceeds FO by the
+    time before the first gradient exists."""
+    step, args = make_step("jit", sizes=(16, 64, 32, 4), optimizer=optax.adam(1e-3))
+    g = _graph.build_graph(_capture.capture(step.lower(*args))[0], backends.CPU)
+    moves = _strategy.with_sharding(sharded.regions_of(g).shardable)
+    allreduce = AllReduceCostModel(per_byte_us=1e-3, latency_us=latency_us)
+    rng = random.Random(0)
+    s = _strategy.xla_default(g)
+    above_fo = 0
+    for _ in range(60):
+        s = moves[rng.choice(sorted(moves))](g, s, rng) or s
+        r = cost.simulate(g, s, cost.AnalyticalEstimator(), allreduce, bound=True)
+        if r is None:
+            continue
+        assert r.full_overlap_us <= r.dependency_bound_us <= r.iteration_us * (1 + 1e-9)
+        above_fo += r.dependency_bound_us > 1.05 * r.full_overlap_us
+    assert (above_fo > 0) == (latency_us > 1000.0)
 
 
 def test_two_point_calibration_recovers_known_parameters(graph):

@@ -12,6 +12,8 @@
 * `sharded`: the sharded weight update as the simulator costs it (`Strategy.sharded`): per
   gradient, its update region and optimizer state (`UpdateRegions`).
 * `events`: `run`, the event simulation of a kernel state.
+* `bound`: `dependency_bound`, the least iteration any order of a kernel state's kernels reaches
+  (FO plus what dependencies force; `simulate(..., bound=True)`, reported per benchmark row).
 * `simulator`: `simulate`, `SimulatorParams` and their multi-point `calibrate` (-> `Calibrated`:
   the parameters, the misfit and each point), `CostModel`, and `SimulatedCost` (the search's
   cost function, `CostModel.evaluator`).

@@ -60,22 +60,10 @@ def run(
     update (`cost.sharded`) shows in the state: its buckets reduce-scatter where the backend forms
     reduce-scatters, its all-gathers are kernels, and a group whose ops all belong to sharded
     updates costs 1/N of its estimate."""
-    keys, deps, users, comm, rank, members = st.keys, st.deps, st.users, st.comm, st.rank, st.members
+    keys, deps, users, comm, rank = st.keys, st.deps, st.users, st.comm, st.rank
     n = len(keys)
-    scale, overhead, blocking = float(params.compute_scale), params.kernel_overhead_us, params.comm_blocking
-    costs = [0.0 if e is None else e * scale + overhead for e in st.estimate]
-    if st.sharded:
-        region_of, sharded, shards = st.regions.region_of, st.sharded, st.regions.num_shards
-        for k, e in enumerate(st.estimate):
-            if e and st.kinds[k] == GROUP and all(region_of[o] in sharded for o in members[k]):
-                costs[k] = e * scale / shards + overhead
-    comm_slots = [k for k in range(n) if comm[k] and keys[k] is not None]
-    memo = {} if comm_costs is None else comm_costs
-    for k in comm_slots:
-        c = memo.get(keys[k])
-        if c is None:
-            c = memo[keys[k]] = _comm_us(graph, st, k, params, allreduce)
-        costs[k] = c
+    blocking = params.comm_blocking
+    costs, comm_slots = kernel_costs(graph, st, params, allreduce, comm_costs)
     waiting = [len(d) for d in deps]
     ready_at = [0.0] * n
     end = [0.0] * n
@@ -147,6 +135,29 @@ def run(
     comm_us = sum(costs[k] for k in comm_slots)
     compute_us = sum(costs) - comm_us
     return Timeline(max(stream_free, channel_free), compute_us, comm_us, end, ready_at, events)
+
+
+def kernel_costs(
+    graph: Graph, st: KernelState, params: SimulatorParams, allreduce: AllReduceCost, comm_costs: dict | None = None
+) -> tuple[list[float], list[int]]:
+    """Every slot's time in microseconds as `run` charges it (0 for a free slot), and the live
+    communication slots. `comm_costs`: as for `run`."""
+    keys, comm, members = st.keys, st.comm, st.members
+    scale, overhead = float(params.compute_scale), params.kernel_overhead_us
+    costs = [0.0 if e is None else e * scale + overhead for e in st.estimate]
+    if st.sharded:
+        region_of, sharded, shards = st.regions.region_of, st.sharded, st.regions.num_shards
+        for k, e in enumerate(st.estimate):
+            if e and st.kinds[k] == GROUP and all(region_of[o] in sharded for o in members[k]):
+                costs[k] = e * scale / shards + overhead
+    comm_slots = [k for k in range(len(keys)) if comm[k] and keys[k] is not None]
+    memo = {} if comm_costs is None else comm_costs
+    for k in comm_slots:
+        c = memo.get(keys[k])
+        if c is None:
+            c = memo[keys[k]] = _comm_us(graph, st, k, params, allreduce)
+        costs[k] = c
+    return costs, comm_slots
 
 
 def _comm_us(graph: Graph, st: KernelState, k: int, params: SimulatorParams, allreduce: AllReduceCost) -> float:

@@ -24,6 +24,7 @@ import numpy as np
 from disco_jax._strategy import BUCKET, GROUP, Strategy, emittable
 from disco_jax.cost import events, kernels, sharded
 from disco_jax.cost.allreduce import AllReduceCost, bucket_time_us
+from disco_jax.cost.bound import dependency_bound
 from disco_jax.cost.estimators import ChainEstimator, Estimator
 from disco_jax.cost.kernels import KernelState
 
@@ -44,11 +45,15 @@ class SimulatedStep:
     num_allreduces: int
     events: list[tuple[str, str, float, float]]  # (lane 'compute'|'comm', kernel label, start, end)
     allreduce_ready_us: list[float]  # per bucket of the strategy, in order: when its last gradient is ready
+    # The least iteration any schedule of these kernels reaches (`cost.bound`); None unless asked for.
+    dependency_bound_us: float | None = None
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("events")
         d.pop("allreduce_ready_us")
+        if d["dependency_bound_us"] is None:
+            d.pop("dependency_bound_us")
         return d
 
 
@@ -302,6 +307,7 @@ def simulate(
     *,
     state: KernelState | None = None,
     record: bool = False,
+    bound: bool = False,
 ) -> SimulatedStep | None:
     """DisCo's simulator: a ready queue of compute kernels on one stream in dependency order;
     all-reduces on one channel in the order their gradients are produced, each starting when its
@@ -312,7 +318,9 @@ def simulate(
     estimate; the step's fixed cost `params.step_overhead_us` is added to the iteration time (and
     to the full-overlap bound; not to compute time). None if the strategy is invalid: a fused
     group the backend cannot emit, or a dependency cycle. `state`: the strategy's kernel state
-    (`cost.kernels`), when the caller simulates it several times (calibration)."""
+    (`cost.kernels`), when the caller simulates it several times (calibration). `bound`: also
+    compute the dependency bound (`cost.bound`; a few passes over the kernel graph), with the
+    step overhead added as to FO."""
     state = state or kernel_state(graph, strategy)
     if state is None:
         return None
@@ -331,6 +339,9 @@ def simulate(
         num_allreduces=sum(1 for k in alive if state.kinds[k] == BUCKET),
         events=[(lane, _label(graph, state, k, allreduce), a, b) for lane, k, a, b in timeline.events],
         allreduce_ready_us=[timeline.ready_at[k] for k in state.bucket_slots(strategy)],
+        dependency_bound_us=(
+            dependency_bound(graph, state, params, allreduce) + params.step_overhead_us if bound else None
+        ),
     )
 
 

@@ -189,6 +189,7 @@ def _headline(by_platform: dict[str, list[dict]]) -> list[str]:
                 worst_model=worst["model"],
                 captured=_frac(statistics.median(captured) if captured else None),
                 fo=_pct(fo),
+                bound=_bound_headline(prow),
                 plans=_plans(prow) if prow[0]["time_kind"] == "measured" else "",
             )
         )
@@ -218,6 +219,25 @@ def _headline(by_platform: dict[str, list[dict]]) -> list[str]:
             )
         )
     return [_t("headline"), "\n".join(items), _t("losses"), "\n".join(loss_items) if loss_items else _t("no_losses")]
+
+
+def _bound_allows(r: dict) -> float | None:
+    """The share of FO's headroom the dependency bound of disco-jax's plan leaves reachable."""
+    db, t_best, fo = r.get("dependency_bound_us"), r["best_baseline_us"], r["fo_us"]
+    if db is None or t_best - fo <= 1e-3 * t_best:
+        return None
+    return (t_best - db) / (t_best - fo)
+
+
+def _bound_headline(prow: list[dict]) -> str:
+    bounded = [r for r in prow if r.get("dependency_bound_us") and _bound_allows(r) is not None]
+    if not bounded:
+        return ""
+    return _t(
+        "headline_bound",
+        allowed=_frac(statistics.median(_bound_allows(r) for r in bounded)),
+        gap=_pct(statistics.median(r["disco_us"] / r["dependency_bound_us"] - 1 for r in bounded)),
+    )
 
 
 def _plans(prow: list[dict]) -> str:
@@ -272,6 +292,8 @@ def _platform_tables(prow: list[dict]) -> list[str]:
                     _ms(r["fo_us"]),
                     _pct(r.get("fo_speedup")),
                     _frac(r["headroom_captured"]),
+                    _ms(r.get("dependency_bound_us")),
+                    _frac(_bound_allows(r)),
                     "n/a" if search_s is None else f"{search_s:.1f}",
                     r["kernels"],
                 ]

@@ -200,7 +200,7 @@ def simulated_row(
     allreduce = cluster.allreduce_model()
 
     def simulated(s: Strategy, on: Graph = graph):
-        return simulate(on, s, estimator, allreduce)
+        return simulate(on, s, estimator, allreduce, bound=True)
 
     combine = backends.GPU.xla_buckets if lowered is not None else baselines.xla_gpu_buckets
     candidates = baselines.all_baselines(
@@ -256,6 +256,8 @@ def simulated_row(
         "time_us": times,
         "time_kind": "simulated",
         **summarize(times, fo),
+        # No schedule of disco-jax's kernels beats this (`cost.bound`); FO ignores dependencies.
+        "dependency_bound_us": (strategies[DISCO]["simulated"] or {}).get("dependency_bound_us"),
         "search": result.stats(),
         "weight_update": {
             "shardable_gradients": len(regions.shardable),
