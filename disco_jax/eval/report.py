@@ -233,10 +233,14 @@ def _bound_headline(prow: list[dict]) -> str:
     bounded = [r for r in prow if r.get("dependency_bound_us") and _bound_allows(r) is not None]
     if not bounded:
         return ""
+    gap = {r["model"]: r["disco_us"] / r["dependency_bound_us"] - 1 for r in bounded}
+    limited = [f"{r['model']} {_frac(_bound_allows(r))}" for r in bounded if _bound_allows(r) < 0.85]
     return _t(
         "headline_bound",
         allowed=_frac(statistics.median(_bound_allows(r) for r in bounded)),
-        gap=_pct(statistics.median(r["disco_us"] / r["dependency_bound_us"] - 1 for r in bounded)),
+        limited="below 85% on " + ", ".join(limited) if limited else "85% or more on every row",
+        gap=_pct(statistics.median(gap.values())),
+        ordered=", ".join(f"{m} {_pct(g)}" for m, g in gap.items() if g > 0.05) or "none",
     )
 
 
