@@ -21,6 +21,9 @@ from disco_jax import _plan, _validate, optimize_distributed
 
 from _steps import make_step, store_per_gradient_plan
 
+# Several tests here run worker processes: on one pytest-xdist worker with the multi-process jobs.
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
 WORKER = Path(__file__).resolve().parent / "_search_worker.py"
 FAST = dict(budget_s=1.0, validation_pairs=4, verbose=False)
 

@@ -12,7 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from disco_jax import _launch
+
+# Under pytest-xdist, every multi-process job runs on one worker, one at a time (`--dist loadgroup`).
+pytestmark = pytest.mark.xdist_group("multiprocess")
 
 WORKER = Path(__file__).resolve().parent / "_multihost_worker.py"
 REPO = Path(__file__).resolve().parents[1]

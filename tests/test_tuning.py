@@ -219,6 +219,7 @@ def test_measured_candidates_0_measures_nothing(tmp_path, monkeypatch):
         optimize_distributed(measured_candidates=-1)
 
 
+@pytest.mark.xdist_group("multiprocess")
 def test_every_process_measures_the_candidates_process_0_picks(tmp_path):
     """Two processes: process 0 searches and picks, both compile and time the same candidates
     (collectives: a mismatch would hang or fail the job), and both end with process 0's plan."""
