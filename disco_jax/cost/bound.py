@@ -7,10 +7,11 @@ is all-reduced after all compute that feeds it. `dependency_bound` adds what the
 forces. The kernels run as `events.run` runs them: compute kernels on one stream, communication
 kernels on one channel, each kernel with its fixed time. Each kernel then gets:
 
-* a *head*: it cannot start before its longest chain of predecessors has run. It also cannot start
-  before all its ancestors that share its lane have run, one after another.
-* a *tail*: after it ends, its longest chain of successors still runs. So do all its descendants
-  on one lane, one after another.
+* a *head*: it cannot start before its longest chain of predecessors has run, nor before all its
+  ancestors on either lane have run there one after another (an all-reduce waits for all the
+  compute that feeds it);
+* a *tail*: after it ends, its longest chain of successors still runs, and so do all its
+  descendants on either lane, one after another.
 
 On one lane, any set S of kernels needs min head + total time + min tail over S (Carlier's bound
 for one machine with release and delivery times). The bound is the largest of:
@@ -52,9 +53,9 @@ def dependency_bound(graph: Graph, st: KernelState, params: SimulatorParams, all
         return None
     comm = st.comm
     n = len(st.keys)
-    lanes = {False: np.zeros(n), True: np.zeros(n)}  # per lane: the kernels' times, 0 elsewhere
+    lanes = np.zeros((n, 2))  # per slot: its time in the column of its lane (compute, comm)
     for k in alive:
-        lanes[comm[k]][k] = costs[k]
+        lanes[k, int(comm[k])] = costs[k]
 
     head = dict.fromkeys(alive, 0.0)
     ancestors = dict.fromkeys(alive, 0)  # bit masks of slots
@@ -62,14 +63,14 @@ def dependency_bound(graph: Graph, st: KernelState, params: SimulatorParams, all
         for d in st.deps[k]:
             head[k] = max(head[k], head[d] + costs[d])
             ancestors[k] |= ancestors[d] | (1 << d)
-        head[k] = max(head[k], _total(ancestors[k], lanes[comm[k]], n))
+        head[k] = max(head[k], *_per_lane(ancestors[k], lanes))
     tail = dict.fromkeys(alive, 0.0)
     descendants = dict.fromkeys(alive, 0)
     for k in reversed(order):
         for u in st.users[k]:
             tail[k] = max(tail[k], tail[u] + costs[u])
             descendants[k] |= descendants[u] | (1 << u)
-        tail[k] = max(tail[k], _total(descendants[k], lanes[comm[k]], n))
+        tail[k] = max(tail[k], *_per_lane(descendants[k], lanes))
 
     comm_us = sum(costs[k] for k in comm_slots)  # FO's terms, summed as `events.run` sums them
     bound = max(comm_us, sum(costs) - comm_us, *(head[k] + costs[k] + tail[k] for k in alive))
@@ -92,12 +93,13 @@ def _topological(st: KernelState, alive: list[int]) -> list[int] | None:
     return order if len(order) == len(alive) else None
 
 
-def _total(mask: int, times: np.ndarray, n: int) -> float:
-    """The summed `times` of the slots in a bit mask."""
+def _per_lane(mask: int, lanes: np.ndarray) -> np.ndarray:
+    """The summed times, per lane, of the slots in a bit mask."""
     if not mask:
-        return 0.0
+        return np.zeros(2)
+    n = len(lanes)
     bits = np.unpackbits(np.frombuffer(mask.to_bytes((n + 7) // 8, "little"), np.uint8), bitorder="little")
-    return float(times[bits[:n].astype(bool)].sum())
+    return bits[:n].astype(np.float64) @ lanes
 
 
 def _one_lane(jobs: list[tuple[float, float, float]]) -> float:
