@@ -18,13 +18,13 @@ for one machine with release and delivery times). The bound is the largest of:
 
 * that over the sets {kernels with head >= t}, per lane;
 * the longest head + time + tail of one kernel (the critical path);
-* the stream's total compute.
+* each lane's total time (FO's two terms).
 
 It is a lower bound on `events.run`'s iteration time for any order `run` could choose. An
 all-reduce that blocks the stream (`SimulatorParams.comm_blocking`) only adds to that time, so the
 bound holds with it too. Where the simulated iteration equals the bound, the remaining gap to FO is
-forced by dependencies. Only different kernels (other fusions, a sharded update) can close it; no
-reordering or bucketing can. Costs a few full passes over the kernel graph: used for reports, not
+forced by dependencies. No reordering can close it, only different kernels (other fusions, other
+buckets, a sharded update). Costs a few full passes over the kernel graph: used for reports, not
 inside the search.
 """
 
