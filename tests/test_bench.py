@@ -92,6 +92,10 @@ def test_simulated_row_has_every_strategy_and_a_consistent_bound(simulated_rows)
         # The search starts from every baseline: it is never worse in simulation.
         assert times[rows.DISCO] <= row["best_baseline_us"] + 1e-6
         assert row["fo_us"] <= min(times.values()) + 1e-6
+        # The dependency bound is disco-jax's plan's: between FO and its simulated time.
+        bound = row["dependency_bound_us"]
+        assert row["strategies"][rows.DISCO]["simulated"]["dependency_bound_us"] == bound
+        assert row["fo_us"] - 1e-6 <= bound <= times[rows.DISCO] + 1e-6
         assert row["search"]["evaluated"] >= len(rows.BASELINE_ORDER)
         # XLA's all-reduce combining on a GPU cluster is XLA:GPU's combiner.
         assert row["strategies"]["JAX_default"]["buckets"] == len(baselines.xla_gpu_buckets(graph))
@@ -116,6 +120,7 @@ def test_report_is_written_from_rows(simulated_rows, tmp_path):
     for name in clusters.CLUSTERS:
         assert name in text
     assert "analytical-scaled" in text
+    assert "| DB | DB allows |" in text and "The dependency bound (DB) of disco-jax's plans" in text
     assert (tmp_path / "fig6_iteration_time.png").stat().st_size > 1000
     assert any(p.name.startswith("fig7_breakdown_") for p in tmp_path.glob("*.png"))
     # Resumable: a run whose rows all exist starts no model process and only rewrites the report.

@@ -21,10 +21,9 @@ from disco_jax import _plan, _validate, optimize_distributed
 
 from _steps import make_step, store_per_gradient_plan
 
-# Several tests here run worker processes: on one pytest-xdist worker with the multi-process jobs.
-pytestmark = pytest.mark.xdist_group("multiprocess")
-
 WORKER = Path(__file__).resolve().parent / "_search_worker.py"
+# Tests that run `WORKER` processes go to the pytest-xdist worker of the multi-process jobs.
+MULTIPROCESS = pytest.mark.xdist_group("multiprocess")
 FAST = dict(budget_s=1.0, validation_pairs=4, verbose=False)
 
 
@@ -49,6 +48,7 @@ def _plans(plan_dir):
     return sorted(p for p in Path(plan_dir).glob("*.json") if not p.name.endswith(".timeline.json"))
 
 
+@MULTIPROCESS
 def test_search_killed_midway_leaves_no_plan_and_the_next_run_searches_again(tmp_path):
     proc = _worker(tmp_path, 120)
     try:
@@ -69,6 +69,7 @@ def test_search_killed_midway_leaves_no_plan_and_the_next_run_searches_again(tmp
     _plan.read_plan_file(result["plan_path"])
 
 
+@MULTIPROCESS
 def test_two_processes_searching_one_step_into_one_plan_dir(tmp_path):
     results = [_result(p) for p in [_worker(tmp_path, 2), _worker(tmp_path, 2)]]
     assert all(r["search_ran"] for r in results)
@@ -139,6 +140,7 @@ def test_outputs_with_non_array_leaves(tmp_path, monkeypatch):
     assert jnp.isfinite(out[0].loss)
 
 
+@MULTIPROCESS
 def test_runs_sharing_a_persistent_compilation_cache_capture_and_enact(tmp_path):
     """With `jax_compilation_cache_dir` set (usual on clusters), XLA's executable of the step is in
     the cache before the capture compiles it: the capture must still reach the hook, and a later

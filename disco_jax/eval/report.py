@@ -230,15 +230,15 @@ def _bound_allows(r: dict) -> float | None:
 
 
 def _bound_headline(prow: list[dict]) -> str:
-    bounded = [r for r in prow if r.get("dependency_bound_us") and _bound_allows(r) is not None]
-    if not bounded:
+    allows = {r["model"]: a for r in prow if (a := _bound_allows(r)) is not None}
+    if not allows:
         return ""
-    gap = {r["model"]: r["disco_us"] / r["dependency_bound_us"] - 1 for r in bounded}
-    limited = [f"{r['model']} {_frac(_bound_allows(r))}" for r in bounded if _bound_allows(r) < 0.85]
+    gap = {r["model"]: r["disco_us"] / r["dependency_bound_us"] - 1 for r in prow if r["model"] in allows}
+    limited = ", ".join(f"{m} {_frac(a)}" for m, a in allows.items() if a < 0.85)
     return _t(
         "headline_bound",
-        allowed=_frac(statistics.median(_bound_allows(r) for r in bounded)),
-        limited="below 85% on " + ", ".join(limited) if limited else "85% or more on every row",
+        allowed=_frac(statistics.median(allows.values())),
+        limited=f"below 85% on {limited}" if limited else "85% or more on every row",
         gap=_pct(statistics.median(gap.values())),
         ordered=", ".join(f"{m} {_pct(g)}" for m, g in gap.items() if g > 0.05) or "none",
     )
