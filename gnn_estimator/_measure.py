@@ -12,6 +12,7 @@ whole steps): median over the executions of a round, minimum over rounds.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import tempfile
 import time
@@ -49,14 +50,23 @@ def numpy_dtype(hlo_dtype: str):
     return _NUMPY_DTYPES[hlo_dtype]
 
 
-def random_array(spec, rng: np.random.Generator) -> np.ndarray:
-    """Inputs that keep every elementwise op finite: floats in [0.5, 1.5), integers in [1, 4)."""
+def random_array(spec, rng: np.random.Generator) -> jax.Array:
+    """Inputs that keep every elementwise op finite: floats in [0.5, 1.5), integers in [1, 4).
+
+    Drawn on the device from a seed taken from `rng` (deterministic for a given `rng`): a GPU kernel
+    can read hundreds of megabytes, which NumPy would take seconds to draw and copy over."""
     dtype = numpy_dtype(spec.dtype)
-    if spec.dtype == "pred":
-        return rng.random(spec.dims) < 0.5
-    if spec.dtype.startswith(("s", "u")):
-        return rng.integers(1, 4, size=spec.dims).astype(dtype)
-    return rng.uniform(0.5, 1.5, size=spec.dims).astype(dtype)
+    return _draw(int(rng.integers(2**31)), tuple(spec.dims), spec.dtype, dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _draw(seed, dims, hlo_dtype, dtype):
+    key = jax.random.key(seed)
+    if hlo_dtype == "pred":
+        return jax.random.bernoulli(key, 0.5, dims)
+    if hlo_dtype.startswith(("s", "u")):
+        return jax.random.randint(key, dims, 1, 4, jnp.int32).astype(dtype)
+    return jax.random.uniform(key, dims, jnp.float32, 0.5, 1.5).astype(dtype)
 
 
 @dataclasses.dataclass
@@ -83,7 +93,7 @@ def compile_kernel(graph: Graph, kernel: frozenset[int], rng: np.random.Generato
         return results if len(results) > 1 else results[0]
 
     dummy.__name__ = dummy.__qualname__ = f"disco_kernel_{next(_fresh)}"
-    args = tuple(jax.device_put(random_array(s, rng)) for s in in_specs)
+    args = tuple(random_array(s, rng) for s in in_specs)
     lowered = jax.jit(dummy, keep_unused=True).lower(*args)
     module_name = _capture.module_name(lowered)
 

@@ -18,6 +18,12 @@ recorded. Usage:
 
     python scripts/collect_kernel_samples.py --out disco_jax/profiles/cpu/kernel_samples.jsonl --per-model 350
     python scripts/collect_kernel_samples.py --list
+
+On a GPU, the ``-gpu`` models give kernels of 10 us to milliseconds; their kernels move up to
+gigabytes, so raise the size limits, and bound the run by time (docs/gpu.md has the H100 runs):
+
+    python scripts/collect_kernel_samples.py --no-zoo --models mlp-gpu norms-gpu attention-gpu conv-gpu \
+        lstm-gpu --max-kernel-mb 2048 --max-batch-mb 16384 --batch 24 --time-budget-s 400
 """
 
 from __future__ import annotations
@@ -254,6 +260,13 @@ MODELS: list[ModelDef] = [
     ModelDef("attention-s", "attention", _attention(4, 16, 32, 2, optax.adam(1e-3))),
     ModelDef("attention-l", "attention", _attention(8, 64, 128, 4, optax.adamw(1e-3))),
     ModelDef("attention-xl", "attention", _attention(8, 256, 256, 8, optax.adam(1e-3))),
+    # Sized for a GPU (pass --max-kernel-mb 2048): tensors of 32-512 MB, so kernels run from
+    # microseconds to milliseconds on an H100, where the models above stay under 50 us.
+    ModelDef("mlp-gpu", "mlp", _mlp(8192, [4096, 4096, 4096, 1024], jax.nn.gelu, optax.adam(1e-3))),
+    ModelDef("norms-gpu", "norms", _norms(16384, 4096, optax.adam(1e-3))),
+    ModelDef("attention-gpu", "attention", _attention(8, 1024, 1024, 16, optax.adamw(1e-3))),
+    ModelDef("conv-gpu", "conv", _convnet(64, 128, (32, 128), optax.sgd(1e-2, momentum=0.9))),
+    ModelDef("lstm-gpu", "lstm", _lstm(4096, 2048, 3, optax.adam(1e-3))),
 ]
 
 
@@ -320,8 +333,20 @@ def _candidates(graph, kind: str, rng: random.Random, max_len: int):
 class Collector:
     """Appends timed samples of one model to the output file, in batches."""
 
-    def __init__(self, out: Path, device_kind: str, batch: int, rounds: int, seed: int):
+    def __init__(
+        self,
+        out: Path,
+        device_kind: str,
+        batch: int,
+        rounds: int,
+        seed: int,
+        max_kernel_bytes: int = 256 << 20,
+        max_batch_bytes: int = 1 << 30,
+    ):
         self.out, self.device_kind, self.batch, self.rounds = out, device_kind, batch, rounds
+        # A kernel reading and writing more than max_kernel_bytes is skipped; a batch of compiled
+        # kernels holds all its inputs in memory at once, so it is flushed at max_batch_bytes.
+        self.max_kernel_bytes, self.max_batch_bytes = max_kernel_bytes, max_batch_bytes
         self.np_rng = np.random.default_rng(seed)
         self.failures = 0
 
@@ -402,8 +427,10 @@ def collect_model(
     seed: int,
     progress: Progress,
     task,
+    deadline: float = math.inf,
 ) -> int:
-    """Sample, time and append one model's kernels; returns how many were added."""
+    """Sample, time and append one model's kernels; returns how many were added. Past `deadline`
+    (a `time.time()`) no new batch is started: what was measured is kept, and a rerun resumes."""
     graph = capture_graph(model)
     rng = random.Random(f"{seed}-{model.name}")
     added = 0
@@ -422,18 +449,18 @@ def collect_model(
         pending_bytes = 0
         have = sum(1 for r in done.values() if r["kind"] == kind)
         for attempt, k in enumerate(candidates):
-            if have + len(pending) >= quota or attempt >= max_attempts:
+            if have + len(pending) >= quota or attempt >= max_attempts or time.time() > deadline:
                 break
             if (len(k) < 2 and kind != "single") or not measurable(graph, k) or not is_convex(graph, k):
                 continue
             key = kernel_key(graph, k)
             nbytes = _boundary_bytes(graph, k)
-            if key in done or key in pending_keys or nbytes > MAX_KERNEL_BYTES:
+            if key in done or key in pending_keys or nbytes > collector.max_kernel_bytes:
                 continue
             pending.append(k)
             pending_keys.add(key)
             pending_bytes += nbytes
-            if len(pending) >= collector.batch or pending_bytes > MAX_BATCH_BYTES:
+            if len(pending) >= collector.batch or pending_bytes > collector.max_batch_bytes:
                 flush(pending, kind, op_times)
                 have = sum(1 for r in done.values() if r["kind"] == kind)
                 pending, pending_keys, pending_bytes = [], set(), 0
@@ -459,10 +486,6 @@ def collect_model(
     return added
 
 
-MAX_KERNEL_BYTES = 256 << 20  # kernels reading and writing more are skipped
-MAX_BATCH_BYTES = 1 << 30  # a batch of compiled kernels holds its inputs in memory
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     device_kind = device_kind_key(jax.devices()[0])
@@ -474,6 +497,11 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=48, help="kernels compiled and timed together")
     parser.add_argument("--rounds", type=int, default=4, help="timing rounds per kernel (minimum of medians)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-kernel-mb", type=float, default=256, help="skip kernels moving more bytes")
+    parser.add_argument("--max-batch-mb", type=float, default=1024, help="inputs a batch may hold at once")
+    parser.add_argument(
+        "--time-budget-s", type=float, default=math.inf, help="shared evenly by the models still to collect"
+    )
     parser.add_argument("--no-zoo", action="store_true")
     parser.add_argument("--list", action="store_true")
     args = parser.parse_args(argv)
@@ -489,17 +517,36 @@ def main(argv=None) -> int:
         models = [m for m in models if m.name in args.models]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     existing = _existing(args.out)
-    collector = Collector(args.out, device_kind, args.batch, args.rounds, args.seed)
+    collector = Collector(
+        args.out,
+        device_kind,
+        args.batch,
+        args.rounds,
+        args.seed,
+        max_kernel_bytes=int(args.max_kernel_mb * 2**20),
+        max_batch_bytes=int(args.max_batch_mb * 2**20),
+    )
     start = time.time()
     with Progress(
         TextColumn("{task.description:28s}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as progress:
-        for model in models:
+        for i, model in enumerate(models):
             task = progress.add_task(model.name, total=args.per_model)
             done = existing.setdefault(model.name, {})
+            # An even share of what is left, so a budget cut short still samples every model.
+            deadline = time.time() + (start + args.time_budget_s - time.time()) / (len(models) - i)
             try:
                 new = collect_model(
-                    model, collector, done, args.per_model, args.max_singles, args.max_len, args.seed, progress, task
+                    model,
+                    collector,
+                    done,
+                    args.per_model,
+                    args.max_singles,
+                    args.max_len,
+                    args.seed,
+                    progress,
+                    task,
+                    deadline,
                 )
             except Exception as err:
                 console.print(f"[red]{model.name} failed: {type(err).__name__}: {err}")
