@@ -76,6 +76,7 @@ from gnn_estimator._train import (
     load_samples,
     relative_errors,
     sample_features,
+    sample_work,
     split_samples,
     train,
 )
@@ -117,6 +118,7 @@ __all__ = [
     "read_weights",
     "relative_errors",
     "sample_features",
+    "sample_work",
     "split_samples",
     "time_kernels",
     "train",

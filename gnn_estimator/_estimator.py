@@ -9,7 +9,10 @@ Data flow in `GnnEstimator.estimate(graph, kernels)`: each kernel -> its cache k
 (own op times looked up in an optional table of single-op kernel times, else unknown) -> all
 misses of the call packed into padded batches of up to `chunk` kernels -> one jitted forward pass
 each -> exp(log time) -> cache. Kernels holding a non-fusible op (dots, custom calls) get None, so
-a `ChainEstimator` falls through to the next estimator for them.
+a `ChainEstimator` falls through to the next estimator for them. So do kernels outside what the
+network was trained on (`GnnEstimator.trusted`): more ops than the largest training kernel, or a
+prediction beyond twice the longest training time. A sum readout over hundreds of ops extrapolates
+without bound (an XLA:GPU concatenate fusion of 655 ops of the RNNLM was predicted at 517 s).
 """
 
 from __future__ import annotations
@@ -45,7 +48,15 @@ class GnnEstimator:
         self.trained = trained
         self.op_times_us = dict(op_times_us or {})
         self.chunk = chunk
-        self._cache: dict[tuple[str, tuple[int, ...]], float] = {}
+        self._cache: dict[tuple[str, tuple[int, ...]], float | None] = {}
+        training = trained.metadata.get("training", {})
+        # Weights trained before these were recorded have no limit on that side.
+        self.max_ops = (training.get("kernel_ops_range") or [None, None])[1]
+        self.max_us = 2.0 * training["time_us_range"][1] if training.get("time_us_range") else None
+
+    def trusted(self, ops: int, predicted_us: float) -> bool:
+        """Whether a prediction lies where the network was trained (see the module docstring)."""
+        return (self.max_ops is None or ops <= self.max_ops) and (self.max_us is None or predicted_us <= self.max_us)
 
     @property
     def metadata(self) -> dict:
@@ -83,13 +94,17 @@ class GnnEstimator:
                 continue
             key = self._key(graph, frozenset(k))
             keys.append(key)
-            if key not in self._cache and key not in misses:
+            if key in self._cache or key in misses:
+                continue
+            if self.max_ops is not None and len(k) > self.max_ops:
+                self._cache[key] = None  # larger than any training kernel: not even predicted
+            else:
                 misses[key] = frozenset(k)
         if misses:
             features = [kernel_features(graph, k, self._own_times(graph, k)) for k in misses.values()]
             predicted = self.trained.predict_us(features, chunk=self.chunk)
-            for key, us in zip(misses, predicted):
-                self._cache[key] = float(us)
+            for (key, k), us in zip(misses.items(), predicted):
+                self._cache[key] = float(us) if self.trusted(len(k), float(us)) else None
         return [None if key is None else self._cache[key] for key in keys]
 
 

@@ -340,15 +340,20 @@ def split_samples(
     return out
 
 
-def analytical_features(sample: dict) -> np.ndarray:
-    """The core's analytical feature vector (`disco_jax.cost.kernel_features`: [1, bytes moved,
-    elementwise work, transcendental work, dot flops]) rebuilt from a sample's description: each
-    node counted by `disco_jax.cost.loop_work` (a reduce's reduced elements are its stored flops)."""
+def sample_work(sample: dict) -> KernelWork:
+    """A sample's work (`disco_jax.cost.KernelWork`) rebuilt from its description: each node
+    counted by `disco_jax.cost.loop_work` (a reduce's reduced elements are its stored flops)."""
     ops = [
         loop_work(node["op"], math.prod(node["shape"]) if node["shape"] else 1, node["flops"])
         for node in sample["kernel"]["nodes"]
     ]
-    return KernelWork.of(sample["read_bytes"], sample["written_bytes"], ops).features()
+    return KernelWork.of(sample["read_bytes"], sample["written_bytes"], ops)
+
+
+def analytical_features(sample: dict) -> np.ndarray:
+    """The core's analytical feature vector (`disco_jax.cost.kernel_features`: [1, bytes moved,
+    elementwise work, transcendental work, dot flops]) of a sample (`sample_work`)."""
+    return sample_work(sample).features()
 
 
 def fit_analytical(samples: Sequence[dict]) -> AnalyticalEstimator:

@@ -9,8 +9,9 @@ unchanged for 1000 candidates):
   table of the profile database for the CPU (`ProfileDatabase`, the user cache first), then the GNN
   (when weights ship for the CPU), then the analytical roofline, both calibrated to the XLA kernels
   the table holds; the stored all-reduce fit (a default line when none is stored).
-* ``paper`` configs: a simulated cluster (`--cluster`, default 8xH100-NVLink): its GPU-scaled
-  analytical kernels and its all-reduce model; starts include DisCo's baselines, as in the report.
+* ``paper`` configs: a simulated cluster (`--cluster`, default 8xH100-NVLink): its kernel costs
+  (`Cluster.kernel_estimator`: on the H100 the GNN trained there, the GPU-scaled roofline for the
+  rest) and its all-reduce model; starts include DisCo's baselines, as in the report.
 
 Printed per model: graph size (ops), candidates per second, share of invalid candidates, time to
 Algorithm 1's stop criterion (or "not reached in budget", or when the queue emptied), and the
@@ -92,7 +93,7 @@ def cluster_cost_model(graph, cluster_name: str):
     extra = baselines.all_baselines(
         graph, combine=baselines.xla_gpu_buckets, kernel_time_us=lambda ks: estimator.estimate(graph, ks)
     )
-    return model, [b.strategy for b in extra], f"{cluster_name} (analytical-scaled)"
+    return model, [b.strategy for b in extra], f"{cluster_name} ({estimator.name})"
 
 
 def run_model(name: str, config: str, args) -> list[dict]:

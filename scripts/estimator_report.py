@@ -24,6 +24,7 @@ from matplotlib.figure import Figure
 from rich.console import Console
 
 from disco_jax._profile_store import SHIPPED_PROFILE_DIR, device_kind_key, sanitize_device_kind
+from disco_jax.eval import gpus
 from gnn_estimator import (
     analytical_predict_us,
     error_summary,
@@ -32,6 +33,7 @@ from gnn_estimator import (
     read_weights,
     relative_errors,
     sample_features,
+    sample_work,
     split_samples,
 )
 
@@ -39,14 +41,24 @@ console = Console()
 SETS = (("test", "random held-out kernels"), ("unseen", "kernels of a model never seen in training"))
 
 
-def _errors(trained, analytical, samples):
+ROOFLINE = "roofline of the simulated clusters"
+
+
+def _errors(trained, analytical, samples, device):
+    """Relative errors per estimator. `device`: the simulated clusters' spec of this GPU, or None;
+    its roofline is taken without the launch overhead, as the samples are kernels' device times
+    (the clusters charge the launch on top of the GNN's time as of their roofline's)."""
     measured = np.array([s["time_us"] for s in samples])
-    return {
+    errors = {
         "GNN": relative_errors(trained.predict_us(sample_features(samples, True)), measured),
         "GNN, own op times unknown": relative_errors(trained.predict_us(sample_features(samples, False)), measured),
         "analytical (core, fitted)": relative_errors(analytical_predict_us(analytical, samples), measured),
-        "measurement noise": np.array([s.get("repeat_error", 0.0) for s in samples]),
     }
+    if device is not None:
+        roofline = gpus.RooflineEstimator(device)
+        errors[ROOFLINE] = relative_errors([roofline.device_time_us(sample_work(s)) for s in samples], measured)
+    errors["measurement noise"] = np.array([s.get("repeat_error", 0.0) for s in samples])
+    return errors
 
 
 def _row(name: str, e: np.ndarray) -> str:
@@ -95,6 +107,13 @@ def main(argv=None) -> int:
         "second measurement.",
         "",
     ]
+    if gpus.device_for_kind(kind) is not None:
+        lines += [
+            f"'{ROOFLINE}': the analytical roofline the simulated clusters charge for this GPU "
+            "(`disco_jax.eval.gpus`), without its launch overhead: where weights exist, the clusters "
+            "take the GNN (own op times unknown) instead for the kernels it answers.",
+            "",
+        ]
     fig = Figure(figsize=(12, 4.5))
     axes = fig.subplots(1, 2, sharey=True)
     summary = {}
@@ -103,7 +122,7 @@ def main(argv=None) -> int:
         if not part:
             ax.set_title(f"{title}: none")
             continue
-        errors = _errors(trained, analytical, part)
+        errors = _errors(trained, analytical, part, gpus.device_for_kind(kind))
         summary[key] = {name: error_summary(e) for name, e in errors.items()}
         lines += [
             f"## {title} ({len(part)} kernels)",
@@ -120,9 +139,11 @@ def main(argv=None) -> int:
         ]
         # Relative error by measured time, the GNN with own times.
         measured = np.array([s["time_us"] for s in part])
+        roofline = ROOFLINE in errors
         lines += [
-            "| measured time | kernels | GNN median | GNN within 10% | analytical median |",
-            "|---|---|---|---|---|",
+            "| measured time | kernels | GNN median | GNN within 10% | analytical median |"
+            + (" cluster roofline median |" if roofline else ""),
+            "|---|---|---|---|---|" + ("---|" if roofline else ""),
         ]
         for lo, hi in ((0, 1), (1, 10), (10, 100), (100, 1e3), (1e3, 1e9)):
             m = (measured >= lo) & (measured < hi)
@@ -131,11 +152,12 @@ def main(argv=None) -> int:
                     f"| {lo:g}-{hi:g} us | {int(m.sum())} | {100 * np.median(errors['GNN'][m]):.1f}% | "
                     f"{100 * np.mean(errors['GNN'][m] <= 0.1):.1f}% | "
                     f"{100 * np.median(errors['analytical (core, fitted)'][m]):.1f}% |"
+                    + (f" {100 * np.median(errors[ROOFLINE][m]):.1f}% |" if roofline else "")
                 )
         lines.append("")
-        for (name, e), style in zip(errors.items(), ("-", "--", "-.", ":")):
+        for (name, e), style in zip(errors.items(), ("-", "--", "-.", (0, (5, 1, 1, 1, 1, 1)), ":")):
             xs = np.sort(e)
-            ax.plot(np.minimum(xs, 1.0) * 100, np.arange(1, len(xs) + 1) / len(xs), style, label=name)
+            ax.plot(np.minimum(xs, 1.0) * 100, np.arange(1, len(xs) + 1) / len(xs), linestyle=style, label=name)
         ax.axvline(10, color="gray", lw=0.8)
         ax.axhline(0.9, color="gray", lw=0.8)
         ax.set_xlim(0, 100)
@@ -156,9 +178,10 @@ def main(argv=None) -> int:
         "```",
         "python scripts/collect_kernel_samples.py --per-model 200 --max-singles 80   "
         "# disco_jax/profiles/<kind>/kernel_samples.jsonl",
-        f"python scripts/train_estimator.py --epochs {info.get('epochs', 100)} --members "
-        f"{trained.config.members}   # weights + metadata",
-        "python scripts/estimator_report.py                                          # this report",
+        f"python scripts/train_estimator.py --device-kind {kind} --epochs {info.get('epochs', 100)} --members "
+        f"{trained.config.members} --holdout-family {' '.join(info.get('holdout_families', [])) or '(none)'}"
+        "   # weights + metadata",
+        f"python scripts/estimator_report.py --device-kind {kind}   # this report",
         "python scripts/train_estimator.py --finetune --data NEW.jsonl --epochs 20   # fine-tune on new samples",
         "```",
         "",

@@ -146,6 +146,11 @@ def main(argv=None) -> int:
             "models": sorted({s["model"] for s in split["train"]}),
             "holdout_families": list(args.holdout_family),
             "time_us_range": [float(times.min()), float(times.max())],
+            # Kernels the GNN answers: no more ops than these (`GnnEstimator.trusted`).
+            "kernel_ops_range": [
+                min(len(s["kernel"]["nodes"]) for s in split["train"]),
+                max(len(s["kernel"]["nodes"]) for s in split["train"]),
+            ],
             "epochs": args.epochs,
             "batch_size": args.batch_size,
             "learning_rate": args.learning_rate,

@@ -1,6 +1,7 @@
 """Each baseline compiles the way its name says (asserted on compiled HLO text), bucket builders
 follow DDP's and Horovod's rules, and the clusters' all-reduce formulas give textbook numbers."""
 
+import json
 import re
 
 import jax
@@ -11,8 +12,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from disco_jax import AnalyticalEstimator, _capture, _compile, _graph, _hlo, _strategy, _validate, backends, zoo
-from disco_jax.eval import baselines, clusters
+import gnn_estimator
+from disco_jax import AnalyticalEstimator, _capture, _compile, _graph, _hlo, _strategy, _validate, backends, cost, zoo
+from disco_jax.eval import baselines, clusters, gpus
 
 KiB = 1 << 10
 
@@ -306,7 +308,7 @@ def test_roofline_counts_convolution_flops_inside_library_fusions():
         lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
     )
     graph = _graph.build_graph(_capture.capture(conv.lower(x, w))[0], backends.CPU)
-    work = [clusters.opaque_op_work(graph, o) for o in graph.opaque_ops]
+    work = [gpus.opaque_op_work(graph, o) for o in graph.opaque_ops]
     expected = 2.0 * 8 * 16 * 16 * 32 * (3 * 3 * 4)
     assert any(f == pytest.approx(expected) for _, _, f in work), work
     estimator = clusters.RooflineEstimator(clusters.H100_SXM)
@@ -324,3 +326,41 @@ def test_no_fusion_pass_name_is_real():
     assert max(_loop_fusion_sizes(fused)) > 1 and max(_loop_fusion_sizes(unfused)) == 1
     assert len(re.findall(r"kind=kLoop", unfused)) > len(re.findall(r"kind=kLoop", fused))
     np.testing.assert_allclose(lowered.compile()(jnp.ones((128,))), np.tanh(3.0) * 3.0, rtol=1e-6)
+
+
+def test_h100_clusters_cost_fusible_kernels_with_the_h100_gnn_plus_launch_and_the_rest_with_the_roofline():
+    """The H100's shipped weights (kernels timed on an H100) answer the fusible kernels, each
+    charged the launch overhead the roofline charges; opaque ops and a GPU without weights (the
+    1080 Ti of cluster A) get the roofline."""
+    lowered = zoo.lower_abstract(zoo.get_model("mlp", "tiny"), optax.adam(1e-3), zoo.data_mesh(1), "jit")
+    graph = _graph.build_graph(_capture.capture(lowered)[0], backends.CPU)
+    fusible = [frozenset(g) for g in graph.xla_groups if len(g) > 1][:3] + [frozenset(graph.fusible_ops[-1:])]
+    assert graph.opaque_ops
+    opaque = [frozenset(graph.opaque_ops[:1])]
+    gnn = gnn_estimator.load_estimator(clusters.H100_SXM.device_kind)
+    assert gnn is not None, "no H100 weights shipped"
+    launch = clusters.H100_SXM.launch_us.value
+    h100 = clusters.CLUSTERS["8xH100-NVLink"].kernel_estimator()
+    assert h100.name == "gnn+launch+analytical-scaled"
+    roofline = clusters.RooflineEstimator(clusters.H100_SXM)
+    expected = [t + launch for t in gnn.estimate(graph, fusible)] + roofline.estimate(graph, opaque)
+    assert h100.estimate(graph, fusible + opaque) == pytest.approx(expected)
+    assert expected[:4] != pytest.approx(roofline.estimate(graph, fusible))  # the GNN, not the roofline
+    cluster_a = clusters.CLUSTERS["clusterA-12x1080Ti"].kernel_estimator()
+    assert cluster_a.name == "analytical-scaled"
+    assert cluster_a.estimate(graph, fusible) == clusters.RooflineEstimator(clusters.GTX_1080_TI).estimate(
+        graph, fusible
+    )
+    json.dumps(h100.to_json())
+
+
+def test_overhead_estimator_adds_its_overhead_and_passes_unknown_kernels_on():
+    class Half:
+        name = "half"
+
+        def estimate(self, graph, kernels):
+            return [None if len(k) > 1 else 2.0 for k in kernels]
+
+    wrapped = cost.OverheadEstimator(Half(), 5.0)
+    assert wrapped.name == "half+launch"
+    assert wrapped.estimate(None, [frozenset([1]), frozenset([1, 2])]) == [7.0, None]

@@ -105,9 +105,10 @@ def test_simulated_row_has_every_strategy_and_a_consistent_bound(simulated_rows)
 def test_report_is_written_from_rows(simulated_rows, tmp_path):
     graph, by_cluster = simulated_rows
     for name, row in by_cluster.items():
+        cluster = clusters.CLUSTERS[name]
         full = {
             **rows.common_fields(
-                "mlp", name, "jit", graph.summary(), rows.KERNELS_ANALYTICAL, clusters.CLUSTERS[name].num_devices
+                "mlp", name, "jit", graph.summary(), cluster.kernel_estimator().name, cluster.num_devices
             ),
             **row,
             "elapsed_s": 1.0,

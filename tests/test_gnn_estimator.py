@@ -320,3 +320,23 @@ def test_a_gpu_kernel_is_bare_ops_that_xla_gpu_compiles_deviceless():
 def test_shipped_h100_weights_load_for_the_h100_device_kind():
     estimator = load_estimator("NVIDIA H100 80GB HBM3")
     assert estimator is not None and estimator.name == "gnn"
+
+
+def test_kernels_outside_the_training_range_are_left_to_the_next_estimator(graph, trained_tiny):
+    """More ops than the largest training kernel, or a prediction past twice the longest training
+    time, is extrapolation: None, so a chain's next estimator answers."""
+    kernels = _fused_kernels(graph, 12)
+    free = GnnEstimator(trained_tiny).estimate(graph, kernels)  # no ranges recorded: no limit
+    assert all(t is not None for t in free)
+    max_ops = max(len(k) for k in kernels) - 1
+    longest = float(np.median(free)) / 2  # predictions above twice this are declined
+    trained = dataclasses.replace(
+        trained_tiny, metadata={"training": {"kernel_ops_range": [1, max_ops], "time_us_range": [0.1, longest]}}
+    )
+    limited = GnnEstimator(trained).estimate(graph, kernels)
+    for k, t, f in zip(kernels, limited, free):
+        assert (t is None) == (len(k) > max_ops or f > 2 * longest), (len(k), f)
+        assert t is None or t == f
+    by_ops = [len(k) > max_ops for k in kernels]
+    by_time = [f > 2 * longest and len(k) <= max_ops for k, f in zip(kernels, free)]
+    assert any(by_ops) and any(by_time) and any(t is not None for t in limited)

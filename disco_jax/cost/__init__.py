@@ -3,7 +3,7 @@
 * `work`: the one work counter: flops, elements, transcendentals and bytes of an op
   (`Work`, cached per graph as `Graph.op_work`) and of a kernel (`KernelWork`).
 * `estimators`: the `Estimator` protocol (kernels -> microseconds) and its implementations:
-  measured table, analytical roofline, calibrated wrapper, `chain`; plus the registry of
+  measured table, analytical roofline, calibrated wrapper, per-kernel overhead, `chain`; plus the registry of
   estimator plugins (entry-point group ``disco_jax.estimators``; the GNN is one).
 * `allreduce`: the `AllReduceCost` protocol and the measured line `AllReduceCostModel`.
 * `kernels`: a strategy's kernel graph as the simulator runs it (`KernelState`), built from
@@ -31,6 +31,7 @@ from disco_jax.cost.estimators import (
     Estimator,
     EstimatorFactory,
     EstimatorPluginWarning,
+    OverheadEstimator,
     TableEstimator,
     chain,
     estimator_factories,
@@ -80,6 +81,7 @@ __all__ = [
     "Estimator",
     "EstimatorFactory",
     "EstimatorPluginWarning",
+    "OverheadEstimator",
     "KernelWork",
     "SimulatedCost",
     "SimulatedStep",

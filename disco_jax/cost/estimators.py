@@ -182,6 +182,9 @@ class ChainEstimator:
         for e in self.estimators:
             _warm_up(e)
 
+    def to_json(self) -> dict:
+        return {"name": self.name, "chain": [_json(e) for e in self.estimators]}
+
     def estimate(self, graph, kernels):
         return [t for t, _ in self.estimate_with_source(graph, kernels)]
 
@@ -202,6 +205,30 @@ class ChainEstimator:
         for k in missing:
             cache[k] = (0.0, "none")
         return [cache[k] for k in kernels]
+
+
+def _json(estimator: Estimator) -> dict:
+    method = getattr(estimator, "to_json", None)
+    return method() if callable(method) else {"name": estimator.name}
+
+
+class OverheadEstimator:
+    """A base estimator's times plus a fixed cost per kernel. The GNN predicts a kernel's time on
+    the device (it was trained on kernels timed alone); a simulated cluster charges every kernel
+    its launch overhead on top (`disco_jax.eval.gpus`), as its roofline does."""
+
+    def __init__(self, base: Estimator, overhead_us: float):
+        self.base, self.overhead_us = base, float(overhead_us)
+        self.name = f"{base.name}+launch"
+
+    def warm_up(self) -> None:
+        _warm_up(self.base)
+
+    def estimate(self, graph, kernels):
+        return [None if t is None else t + self.overhead_us for t in self.base.estimate(graph, kernels)]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "overhead_us": self.overhead_us, "base": _json(self.base)}
 
 
 def _warm_up(estimator: Estimator) -> None:

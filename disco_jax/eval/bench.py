@@ -48,7 +48,6 @@ from disco_jax.eval.measured import measured_row
 from disco_jax.eval.report import write_report
 from disco_jax.eval.rows import (
     ALL_MODELS,
-    KERNELS_ANALYTICAL,
     KERNELS_PROFILED,
     MEASURED_PLATFORMS,
     PAPER_DEVICES,
@@ -162,7 +161,7 @@ def run_model(
             else None,
         )
         row = {
-            **common_fields(model, name, style, graph.summary(), KERNELS_ANALYTICAL, cluster.num_devices),
+            **common_fields(model, name, style, graph.summary(), cluster.kernel_estimator().name, cluster.num_devices),
             **info,
             **row,
             "elapsed_s": time.perf_counter() - started,

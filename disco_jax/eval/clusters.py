@@ -1,17 +1,17 @@
 """Simulated GPU clusters, as data with a source for every number.
 
-A `Cluster` is a GPU (`DeviceSpec`: peak rates for the analytical kernel model) times a topology
-(`gpus_per_node` x `nodes`, the intra-node and inter-node `Link`s). It gives the two cost models
-the simulator needs for a platform we cannot run on:
+A `Cluster` is a GPU (`disco_jax.eval.gpus.DeviceSpec`: its peak rates and kernel costs) times a
+topology (`gpus_per_node` x `nodes`, the intra-node and inter-node `Link`s). It gives the two cost
+models the simulator needs for a platform we cannot run on:
 
 * `cluster.allreduce_model()`: ring all-reduce, ``2(N-1)/N * bytes / bandwidth + latency``
   within a node, hierarchical across nodes (reduce-scatter in the node, all-reduce of the
   1/G shard between nodes, all-gather in the node). Latencies follow NCCL's own tuning model
   (a base latency plus a per-step hardware latency, for its LL and Simple protocols); like NCCL
   the faster protocol is taken for each size.
-* `cluster.kernel_estimator()`: the analytical model scaled to the GPU (kernels: analytical-scaled):
-  ``launch + max(bytes / (memory efficiency x HBM bandwidth), elementwise work / fp32 peak
-  + dot and convolution flops / (dot efficiency x dot peak))``.
+* `cluster.kernel_estimator()`: the GPU's kernel costs (`gpus.kernel_estimator`): the GNN trained
+  on that GPU plus the launch overhead where disco-jax ships weights for its device kind (the
+  H100), the analytical roofline scaled to the GPU for the rest.
 
 Every number is a `Quantity` with its source; those marked `assumption=True` are our choices
 (efficiencies, launch overhead), not published figures. `CLUSTERS` holds the named clusters of
@@ -29,43 +29,12 @@ import dataclasses
 from collections.abc import Sequence
 from typing import ClassVar
 
-from disco_jax import Graph
-from disco_jax.cost import TRANSCENDENTAL_FLOPS, AllReduceCost, kernel_work
+from disco_jax.cost import AllReduceCost, Estimator
+from disco_jax.eval import gpus
+from disco_jax.eval.gpus import A100_SXM, GTX_1080_TI, H100_SXM, DeviceSpec, Quantity, RooflineEstimator
 
 NCCL_TUNING = "NCCL src/graph/tuning.cc (v2.7), baseLat/hwLat tables, ring algorithm"
 GB = 1e9
-
-
-@dataclasses.dataclass(frozen=True)
-class Quantity:
-    """A number with its unit and where it comes from."""
-
-    value: float
-    unit: str
-    source: str
-    assumption: bool = False  # our choice, not a published figure
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceSpec:
-    """Peak rates of one GPU for the analytical kernel model."""
-
-    name: str
-    fp32_flops: Quantity  # elementwise work (FLOP/s)
-    dot_flops: Quantity  # dots and convolutions at JAX's default float32 precision (FLOP/s)
-    memory_bandwidth: Quantity  # bytes/s
-    launch_us: Quantity  # per-kernel launch and dispatch overhead
-    dot_efficiency: Quantity  # achieved fraction of dot_flops
-    memory_efficiency: Quantity  # achieved fraction of memory_bandwidth
-    transcendental_cost: Quantity = Quantity(
-        TRANSCENDENTAL_FLOPS,
-        "flop-equivalents per element",
-        "disco_jax.cost.work.TRANSCENDENTAL_FLOPS weighting (exp, log, tanh... cost several FMAs)",
-        assumption=True,
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,8 +174,9 @@ class Cluster:
             LL_BANDWIDTH_FRACTION.value,
         )
 
-    def kernel_estimator(self) -> RooflineEstimator:
-        return RooflineEstimator(self.device)
+    def kernel_estimator(self) -> Estimator:
+        """What a kernel costs on this cluster's GPU (`gpus.kernel_estimator`)."""
+        return gpus.kernel_estimator(self.device)
 
     def sources(self) -> dict:
         """Every number behind this cluster, with its source (for the report)."""
@@ -236,99 +206,9 @@ class Cluster:
         }
 
 
-# --------------------------------------------------------------------------- analytical kernels
-
-
-def opaque_op_work(graph: Graph, o: int) -> tuple[float, float, float]:
-    """(elementwise, transcendental, dot/conv) work of an opaque op, looking inside the
-    computation of a custom fusion (XLA:CPU wraps convolutions and dots in `__ynn_fusion`s);
-    counted by `disco_jax.cost.work` and cached on the graph (`graph.op_work`)."""
-    work = graph.op_work[o]
-    return work.elementwise, work.transcendental, work.dot
-
-
-@dataclasses.dataclass
-class RooflineEstimator:
-    """The analytical model scaled to a GPU: per kernel
-    ``launch + max(memory time, elementwise time + dot time)`` (see the module docstring), with
-    each kernel's work counted by `disco_jax.cost.work`. Implements `disco_jax.cost.Estimator`."""
-
-    device: DeviceSpec
-    name: str = "analytical-scaled"
-
-    def kernel_time_us(self, graph: Graph, members: frozenset[int]) -> float:
-        d = self.device
-        work = kernel_work(graph, members)
-        memory_s = work.bytes / (d.memory_bandwidth.value * d.memory_efficiency.value)
-        compute_s = (
-            work.elementwise + d.transcendental_cost.value * work.transcendental
-        ) / d.fp32_flops.value + work.dot / (d.dot_flops.value * d.dot_efficiency.value)
-        return d.launch_us.value + 1e6 * max(memory_s, compute_s)
-
-    def estimate(self, graph: Graph, kernels: Sequence[frozenset[int]]) -> list[float | None]:
-        return [self.kernel_time_us(graph, k) for k in kernels]
-
-    def to_json(self) -> dict:
-        return {
-            "name": self.name,
-            "device": self.device.name,
-            "formula": "launch + max(bytes / (eff_mem * HBM), (elementwise + 8 * transcendental) / fp32 peak "
-            "+ dot flops / (eff_dot * dot peak))",
-        }
-
-
 # --------------------------------------------------------------------------- the data
 
-_ASSUMED_LAUNCH = (
-    "kernel launch plus XLA thunk dispatch on a GPU, typically 3-10 us; 5 us taken "
-    "(NVIDIA CUDA C++ Best Practices Guide notes launches cost microseconds)"
-)
-_ASSUMED_MEMORY_EFFICIENCY = "achievable fraction of peak DRAM bandwidth for streaming kernels (STREAM-like), assumed"
-_ASSUMED_DOT_EFFICIENCY = "achievable fraction of peak matrix throughput for XLA's GEMM/conv libraries, assumed"
 _ASSUMED_LINK_EFFICIENCY = "achieved fraction of the link bandwidth by NCCL (bus bandwidth / link rate), assumed"
-
-GTX_1080_TI = DeviceSpec(
-    name="NVIDIA GeForce GTX 1080 Ti",
-    fp32_flops=Quantity(
-        11.34e12, "FLOP/s", "NVIDIA GTX 1080 Ti specifications: 3584 CUDA cores x 1582 MHz boost x 2 = 11.3 TFLOPS fp32"
-    ),
-    dot_flops=Quantity(11.34e12, "FLOP/s", "Pascal has no tensor cores: dots run at the fp32 peak (11.3 TFLOPS)"),
-    memory_bandwidth=Quantity(484e9, "B/s", "NVIDIA GTX 1080 Ti specifications: 11 Gbps GDDR5X, 352-bit, 484 GB/s"),
-    launch_us=Quantity(5.0, "us", _ASSUMED_LAUNCH, assumption=True),
-    dot_efficiency=Quantity(0.7, "fraction", _ASSUMED_DOT_EFFICIENCY, assumption=True),
-    memory_efficiency=Quantity(0.8, "fraction", _ASSUMED_MEMORY_EFFICIENCY, assumption=True),
-)
-
-H100_SXM = DeviceSpec(
-    name="NVIDIA H100 SXM5 80GB",
-    fp32_flops=Quantity(67e12, "FLOP/s", "NVIDIA H100 Tensor Core GPU datasheet: FP32 67 TFLOPS (SXM)"),
-    dot_flops=Quantity(
-        494.7e12,
-        "FLOP/s",
-        "NVIDIA H100 datasheet: TF32 Tensor Core 989 TFLOPS with sparsity, 494.7 dense (SXM); "
-        "JAX docs, Matmul precision (docs.jax.dev/en/latest/201/precision.html): by default float32 "
-        "dots may use TF32 on recent GPUs",
-    ),
-    memory_bandwidth=Quantity(3.35e12, "B/s", "NVIDIA H100 datasheet: HBM3 3.35 TB/s (SXM)"),
-    launch_us=Quantity(5.0, "us", _ASSUMED_LAUNCH, assumption=True),
-    dot_efficiency=Quantity(0.5, "fraction", _ASSUMED_DOT_EFFICIENCY, assumption=True),
-    memory_efficiency=Quantity(0.8, "fraction", _ASSUMED_MEMORY_EFFICIENCY, assumption=True),
-)
-
-A100_SXM = DeviceSpec(
-    name="NVIDIA A100 SXM4 80GB",
-    fp32_flops=Quantity(19.5e12, "FLOP/s", "NVIDIA A100 Tensor Core GPU datasheet: FP32 19.5 TFLOPS"),
-    dot_flops=Quantity(
-        156e12,
-        "FLOP/s",
-        "NVIDIA A100 datasheet: TF32 Tensor Core 156 TFLOPS dense (312 with sparsity); JAX's default "
-        "float32 dot precision may use TF32 (docs.jax.dev/en/latest/201/precision.html)",
-    ),
-    memory_bandwidth=Quantity(2.039e12, "B/s", "NVIDIA A100 datasheet: HBM2e 2,039 GB/s (80GB SXM)"),
-    launch_us=Quantity(5.0, "us", _ASSUMED_LAUNCH, assumption=True),
-    dot_efficiency=Quantity(0.5, "fraction", _ASSUMED_DOT_EFFICIENCY, assumption=True),
-    memory_efficiency=Quantity(0.8, "fraction", _ASSUMED_MEMORY_EFFICIENCY, assumption=True),
-)
 
 PCIE3_X16 = Link(
     name="PCIe 3.0 x16 (two GPUs in one machine, no NVLink)",

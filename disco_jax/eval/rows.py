@@ -57,7 +57,6 @@ DISCO = "disco-jax"
 BASELINE_ORDER = ("JAX_no_fusion", "JAX_op_fusion", "JAX_AllReduce_fusion", "JAX_default", "PyTorch_DDP", "Horovod")
 STRATEGY_ORDER = (*BASELINE_ORDER, DISCO)
 KERNELS_PROFILED = "profiled (CPU trace) + calibrated"
-KERNELS_ANALYTICAL = "analytical-scaled"
 
 
 def default_platforms() -> tuple[str, ...]:
