@@ -64,9 +64,7 @@ def profile(
     merge them into the profile database, and build the cost model."""
     graph, devices, machine = captured.graph, captured.devices, captured.machine
     times = _profile.measure_kernel_times(default_runner, (), module_name=captured.module_name)
-    by_name = {op.name: frozenset([op.id]) for op in graph.ops if op.kind == "opaque"}
-    for name, members in zip(graph.xla_kernel_names, graph.xla_groups):
-        by_name[name] = members
+    by_name = kernels_by_name(graph)
     table, measured = {}, {}
     for name, t in times.items():
         members = by_name.get(name)
@@ -124,6 +122,14 @@ def profile(
             "allreduce": allreduce.to_json(),
         },
     )
+
+
+def kernels_by_name(graph: Graph) -> dict[str, frozenset[int]]:
+    """XLA's kernels of the graph by the instruction name a profile of XLA's executable reports:
+    its fusions and the opaque ops it left alone."""
+    by_name = {op.name: frozenset([op.id]) for op in graph.ops if op.kind == "opaque"}
+    by_name.update(zip(graph.xla_kernel_names, graph.xla_groups))
+    return by_name
 
 
 def with_scatter_gather(

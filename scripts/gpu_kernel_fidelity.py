@@ -41,6 +41,7 @@ import optax
 from disco_jax import _profile, backends, cost, zoo
 from disco_jax._compile import capture_graph
 from disco_jax._profile_store import device_kind_key
+from disco_jax._profiling import kernels_by_name
 from disco_jax.eval import clusters, gpus
 from disco_jax.eval.rows import PAPER_DEVICES
 
@@ -56,14 +57,6 @@ class DeviceTime:
 
     def estimate(self, graph, kernels):
         return [self.roofline.device_time_us(cost.kernel_work(graph, k)) for k in kernels]
-
-
-def kernels_of(graph) -> dict[str, frozenset[int]]:
-    """XLA's kernels of the graph by the instruction name the trace reports: its fusions and the
-    opaque ops it left alone (as the profile phase maps them, `_profiling.profile`)."""
-    by_name = {op.name: frozenset([op.id]) for op in graph.ops if op.kind == "opaque"}
-    by_name.update(zip(graph.xla_kernel_names, graph.xla_groups))
-    return by_name
 
 
 def errors_summary(predicted: np.ndarray, measured: np.ndarray) -> dict:
@@ -92,7 +85,7 @@ def model_row(name: str, config: str, estimators: dict) -> dict:
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(state, data))
         wall.append((time.perf_counter() - t0) * 1e6)
-    by_name = kernels_of(graph)
+    by_name = kernels_by_name(graph)  # as the profile phase maps the trace
     named = [(n, k) for n, k in by_name.items() if n in times and times[n] > 0]
     measured = np.array([times[n] for n, _ in named])
     kernels = [k for _, k in named]
