@@ -75,35 +75,34 @@ def run(
 
     push, pop = heapq.heappush, heapq.heappop
 
-    def release(k: int) -> None:
-        """Kernel `k` ended: ready its users (`start_comm` for the communication ones)."""
-        nonlocal done
-        done += 1
-        finished = end[k]
-        ready_comm = []
-        for u in users[k]:
-            if finished > ready_at[u]:
-                ready_at[u] = finished
-            waiting[u] -= 1
-            if not waiting[u]:
-                if comm[u]:
-                    ready_comm.append(u)
-                else:
-                    push(heap, (ready_at[u], rank[u], u))
-        if ready_comm:
-            start_comm(ready_comm)
-
     def start_comm(ready: list[int]) -> None:
-        """Communication kernels whose inputs are ready take the channel now, by rank."""
-        nonlocal channel_free
-        for u in sorted(ready, key=rank.__getitem__):
-            start = max(channel_free, ready_at[u])
-            end[u] = channel_free = start + costs[u]
+        """Communication kernels whose inputs are ready take the channel now, by rank; each one
+        readies its users as it ends (a communication kernel it readies starts first, depth first)."""
+        nonlocal channel_free, done
+        if len(ready) > 1:
+            ready.sort(key=rank.__getitem__)
+        for u in ready:
+            r = ready_at[u]
+            start = channel_free if channel_free > r else r
+            end[u] = channel_free = finished = start + costs[u]
             if record:
-                events.append(("comm", u, start, end[u]))
+                events.append(("comm", u, start, finished))
             if blocking > 0:  # the stream is held once the all-reduce starts
                 push(heap, (start, -1.0, -1 - u))
-            release(u)
+            done += 1
+            ready_comm = None
+            for v in users[u]:
+                if finished > ready_at[v]:
+                    ready_at[v] = finished
+                left = waiting[v] - 1
+                waiting[v] = left
+                if not left:
+                    if comm[v]:
+                        ready_comm = [v] if ready_comm is None else [*ready_comm, v]
+                    else:
+                        push(heap, (ready_at[v], rank[v], v))
+            if ready_comm is not None:
+                start_comm(ready_comm)
 
     start_comm([k for k in comm_slots if not waiting[k]])  # collectives of values needing no compute
     while heap:
@@ -115,7 +114,7 @@ def run(
         end[k] = stream_free = finished = start + costs[k]
         if record:
             events.append(("compute", k, start, finished))
-        # `release(k)`, inlined: this loop is the search's hottest.
+        # Kernel k's users, readied here rather than in a function: this loop is the search's hottest.
         done += 1
         ready_comm = None
         for u in users[k]:
