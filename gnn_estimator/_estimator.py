@@ -5,8 +5,9 @@ group ``disco_jax.estimators`` (pyproject.toml), so `disco_jax.cost.plugin_estim
 calls it when a profile is built, and the core never imports this package itself.
 
 Data flow in `GnnEstimator.estimate(graph, kernels)`: each kernel -> its cache key (the kernel's
-`Graph.kernel_signature` and which of its ops it exports) -> cached prediction, or `kernel_features`
-(own op times looked up in an optional table of single-op kernel times, else unknown) -> all
+`Graph.kernel_signature` and which of its ops it exports) -> cached prediction, or its features
+(`KernelFeaturizer`, equal to `kernel_features`; own op times looked up in an optional table of
+single-op kernel times, else unknown) -> all
 misses of the call packed into padded batches of up to `chunk` kernels -> one jitted forward pass
 each -> exp(log time) -> cache. Kernels holding a non-fusible op (dots, custom calls) get None, so
 a `ChainEstimator` falls through to the next estimator for them. So do kernels outside what the
@@ -25,9 +26,11 @@ from pathlib import Path
 from disco_jax._graph import Graph
 from disco_jax._profile_store import SHIPPED_PROFILE_DIR, sanitize_device_kind
 from gnn_estimator import _kernels
-from gnn_estimator._features import kernel_features
+from gnn_estimator._features import KernelFeaturizer
 from gnn_estimator._train import TrainedEstimator
 from gnn_estimator._weights import METADATA_FILE, WEIGHTS_FILE, WeightsError, read_weights
+
+_NOT_FUSIBLE = ("not fusible",)  # the key of a kernel holding a non-fusible op (none, in the cache)
 
 
 class GnnWeightsWarning(UserWarning):
@@ -49,6 +52,9 @@ class GnnEstimator:
         self.op_times_us = dict(op_times_us or {})
         self.chunk = chunk
         self._cache: dict[tuple[str, tuple[int, ...]], float | None] = {}
+        # Of the graph last asked about: its featurizer, and each kernel's cache key.
+        self._featurizer: KernelFeaturizer | None = None
+        self._keys: dict[frozenset[int], tuple[str, tuple[int, ...]]] = {}
         training = trained.metadata.get("training", {})
         # Weights trained before these were recorded have no limit on that side.
         self.max_ops = (training.get("kernel_ops_range") or [None, None])[1]
@@ -86,13 +92,20 @@ class GnnEstimator:
         return times
 
     def estimate(self, graph: Graph, kernels: Sequence[frozenset[int]]) -> list[float | None]:
+        if self._featurizer is None or self._featurizer.graph is not graph:
+            self._featurizer, self._keys = KernelFeaturizer(graph), {}
+        known = self._keys
         keys: list[tuple | None] = []
         misses: dict[tuple, frozenset[int]] = {}
         for k in kernels:
-            if not k or any(graph.ops[o].kind != "fusible" for o in k):
+            k = k if isinstance(k, frozenset) else frozenset(k)
+            key = known.get(k)
+            if key is None:
+                fusible = k and all(graph.ops[o].kind == "fusible" for o in k)
+                key = known[k] = self._key(graph, k) if fusible else _NOT_FUSIBLE
+            if key is _NOT_FUSIBLE:
                 keys.append(None)
                 continue
-            key = self._key(graph, frozenset(k))
             keys.append(key)
             if key in self._cache or key in misses:
                 continue
@@ -101,7 +114,7 @@ class GnnEstimator:
             else:
                 misses[key] = frozenset(k)
         if misses:
-            features = [kernel_features(graph, k, self._own_times(graph, k)) for k in misses.values()]
+            features = [self._featurizer.features(k, self._own_times(graph, k)) for k in misses.values()]
             predicted = self.trained.predict_us(features, chunk=self.chunk)
             for (key, k), us in zip(misses.items(), predicted):
                 self._cache[key] = float(us) if self.trusted(len(k), float(us)) else None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -99,6 +99,9 @@ total flops, largest op output, exported values, log of the sum of the known own
 none is known) and the fraction
 of ops with a known time, number of distinct inputs, total evaluated elements, and evaluated
 work (evaluations weighted `TRANSCENDENTAL_FLOPS` = 8 for transcendental ops, as `Graph.op_flops` is)."""
+
+
+_COLUMN = {name: i for i, name in enumerate(NODE_FEATURES)}
 
 
 def _dims_attr(inst: _hlo.Instruction) -> list[int] | None:
@@ -225,6 +228,63 @@ def _evaluations(nodes: list[dict], exports: set[int]) -> list[float]:
     return evaluations
 
 
+def op_row(node: Mapping[str, Any], operands: Sequence[tuple[str, Sequence[int]]]) -> np.ndarray:
+    """The columns of a node's row that depend on its op alone, not on the kernel around it nor
+    on its own time: opcode, sizes, dtype, layout. `operands`: (dtype, shape) of each."""
+    col = _COLUMN
+    r = np.zeros(len(NODE_FEATURES), np.float32)
+    shape = node["shape"]
+    out_elements = _elements(shape)
+    operand_shapes = [s for _, s in operands]
+    r[_OPCODE_INDEX.get(node["op"], len(OPCODE_VOCABULARY))] = 1.0
+    r[col["log_out_elements"]] = math.log1p(out_elements)
+    r[col["log_out_bytes"]] = math.log1p(_bytes(node["dtype"], shape))
+    r[col["log_in_elements"]] = math.log1p(sum(_elements(s) for s in operand_shapes))
+    r[col["log_in_bytes"]] = math.log1p(sum(_bytes(d, s) for d, s in operands))
+    r[col["log_flops"]] = math.log1p(node["flops"])
+    r[col["rank"]] = len(shape)
+    r[col[f"dtype={_dtype_group(node['dtype'])}"]] = 1.0
+    r[col["transcendental"]] = float(node["op"] in TRANSCENDENTAL)
+    r[col["minor_dim_moves"]] = float(_minor_dim_moves(node, operand_shapes))
+    if node["op"] == "reduce" and operand_shapes:
+        r[col["log_reduction_ratio"]] = math.log1p(_elements(operand_shapes[0]) / max(out_elements, 1))
+    r[col["num_operands"]] = len(operands)
+    r[col["log_minor_dim"]] = math.log1p(shape[-1] if shape else 1)
+    if operand_shapes:
+        r[col["log_operand_minor_dim"]] = math.log1p(operand_shapes[0][-1] if operand_shapes[0] else 1)
+    return r
+
+
+def _kernel_row(
+    read: int,
+    written: int,
+    n: int,
+    total_flops: float,
+    max_elements: int,
+    num_exports: int,
+    known_times: list[float],
+    num_inputs: int,
+    evaluations: list[float],
+    evaluated_work: float,
+) -> np.ndarray:
+    return np.array(
+        [
+            math.log1p(read),
+            math.log1p(written),
+            math.log1p(n),
+            math.log1p(total_flops),
+            math.log1p(max_elements),
+            num_exports,
+            _log_time(sum(known_times)) if known_times else 0.0,
+            len(known_times) / max(n, 1),
+            math.log1p(num_inputs),
+            math.log1p(sum(evaluations)),
+            math.log1p(evaluated_work),
+        ],
+        np.float32,
+    )
+
+
 def featurize(description: Mapping[str, Any]) -> KernelFeatures:
     """Encode a description into `KernelFeatures` (deterministic: equal descriptions give equal
     arrays)."""
@@ -232,7 +292,7 @@ def featurize(description: Mapping[str, Any]) -> KernelFeatures:
     exports = set(description["exports"])
     n = len(nodes)
     rows = np.zeros((n, len(NODE_FEATURES)), np.float32)
-    col = {name: i for i, name in enumerate(NODE_FEATURES)}
+    col = _COLUMN
     users = [0] * n
     senders: list[int] = []
     receivers: list[int] = []
@@ -254,68 +314,46 @@ def featurize(description: Mapping[str, Any]) -> KernelFeatures:
     for i, node in enumerate(nodes):
         out_elements = _elements(node["shape"])
         out_bytes = _bytes(node["dtype"], node["shape"])
-        in_elements = in_bytes = external = 0
-        operand_shapes = []
+        external = 0
+        specs = []
         for ref in node["operands"]:
             if isinstance(ref, int):
                 src = nodes[ref]
-                dtype, shape, cloned = src["dtype"], src["shape"], False
-            else:
-                dtype, shape, cloned, input_id = ref
-            operand_shapes.append(shape)
-            in_elements += _elements(shape)
-            in_bytes += _bytes(dtype, shape)
-            if not isinstance(ref, int) and not cloned:
+                specs.append((src["dtype"], src["shape"]))
+                continue
+            dtype, shape, cloned, input_id = ref
+            specs.append((dtype, shape))
+            if not cloned:
                 external += _bytes(dtype, shape)
                 read_inputs[input_id] = _bytes(dtype, shape)
         r = rows[i]
-        r[_OPCODE_INDEX.get(node["op"], len(OPCODE_VOCABULARY))] = 1.0
-        r[col["log_out_elements"]] = math.log1p(out_elements)
-        r[col["log_out_bytes"]] = math.log1p(out_bytes)
-        r[col["log_in_elements"]] = math.log1p(in_elements)
-        r[col["log_in_bytes"]] = math.log1p(in_bytes)
+        r[:] = op_row(node, specs)
         r[col["log_external_read_bytes"]] = math.log1p(external)
         if i in exports:
             r[col["exported"]] = 1.0
             r[col["log_export_bytes"]] = math.log1p(out_bytes)
             written += out_bytes
-        r[col["log_flops"]] = math.log1p(node["flops"])
-        r[col["rank"]] = len(node["shape"])
-        r[col[f"dtype={_dtype_group(node['dtype'])}"]] = 1.0
-        r[col["transcendental"]] = float(node["op"] in TRANSCENDENTAL)
-        r[col["minor_dim_moves"]] = float(_minor_dim_moves(node, operand_shapes))
-        if node["op"] == "reduce" and operand_shapes:
-            r[col["log_reduction_ratio"]] = math.log1p(_elements(operand_shapes[0]) / max(out_elements, 1))
-        r[col["num_operands"]] = len(node["operands"])
         r[col["log_internal_users"]] = math.log1p(users[i])
         if node.get("time_us") is not None:
             r[col["log_own_time_us"]] = _log_time(node["time_us"])
             r[col["own_time_known"]] = 1.0
             known_times.append(node["time_us"])
-        r[col["log_minor_dim"]] = math.log1p(node["shape"][-1] if node["shape"] else 1)
-        if operand_shapes:
-            r[col["log_operand_minor_dim"]] = math.log1p(operand_shapes[0][-1] if operand_shapes[0] else 1)
         r[col["log_evaluations"]] = math.log1p(evaluations[i])
         r[col["log_recompute_ratio"]] = math.log1p(evaluations[i] / max(out_elements, 1))
         evaluated_work += evaluations[i] * (TRANSCENDENTAL_FLOPS if node["op"] in TRANSCENDENTAL else 1.0)
         total_flops += node["flops"]
         max_elements = max(max_elements, out_elements)
-    read = sum(read_inputs.values())
-    kernel = np.array(
-        [
-            math.log1p(read),
-            math.log1p(written),
-            math.log1p(n),
-            math.log1p(total_flops),
-            math.log1p(max_elements),
-            len(exports),
-            _log_time(sum(known_times)) if known_times else 0.0,
-            len(known_times) / max(n, 1),
-            math.log1p(len(read_inputs)),
-            math.log1p(sum(evaluations)),
-            math.log1p(evaluated_work),
-        ],
-        np.float32,
+    kernel = _kernel_row(
+        sum(read_inputs.values()),
+        written,
+        n,
+        total_flops,
+        max_elements,
+        len(exports),
+        known_times,
+        len(read_inputs),
+        evaluations,
+        evaluated_work,
     )
     return KernelFeatures(rows, np.array(senders, np.int32), np.array(receivers, np.int32), kernel)
 
@@ -325,6 +363,122 @@ def kernel_features(
 ) -> KernelFeatures:
     """`featurize(describe_kernel(graph, kernel, op_times_us))`: the GNN input for one kernel."""
     return featurize(describe_kernel(graph, kernel, op_times_us))
+
+
+class KernelFeaturizer:
+    """`kernel_features` for the many kernels of one graph a search asks about: each op's own
+    columns (`op_row`) and operands are worked out once, and a kernel costs only what depends on
+    which ops it holds. Equal, to the bit, to `kernel_features` (tests/test_gnn_estimator.py)."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self._ops: dict[int, tuple] = {}
+
+    def _op(self, o: int) -> tuple:
+        """(own row, operands as (value, dtype, shape, cloned), output elements and bytes, flops,
+        evaluation weight, opcode) of op `o`."""
+        found = self._ops.get(o)
+        if found is not None:
+            return found
+        graph = self.graph
+        op = graph.ops[o]
+        spec = op.inst.outputs[0]
+        operands = []
+        for v in op.operands:
+            src = graph.ops[v]
+            s = src.inst.outputs[0] if src.inst.outputs else _hlo.TensorSpec("token", ())
+            cloned = src.opcode == "constant" and src.kind == "free" and src.output_bytes <= CLONE_CONSTANT_BYTES
+            operands.append((v, s.dtype, list(s.dims), cloned))
+        node = {
+            "op": op.opcode,
+            "dtype": spec.dtype,
+            "shape": list(spec.dims),
+            "dims": _dims_attr(op.inst),
+            "flops": float(graph.op_flops[o]),
+        }
+        found = self._ops[o] = (
+            op_row(node, [(d, s) for _, d, s, _ in operands]),
+            operands,
+            _elements(node["shape"]),
+            _bytes(spec.dtype, node["shape"]),
+            node["flops"],
+            TRANSCENDENTAL_FLOPS if op.opcode in TRANSCENDENTAL else 1.0,
+            op.opcode,
+        )
+        return found
+
+    def features(self, kernel: frozenset[int], op_times_us: Mapping[int, float] | None = None) -> KernelFeatures:
+        order = sorted(kernel)
+        position = {o: i for i, o in enumerate(order)}
+        entries = [self._op(o) for o in order]
+        n = len(order)
+        rows = np.stack([e[0] for e in entries])
+        exports = {position[o] for o in _kernels.default_exports(self.graph, kernel)}
+        internal = [[position[v] for v, *_ in e[1] if v in position] for e in entries]
+        users = [0] * n
+        senders: list[int] = []
+        receivers: list[int] = []
+        for i, refs in enumerate(internal):
+            for ref in refs:
+                users[ref] += 1
+                senders += [ref, i]
+                receivers += [i, ref]
+        senders += range(n)
+        receivers += range(n)
+        # `_evaluations`, on the table's numbers.
+        evaluations = [0.0] * n
+        read = [False] * n
+        for i in range(n - 1, -1, -1):
+            own = float(entries[i][2])
+            if i in exports or not read[i]:
+                evaluations[i] = max(evaluations[i], own)
+            spread = entries[i][6] in ("reduce", "concatenate", "pad")
+            for ref in internal[i]:
+                factor = entries[ref][2] / max(own, 1.0) if spread else 1.0
+                evaluations[ref] = max(evaluations[ref], evaluations[i] * factor)
+                read[ref] = True
+        col = _COLUMN
+        read_inputs: dict[int, int] = {}
+        known_times = []
+        written = max_elements = 0
+        total_flops = evaluated_work = 0.0
+        for i, (o, e) in enumerate(zip(order, entries)):
+            _, operands, out_elements, out_bytes, flops, weight, _ = e
+            external = 0
+            for v, dtype, shape, cloned in operands:
+                if v not in position and not cloned:
+                    external += _bytes(dtype, shape)
+                    read_inputs[v] = _bytes(dtype, shape)
+            r = rows[i]
+            r[col["log_external_read_bytes"]] = math.log1p(external)
+            if i in exports:
+                r[col["exported"]] = 1.0
+                r[col["log_export_bytes"]] = math.log1p(out_bytes)
+                written += out_bytes
+            r[col["log_internal_users"]] = math.log1p(users[i])
+            time_us = None if op_times_us is None else op_times_us.get(o)
+            if time_us is not None:
+                r[col["log_own_time_us"]] = _log_time(float(time_us))
+                r[col["own_time_known"]] = 1.0
+                known_times.append(float(time_us))
+            r[col["log_evaluations"]] = math.log1p(evaluations[i])
+            r[col["log_recompute_ratio"]] = math.log1p(evaluations[i] / max(out_elements, 1))
+            evaluated_work += evaluations[i] * weight
+            total_flops += flops
+            max_elements = max(max_elements, out_elements)
+        kernel_row = _kernel_row(
+            sum(read_inputs.values()),
+            written,
+            n,
+            total_flops,
+            max_elements,
+            len(exports),
+            known_times,
+            len(read_inputs),
+            evaluations,
+            evaluated_work,
+        )
+        return KernelFeatures(rows, np.array(senders, np.int32), np.array(receivers, np.int32), kernel_row)
 
 
 def without_times(description: Mapping[str, Any]) -> dict:

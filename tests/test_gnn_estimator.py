@@ -126,6 +126,23 @@ def test_features_are_deterministic_for_the_same_kernel(step_text, graph):
     assert a.nodes.dtype == np.float32 and np.isfinite(a.nodes).all()
 
 
+def test_the_featurizer_of_a_graph_equals_kernel_features_to_the_bit(graph):
+    """What the estimator computes per search kernel (`KernelFeaturizer`: each op's own columns
+    once per graph) equals the reference path, description then `featurize`, that training takes."""
+    rng = random.Random(1)
+    kernels = list(graph.xla_groups) + [_kernels.random_kernel(graph, rng, rng.randint(1, 12)) for _ in range(200)]
+    featurizer = gnn_estimator.KernelFeaturizer(graph)
+    spread = 0
+    for i, k in enumerate(kernels):
+        times = {o: 0.5 + o % 7 for o in k if o % 3} if i % 2 else None
+        expected, got = kernel_features(graph, k, times), featurizer.features(k, times)
+        for a, b in ((got.nodes, expected.nodes), (got.senders, expected.senders), (got.receivers, expected.receivers)):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(got.kernel, expected.kernel)
+        spread += any(graph.ops[o].opcode in ("reduce", "concatenate", "pad") for o in k) and len(k) > 1
+    assert spread >= 5  # kernels whose evaluations scale through a reduce were compared
+
+
 def test_unknown_own_time_is_zero_with_a_known_flag(graph):
     from gnn_estimator import NODE_FEATURES
 
