@@ -77,11 +77,16 @@ def run(
 
     def start_comm(ready: list[int]) -> None:
         """Communication kernels whose inputs are ready take the channel now, by rank; each one
-        readies its users as it ends (a communication kernel it readies starts first, depth first)."""
+        readies its users as it ends, and a communication kernel it readies starts before the
+        next of `ready` (depth first). A stack, not recursion: a function calling itself through
+        its closure is a reference cycle, and every run's lists would wait for the collector."""
         nonlocal channel_free, done
-        if len(ready) > 1:
-            ready.sort(key=rank.__getitem__)
-        for u in ready:
+        stack = [iter(sorted(ready, key=rank.__getitem__) if len(ready) > 1 else ready)]
+        while stack:
+            u = next(stack[-1], None)
+            if u is None:
+                stack.pop()
+                continue
             r = ready_at[u]
             start = channel_free if channel_free > r else r
             end[u] = channel_free = finished = start + costs[u]
@@ -102,7 +107,7 @@ def run(
                     else:
                         push(heap, (ready_at[v], rank[v], v))
             if ready_comm is not None:
-                start_comm(ready_comm)
+                stack.append(iter(sorted(ready_comm, key=rank.__getitem__) if len(ready_comm) > 1 else ready_comm))
 
     start_comm([k for k in comm_slots if not waiting[k]])  # collectives of values needing no compute
     while heap:
