@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from gnn_estimator._features import KernelFeaturizer
 from gnn_estimator._train import TrainedEstimator
 from gnn_estimator._weights import METADATA_FILE, WEIGHTS_FILE, WeightsError, read_weights
 
-_NOT_FUSIBLE = ("not fusible",)  # the key of a kernel holding a non-fusible op (none, in the cache)
+_NOT_FUSIBLE = ("not fusible",)  # in place of a key: a kernel holding a non-fusible op, answered None
 
 
 class GnnWeightsWarning(UserWarning):
@@ -52,8 +53,10 @@ class GnnEstimator:
         self.op_times_us = dict(op_times_us or {})
         self.chunk = chunk
         self._cache: dict[tuple[str, tuple[int, ...]], float | None] = {}
-        # Of the graph last asked about: its featurizer, and each kernel's cache key.
-        self._featurizer: KernelFeaturizer | None = None
+        # Of the graph last asked about (not kept alive by the estimator, which the simulated
+        # clusters keep for the process): its featurizer, and each kernel's cache key.
+        self._graph: weakref.ref | None = None
+        self._featurizer = KernelFeaturizer()
         self._keys: dict[frozenset[int], tuple[str, tuple[int, ...]]] = {}
         training = trained.metadata.get("training", {})
         # Weights trained before these were recorded have no limit on that side.
@@ -92,8 +95,8 @@ class GnnEstimator:
         return times
 
     def estimate(self, graph: Graph, kernels: Sequence[frozenset[int]]) -> list[float | None]:
-        if self._featurizer is None or self._featurizer.graph is not graph:
-            self._featurizer, self._keys = KernelFeaturizer(graph), {}
+        if self._graph is None or self._graph() is not graph:
+            self._graph, self._featurizer, self._keys = weakref.ref(graph), KernelFeaturizer(), {}
         known = self._keys
         keys: list[tuple | None] = []
         misses: dict[tuple, frozenset[int]] = {}
@@ -114,7 +117,7 @@ class GnnEstimator:
             else:
                 misses[key] = frozenset(k)
         if misses:
-            features = [self._featurizer.features(k, self._own_times(graph, k)) for k in misses.values()]
+            features = [self._featurizer.features(graph, k, self._own_times(graph, k)) for k in misses.values()]
             predicted = self.trained.predict_us(features, chunk=self.chunk)
             for (key, k), us in zip(misses.items(), predicted):
                 self._cache[key] = float(us) if self.trusted(len(k), float(us)) else None

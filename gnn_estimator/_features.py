@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -204,31 +204,40 @@ def _log_time(us: float) -> float:
     return math.log(max(float(us), 1e-2))
 
 
-def _evaluations(nodes: list[dict], exports: set[int]) -> list[float]:
+class _Op(NamedTuple):
+    """What a node's features need of its op, whatever the kernel: its own columns (`_op_row`),
+    opcode, output elements and bytes, flops, and the weight of one evaluation."""
+
+    row: np.ndarray
+    opcode: str
+    out_elements: int
+    out_bytes: int
+    flops: float
+    weight: float
+
+
+def _evaluations(ops: Sequence[_Op], internal: Sequence[Sequence[int]], exports: set[int]) -> list[float]:
     """Elements of each op a kLoop fusion evaluates: an exported op (or one nobody in the kernel
     reads) once per output element; an op read by others as often as its readers need it, which
     for a reader through a reduce (or a concatenate/pad piece) is scaled by the reader's input
     over output elements. Readers at the same index share one evaluation, so the maximum over
-    readers is taken. Nodes are in program order: readers come after what they read."""
-    evaluations = [0.0] * len(nodes)
-    read = [False] * len(nodes)
-    for i in range(len(nodes) - 1, -1, -1):
-        node = nodes[i]
-        own = float(_elements(node["shape"]))
+    readers is taken. Ops are in program order: readers come after what they read; `internal`:
+    per op, the positions of its operands inside the kernel."""
+    evaluations = [0.0] * len(ops)
+    read = [False] * len(ops)
+    for i in range(len(ops) - 1, -1, -1):
+        own = float(ops[i].out_elements)
         if i in exports or not read[i]:
             evaluations[i] = max(evaluations[i], own)
-        for ref in node["operands"]:
-            if not isinstance(ref, int):
-                continue
-            factor = 1.0
-            if node["op"] in ("reduce", "concatenate", "pad"):
-                factor = _elements(nodes[ref]["shape"]) / max(own, 1.0)
+        spread = ops[i].opcode in ("reduce", "concatenate", "pad")
+        for ref in internal[i]:
+            factor = ops[ref].out_elements / max(own, 1.0) if spread else 1.0
             evaluations[ref] = max(evaluations[ref], evaluations[i] * factor)
             read[ref] = True
     return evaluations
 
 
-def op_row(node: Mapping[str, Any], operands: Sequence[tuple[str, Sequence[int]]]) -> np.ndarray:
+def _op_row(node: Mapping[str, Any], operands: Sequence[tuple[str, Sequence[int]]]) -> np.ndarray:
     """The columns of a node's row that depend on its op alone, not on the kernel around it nor
     on its own time: opcode, sizes, dtype, layout. `operands`: (dtype, shape) of each."""
     col = _COLUMN
@@ -255,107 +264,104 @@ def op_row(node: Mapping[str, Any], operands: Sequence[tuple[str, Sequence[int]]
     return r
 
 
-def _kernel_row(
-    read: int,
-    written: int,
-    n: int,
-    total_flops: float,
-    max_elements: int,
-    num_exports: int,
-    known_times: list[float],
-    num_inputs: int,
-    evaluations: list[float],
-    evaluated_work: float,
-) -> np.ndarray:
-    return np.array(
+def _encode(
+    ops: Sequence[_Op],
+    internal: Sequence[Sequence[int]],
+    external: Sequence[Sequence[tuple[Any, int, bool]]],
+    exports: set[int],
+    times: Sequence[float | None],
+) -> KernelFeatures:
+    """The kernel's features from its ops in program order: `internal`, per op, the positions of
+    its operands inside the kernel; `external`, per op, (input, bytes, cloned) of each operand
+    read from outside (`input` names the value); `exports`, positions; `times`, own times or
+    None. Both `featurize` and `KernelFeaturizer` come here."""
+    n = len(ops)
+    rows = np.stack([op.row for op in ops])
+    col = _COLUMN
+    users = [0] * n
+    senders: list[int] = []
+    receivers: list[int] = []
+    for i, refs in enumerate(internal):
+        for ref in refs:
+            users[ref] += 1
+            senders += [ref, i]
+            receivers += [i, ref]
+    senders += range(n)
+    receivers += range(n)
+    evaluations = _evaluations(ops, internal, exports)
+    read_inputs: dict[Any, int] = {}
+    known_times = []
+    written = max_elements = 0
+    total_flops = evaluated_work = 0.0
+    for i, op in enumerate(ops):
+        external_bytes = 0
+        for value, nbytes, cloned in external[i]:
+            if not cloned:
+                external_bytes += nbytes
+                read_inputs[value] = nbytes
+        r = rows[i]
+        r[col["log_external_read_bytes"]] = math.log1p(external_bytes)
+        if i in exports:
+            r[col["exported"]] = 1.0
+            r[col["log_export_bytes"]] = math.log1p(op.out_bytes)
+            written += op.out_bytes
+        r[col["log_internal_users"]] = math.log1p(users[i])
+        if times[i] is not None:
+            r[col["log_own_time_us"]] = _log_time(times[i])
+            r[col["own_time_known"]] = 1.0
+            known_times.append(times[i])
+        r[col["log_evaluations"]] = math.log1p(evaluations[i])
+        r[col["log_recompute_ratio"]] = math.log1p(evaluations[i] / max(op.out_elements, 1))
+        evaluated_work += evaluations[i] * op.weight
+        total_flops += op.flops
+        max_elements = max(max_elements, op.out_elements)
+    kernel = np.array(
         [
-            math.log1p(read),
+            math.log1p(sum(read_inputs.values())),
             math.log1p(written),
             math.log1p(n),
             math.log1p(total_flops),
             math.log1p(max_elements),
-            num_exports,
+            len(exports),
             _log_time(sum(known_times)) if known_times else 0.0,
             len(known_times) / max(n, 1),
-            math.log1p(num_inputs),
+            math.log1p(len(read_inputs)),
             math.log1p(sum(evaluations)),
             math.log1p(evaluated_work),
         ],
         np.float32,
     )
+    return KernelFeatures(rows, np.array(senders, np.int32), np.array(receivers, np.int32), kernel)
+
+
+def _node_op(node: Mapping[str, Any], operands: Sequence[tuple[str, Sequence[int]]]) -> _Op:
+    """A node's `_Op`; `operands`: (dtype, shape) of each."""
+    weight = TRANSCENDENTAL_FLOPS if node["op"] in TRANSCENDENTAL else 1.0
+    out_bytes = _bytes(node["dtype"], node["shape"])
+    row = _op_row(node, operands)
+    return _Op(row, node["op"], _elements(node["shape"]), out_bytes, node["flops"], weight)
 
 
 def featurize(description: Mapping[str, Any]) -> KernelFeatures:
     """Encode a description into `KernelFeatures` (deterministic: equal descriptions give equal
     arrays)."""
     nodes = description["nodes"]
-    exports = set(description["exports"])
-    n = len(nodes)
-    rows = np.zeros((n, len(NODE_FEATURES)), np.float32)
-    col = _COLUMN
-    users = [0] * n
-    senders: list[int] = []
-    receivers: list[int] = []
-    read_inputs: dict[int, int] = {}
-    for i, node in enumerate(nodes):
+    ops, internal, external = [], [], []
+    for node in nodes:
+        specs, inside, outside = [], [], []
         for ref in node["operands"]:
             if isinstance(ref, int):
-                users[ref] += 1
-                senders += [ref, i]
-                receivers += [i, ref]
-    senders += list(range(n))
-    receivers += list(range(n))
-    total_flops = 0.0
-    max_elements = 0
-    known_times = []
-    written = 0
-    evaluations = _evaluations(nodes, exports)
-    evaluated_work = 0.0
-    for i, node in enumerate(nodes):
-        out_elements = _elements(node["shape"])
-        out_bytes = _bytes(node["dtype"], node["shape"])
-        external = 0
-        specs = []
-        for ref in node["operands"]:
-            if isinstance(ref, int):
-                src = nodes[ref]
-                specs.append((src["dtype"], src["shape"]))
-                continue
-            dtype, shape, cloned, input_id = ref
-            specs.append((dtype, shape))
-            if not cloned:
-                external += _bytes(dtype, shape)
-                read_inputs[input_id] = _bytes(dtype, shape)
-        r = rows[i]
-        r[:] = op_row(node, specs)
-        r[col["log_external_read_bytes"]] = math.log1p(external)
-        if i in exports:
-            r[col["exported"]] = 1.0
-            r[col["log_export_bytes"]] = math.log1p(out_bytes)
-            written += out_bytes
-        r[col["log_internal_users"]] = math.log1p(users[i])
-        if node.get("time_us") is not None:
-            r[col["log_own_time_us"]] = _log_time(node["time_us"])
-            r[col["own_time_known"]] = 1.0
-            known_times.append(node["time_us"])
-        r[col["log_evaluations"]] = math.log1p(evaluations[i])
-        r[col["log_recompute_ratio"]] = math.log1p(evaluations[i] / max(out_elements, 1))
-        evaluated_work += evaluations[i] * (TRANSCENDENTAL_FLOPS if node["op"] in TRANSCENDENTAL else 1.0)
-        total_flops += node["flops"]
-        max_elements = max(max_elements, out_elements)
-    kernel = _kernel_row(
-        sum(read_inputs.values()),
-        written,
-        n,
-        total_flops,
-        max_elements,
-        len(exports),
-        known_times,
-        len(read_inputs),
-        evaluations,
-        evaluated_work,
-    )
-    return KernelFeatures(rows, np.array(senders, np.int32), np.array(receivers, np.int32), kernel)
+                specs.append((nodes[ref]["dtype"], nodes[ref]["shape"]))
+                inside.append(ref)
+            else:
+                dtype, shape, cloned, input_id = ref
+                specs.append((dtype, shape))
+                outside.append((input_id, _bytes(dtype, shape), cloned))
+        ops.append(_node_op(node, specs))
+        internal.append(inside)
+        external.append(outside)
+    times = [node.get("time_us") for node in nodes]
+    return _encode(ops, internal, external, set(description["exports"]), times)
 
 
 def kernel_features(
@@ -366,119 +372,50 @@ def kernel_features(
 
 
 class KernelFeaturizer:
-    """`kernel_features` for the many kernels of one graph a search asks about: each op's own
-    columns (`op_row`) and operands are worked out once, and a kernel costs only what depends on
-    which ops it holds. Equal, to the bit, to `kernel_features` (tests/test_gnn_estimator.py)."""
+    """`kernel_features` for the many kernels of one graph a search asks about: each op's `_Op`
+    and operands are worked out once, and a kernel costs only what depends on which ops it holds.
+    Equal, to the bit, to `kernel_features` (tests/test_gnn_estimator.py). It keeps no reference
+    to the graph: pass the same graph to every call."""
 
-    def __init__(self, graph: Graph):
-        self.graph = graph
-        self._ops: dict[int, tuple] = {}
+    def __init__(self) -> None:
+        self._ops: dict[int, tuple[_Op, list[tuple[int, int, bool]]]] = {}
 
-    def _op(self, o: int) -> tuple:
-        """(own row, operands as (value, dtype, shape, cloned), output elements and bytes, flops,
-        evaluation weight, opcode) of op `o`."""
+    def _op(self, graph: Graph, o: int) -> tuple[_Op, list[tuple[int, int, bool]]]:
+        """Op `o`'s `_Op`, and its operands as (value, bytes, cloned)."""
         found = self._ops.get(o)
-        if found is not None:
-            return found
-        graph = self.graph
-        op = graph.ops[o]
-        spec = op.inst.outputs[0]
-        operands = []
-        for v in op.operands:
-            src = graph.ops[v]
-            s = src.inst.outputs[0] if src.inst.outputs else _hlo.TensorSpec("token", ())
-            cloned = src.opcode == "constant" and src.kind == "free" and src.output_bytes <= CLONE_CONSTANT_BYTES
-            operands.append((v, s.dtype, list(s.dims), cloned))
-        node = {
-            "op": op.opcode,
-            "dtype": spec.dtype,
-            "shape": list(spec.dims),
-            "dims": _dims_attr(op.inst),
-            "flops": float(graph.op_flops[o]),
-        }
-        found = self._ops[o] = (
-            op_row(node, [(d, s) for _, d, s, _ in operands]),
-            operands,
-            _elements(node["shape"]),
-            _bytes(spec.dtype, node["shape"]),
-            node["flops"],
-            TRANSCENDENTAL_FLOPS if op.opcode in TRANSCENDENTAL else 1.0,
-            op.opcode,
-        )
+        if found is None:
+            op = graph.ops[o]
+            spec = op.inst.outputs[0]
+            specs, operands = [], []
+            for v in op.operands:
+                src = graph.ops[v]
+                s = src.inst.outputs[0] if src.inst.outputs else _hlo.TensorSpec("token", ())
+                cloned = src.opcode == "constant" and src.kind == "free" and src.output_bytes <= CLONE_CONSTANT_BYTES
+                specs.append((s.dtype, list(s.dims)))
+                operands.append((v, _bytes(s.dtype, list(s.dims)), cloned))
+            node = {
+                "op": op.opcode,
+                "dtype": spec.dtype,
+                "shape": list(spec.dims),
+                "dims": _dims_attr(op.inst),
+                "flops": float(graph.op_flops[o]),
+            }
+            found = self._ops[o] = (_node_op(node, specs), operands)
         return found
 
-    def features(self, kernel: frozenset[int], op_times_us: Mapping[int, float] | None = None) -> KernelFeatures:
+    def features(
+        self, graph: Graph, kernel: frozenset[int], op_times_us: Mapping[int, float] | None = None
+    ) -> KernelFeatures:
         order = sorted(kernel)
         position = {o: i for i, o in enumerate(order)}
-        entries = [self._op(o) for o in order]
-        n = len(order)
-        rows = np.stack([e[0] for e in entries])
-        exports = {position[o] for o in _kernels.default_exports(self.graph, kernel)}
-        internal = [[position[v] for v, *_ in e[1] if v in position] for e in entries]
-        users = [0] * n
-        senders: list[int] = []
-        receivers: list[int] = []
-        for i, refs in enumerate(internal):
-            for ref in refs:
-                users[ref] += 1
-                senders += [ref, i]
-                receivers += [i, ref]
-        senders += range(n)
-        receivers += range(n)
-        # `_evaluations`, on the table's numbers.
-        evaluations = [0.0] * n
-        read = [False] * n
-        for i in range(n - 1, -1, -1):
-            own = float(entries[i][2])
-            if i in exports or not read[i]:
-                evaluations[i] = max(evaluations[i], own)
-            spread = entries[i][6] in ("reduce", "concatenate", "pad")
-            for ref in internal[i]:
-                factor = entries[ref][2] / max(own, 1.0) if spread else 1.0
-                evaluations[ref] = max(evaluations[ref], evaluations[i] * factor)
-                read[ref] = True
-        col = _COLUMN
-        read_inputs: dict[int, int] = {}
-        known_times = []
-        written = max_elements = 0
-        total_flops = evaluated_work = 0.0
-        for i, (o, e) in enumerate(zip(order, entries)):
-            _, operands, out_elements, out_bytes, flops, weight, _ = e
-            external = 0
-            for v, dtype, shape, cloned in operands:
-                if v not in position and not cloned:
-                    external += _bytes(dtype, shape)
-                    read_inputs[v] = _bytes(dtype, shape)
-            r = rows[i]
-            r[col["log_external_read_bytes"]] = math.log1p(external)
-            if i in exports:
-                r[col["exported"]] = 1.0
-                r[col["log_export_bytes"]] = math.log1p(out_bytes)
-                written += out_bytes
-            r[col["log_internal_users"]] = math.log1p(users[i])
-            time_us = None if op_times_us is None else op_times_us.get(o)
-            if time_us is not None:
-                r[col["log_own_time_us"]] = _log_time(float(time_us))
-                r[col["own_time_known"]] = 1.0
-                known_times.append(float(time_us))
-            r[col["log_evaluations"]] = math.log1p(evaluations[i])
-            r[col["log_recompute_ratio"]] = math.log1p(evaluations[i] / max(out_elements, 1))
-            evaluated_work += evaluations[i] * weight
-            total_flops += flops
-            max_elements = max(max_elements, out_elements)
-        kernel_row = _kernel_row(
-            sum(read_inputs.values()),
-            written,
-            n,
-            total_flops,
-            max_elements,
-            len(exports),
-            known_times,
-            len(read_inputs),
-            evaluations,
-            evaluated_work,
-        )
-        return KernelFeatures(rows, np.array(senders, np.int32), np.array(receivers, np.int32), kernel_row)
+        entries = [self._op(graph, o) for o in order]
+        internal = [[position[v] for v, _, _ in operands if v in position] for _, operands in entries]
+        external = [[e for e in operands if e[0] not in position] for _, operands in entries]
+        exports = {position[o] for o in _kernels.default_exports(graph, kernel)}
+        times = [None] * len(order)
+        if op_times_us:
+            times = [None if op_times_us.get(o) is None else float(op_times_us[o]) for o in order]
+        return _encode([op for op, _ in entries], internal, external, exports, times)
 
 
 def without_times(description: Mapping[str, Any]) -> dict:

@@ -131,11 +131,11 @@ def test_the_featurizer_of_a_graph_equals_kernel_features_to_the_bit(graph):
     once per graph) equals the reference path, description then `featurize`, that training takes."""
     rng = random.Random(1)
     kernels = list(graph.xla_groups) + [_kernels.random_kernel(graph, rng, rng.randint(1, 12)) for _ in range(200)]
-    featurizer = gnn_estimator.KernelFeaturizer(graph)
+    featurizer = gnn_estimator.KernelFeaturizer()
     spread = 0
     for i, k in enumerate(kernels):
         times = {o: 0.5 + o % 7 for o in k if o % 3} if i % 2 else None
-        expected, got = kernel_features(graph, k, times), featurizer.features(k, times)
+        expected, got = kernel_features(graph, k, times), featurizer.features(graph, k, times)
         for a, b in ((got.nodes, expected.nodes), (got.senders, expected.senders), (got.receivers, expected.receivers)):
             np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(got.kernel, expected.kernel)
