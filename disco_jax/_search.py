@@ -109,7 +109,8 @@ def _fewer_collections():
     """CPython's cyclic collector, tuned for a search: it allocates millions of small containers
     that die young by reference counting or live on in its queue, and forms no reference cycles
     (tests/test_search.py), yet the collector traverses the young ones every 700 net allocations
-    and now and then everything, the graph and its caches included: 10-25% of a search's time.
+    and now and then everything, the graph and its caches included: 1.0-1.4 s of a 10 s search
+    of transformer:tiny or resnet50:paper, 0.01-0.17 s with this.
     For the search, what exists is frozen out of the collector's view (unless the process froze
     objects itself: `gc.unfreeze` would thaw those too) and the young generation is collected
     every 100,000 net allocations; both are restored after."""
@@ -146,7 +147,14 @@ def backtracking_search(
         return _search(graph, cost, config, moves, starts, progress)
 
 
-def _search(graph, cost, config, moves, starts, progress) -> SearchResult:
+def _search(
+    graph: Graph,
+    cost: Callable[[Strategy], float | None],
+    config: SearchConfig,
+    moves: Mapping[str, Move],
+    starts: list[Strategy] | None,
+    progress: Callable[[float, int, float], None] | None,
+) -> SearchResult:
     rng = random.Random(config.seed)
     started = time.perf_counter()
     evaluate_many = getattr(cost, "many", None) or (lambda strategies, parent: [cost(s) for s in strategies])
