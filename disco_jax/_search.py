@@ -108,23 +108,17 @@ class SearchResult:
 def _fewer_collections():
     """CPython's cyclic collector, tuned for a search: it allocates millions of small containers
     that die young by reference counting or live on in its queue, and forms no reference cycles
-    (tests/test_search.py), yet the collector traverses the young ones every 700 net allocations
-    and now and then everything, the graph and its caches included: 1.0-1.4 s of a 10 s search
-    of transformer:tiny or resnet50:paper, 0.01-0.17 s with this.
-    For the search, what exists is frozen out of the collector's view (unless the process froze
-    objects itself: `gc.unfreeze` would thaw those too) and the young generation is collected
-    every 100,000 net allocations; both are restored after."""
+    (tests/test_search.py), yet the collector traverses the young ones every 700 net allocations:
+    1.0-1.4 s of a 10 s search of transformer:tiny or resnet50:paper. For the search the young
+    generation is collected every 100,000 net allocations (0.01-0.17 s), restored after. Nothing
+    is frozen (`gc.freeze`): CPython 3.12 starts with objects frozen, and `gc.unfreeze` would thaw
+    those and any a host program froze before forking."""
     threshold = gc.get_threshold()
-    freeze = gc.get_freeze_count() == 0
-    if freeze:
-        gc.freeze()
     gc.set_threshold(max(threshold[0], 100_000), *threshold[1:])
     try:
         yield
     finally:
         gc.set_threshold(*threshold)
-        if freeze:
-            gc.unfreeze()
 
 
 def backtracking_search(

@@ -40,13 +40,13 @@ def test_a_search_forms_no_reference_cycles_and_restores_the_collector(problem):
     graph, _ = problem
     allreduce = AllReduceCostModel(per_byte_us=1e-3, latency_us=20.0)
     evaluator = CostModel(ChainEstimator([AnalyticalEstimator()]), allreduce, {}).evaluator(graph)
-    threshold, frozen, enabled = gc.get_threshold(), gc.get_freeze_count(), gc.isenabled()
+    threshold, enabled = gc.get_threshold(), gc.isenabled()
     gc.collect()
     gc.disable()
     try:
         config = _search.SearchConfig(budget_s=30, max_unchanged=300, alpha=10.0, seed=1)
         result = _search.backtracking_search(graph, evaluator, config)
-        assert gc.get_threshold() == threshold and gc.get_freeze_count() == frozen
+        assert gc.get_threshold() == threshold
         garbage = gc.collect()
     finally:
         if enabled:
