@@ -115,9 +115,11 @@ class GnnEstimator:
             if self.max_ops is not None and len(k) > self.max_ops:
                 self._cache[key] = None  # larger than any training kernel: not even predicted
             else:
-                misses[key] = frozenset(k)
+                misses[key] = k
         if misses:
-            features = [self._featurizer.features(graph, k, self._own_times(graph, k)) for k in misses.values()]
+            featurize = self._featurizer.features
+            # The key's second half is the kernel's exports by position: not computed again.
+            features = [featurize(graph, k, self._own_times(graph, k), key[1]) for key, k in misses.items()]
             predicted = self.trained.predict_us(features, chunk=self.chunk)
             for (key, k), us in zip(misses.items(), predicted):
                 self._cache[key] = float(us) if self.trusted(len(k), float(us)) else None

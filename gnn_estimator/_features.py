@@ -404,18 +404,25 @@ class KernelFeaturizer:
         return found
 
     def features(
-        self, graph: Graph, kernel: frozenset[int], op_times_us: Mapping[int, float] | None = None
+        self,
+        graph: Graph,
+        kernel: frozenset[int],
+        op_times_us: Mapping[int, float] | None = None,
+        exports: Sequence[int] | None = None,
     ) -> KernelFeatures:
+        """`kernel_features(graph, kernel, op_times_us)`. `exports`: the positions (in op order)
+        of `_kernels.default_exports`, when the caller has them (the estimator's cache key)."""
         order = sorted(kernel)
         position = {o: i for i, o in enumerate(order)}
         entries = [self._op(graph, o) for o in order]
         internal = [[position[v] for v, _, _ in operands if v in position] for _, operands in entries]
         external = [[e for e in operands if e[0] not in position] for _, operands in entries]
-        exports = {position[o] for o in _kernels.default_exports(graph, kernel)}
+        if exports is None:
+            exports = [position[o] for o in _kernels.default_exports(graph, kernel)]
         times = [None] * len(order)
         if op_times_us:
             times = [None if op_times_us.get(o) is None else float(op_times_us[o]) for o in order]
-        return _encode([op for op, _ in entries], internal, external, exports, times)
+        return _encode([op for op, _ in entries], internal, external, set(exports), times)
 
 
 def without_times(description: Mapping[str, Any]) -> dict:
