@@ -134,47 +134,105 @@ class StrategyEdit:
     def reaches(self, start: int, target: int, buckets: Sequence[Sequence[int]], limit: int = 4096) -> bool:
         """Whether group `target` depends on group `start` through some other kernel (a group,
         an opaque op or an all-reduce): merging the two while the merged kernel hands out
-        `start`'s values would close a cycle. Values produced after `target`'s last op are not
-        followed, nor more than `limit` kernels: a cycle found is certain, one missed is left to
-        `kernel_dag`'s full check."""
-        graph, ops, groups, index, homes = self.graph, self.graph.ops, self.groups, self.index, self.homes
-        last = max(groups[target])
+        `start`'s values would close a cycle.
+
+        Two walks over kernels meet in the middle: forward from `start` along the values it
+        hands out, backward from `target` along the values it reads, each step extending the
+        smaller frontier, until a kernel lies on both (a path) or one walk runs out (none). Only
+        ops between `start`'s first value and `target`'s last op can lie on a path, so values
+        produced after `target`'s last op are not followed forward, nor ops before `start`'s
+        first value backward. More than `limit` kernels are not visited: a cycle found is
+        certain, one missed is left to `kernel_dag`'s full check."""
+        homed = [o for o in self.groups[start] if self.homes[o] == start]
+        if not homed:
+            return False
+        first, last = min(homed), max(self.groups[target])
         bucket_of = {gid: bi for bi, b in enumerate(buckets) for gid in b}
-        seen: set[tuple[str, int]] = {("group", start)}
-        stack = [("group", start)]
-        while stack:
-            kind, k = stack.pop()
-            if kind == "group":
-                values = [o for o in groups[k] if homes[o] == k]
-            elif kind == "opaque":
-                values = [k]
-            else:
-                values = [graph.gradients[gid].reduced for gid in buckets[k]]
-            for v in values:
-                if v > last:
-                    continue
-                for u in graph.consumers(v):
-                    if u < 0:
+        origin, goal = ("group", start), ("group", target)
+        ahead, behind = {origin}, {goal}  # reached from start; reaching target
+        forward, backward = [origin], [goal]
+        while forward and backward:
+            if len(forward) <= len(backward):
+                node = forward.pop()
+                for x in self._successors(node, last, buckets, bucket_of):
+                    if x in ahead:
                         continue
-                    op = ops[u]
-                    if op.kind == "fusible":
-                        found = [("group", x) for x in index[u] if v not in groups[x]]
-                    elif op.kind == "reduced":
-                        found = [("bucket", bucket_of[op.gradient])]
-                    else:
-                        found = [("opaque", u)]
-                    for node in found:
-                        if node in seen:
-                            continue
-                        if node == ("group", target):
-                            if (kind, k) != ("group", start):
-                                return True
-                            continue
-                        if len(seen) >= limit:
-                            return False
-                        seen.add(node)
-                        stack.append(node)
+                    if x == goal:
+                        if node != origin:
+                            return True
+                        continue  # the edge the merge absorbs
+                    if x in behind:
+                        return True
+                    ahead.add(x)
+                    forward.append(x)
+            else:
+                node = backward.pop()
+                for x in self._predecessors(node, first, buckets, bucket_of):
+                    if x in behind:
+                        continue
+                    if x == origin:
+                        if node != goal:
+                            return True
+                        continue
+                    if x in ahead:
+                        return True
+                    behind.add(x)
+                    backward.append(x)
+            if len(ahead) + len(behind) >= limit:
+                return False
         return False
+
+    def _successors(self, node: tuple[str, int], last: int, buckets, bucket_of: dict[int, int]):
+        """The kernels reading a value `node` hands out, produced at or before op `last`."""
+        graph, ops, groups, index = self.graph, self.graph.ops, self.groups, self.index
+        kind, k = node
+        if kind == "group":
+            values = [o for o in groups[k] if self.homes[o] == k]
+        elif kind == "opaque":
+            values = [k]
+        else:
+            values = [graph.gradients[gid].reduced for gid in buckets[k]]
+        for v in values:
+            if v > last:
+                continue
+            for u in graph.consumers(v):
+                if u < 0:
+                    continue
+                op = ops[u]
+                if op.kind == "fusible":
+                    for x in index[u]:
+                        if v not in groups[x]:  # a group holding v computes it itself
+                            yield ("group", x)
+                elif op.kind == "reduced":
+                    yield ("bucket", bucket_of[op.gradient])
+                else:
+                    yield ("opaque", u)
+
+    def _predecessors(self, node: tuple[str, int], first: int, buckets, bucket_of: dict[int, int]):
+        """The kernels handing `node` a value it reads in an op after op `first`."""
+        graph, ops, homes, sources = self.graph, self.graph.ops, self.homes, self.graph.free_sources
+        kind, k = node
+        own: frozenset[int] | tuple = ()
+        if kind == "group":
+            computed = own = self.groups[k]
+        elif kind == "opaque":
+            computed = (k,)
+        else:
+            computed = [graph.gradients[gid].reduced for gid in buckets[k]]
+        for u in computed:
+            if u <= first:
+                continue
+            for v in ops[u].operands:
+                for src in sources[v]:
+                    if src in own:
+                        continue
+                    op = ops[src]
+                    if op.kind == "fusible":
+                        yield ("group", homes[src])
+                    elif op.kind == "reduced":
+                        yield ("bucket", bucket_of[op.gradient])
+                    else:
+                        yield ("opaque", src)
 
     def normalize(self) -> bool:
         """Prune the touched groups, remove the groups that became dead, and check that the

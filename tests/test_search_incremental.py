@@ -160,3 +160,36 @@ def test_cloned_groups_get_distinct_keys():
     keys = kernels.group_keys(s)
     assert keys == [(a, a), (b, frozenset()), (a, frozenset(), 0), (a, frozenset(), 1), (b, frozenset([1, 2]))]
     assert kernels.group_keys(_strategy.Strategy((a, b), (0, 1, 1), ())) == [a, b]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_reaches_finds_paths_of_the_full_kernel_dag_and_no_others(two_graphs, seed):
+    """`StrategyEdit.reaches(start, target)` (the fuse move's cycle check: two walks meeting in the
+    middle) against a walk over the strategy's whole kernel DAG (`kernel_dag`), on ordered pairs
+    of groups of strategies met on a random walk: every path it reports exists, and it finds most
+    paths. Not all: it follows no value produced after target's last op, and a kernel holding
+    ops far apart in program order (XLA:GPU's clones) can still lead back to target; `kernel_dag`
+    catches those (measured: 91-100% found per seed on the XLA:GPU graph, all on XLA:CPU's)."""
+    graph, _ = two_graphs
+    moves = _strategy.with_sharding(sharded.regions_of(graph).shardable)
+    rng = random.Random(seed)
+    s = rng.choice(_strategy.start_candidates(graph))
+    paths = found = unrelated = 0
+    for _ in range(12):
+        for _ in range(rng.randint(1, 6)):
+            s = moves[rng.choice(sorted(moves))](graph, s, rng) or s
+        dag = _strategy.kernel_dag(graph, s)
+        assert dag is not None
+        edit = _edit.StrategyEdit(graph, s.groups, s.homes, s.group_index())
+        below: dict[int, set[int]] = {}  # per kernel, the kernels that depend on it (transitively)
+        for k in reversed(dag.order):
+            below[k] = set(dag.users[k]).union(*(below[u] for u in dag.users[k]))
+        pairs = [(a, b) for a in range(len(s.groups)) for b in range(len(s.groups)) if a != b]
+        for start, target in rng.sample(pairs, min(len(pairs), 300)):
+            path = any(target in below[u] for u in dag.users[start] if u != target)
+            got = edit.reaches(start, target, s.buckets)
+            assert path or not got, (start, target)
+            paths += path
+            found += got
+            unrelated += not path
+    assert unrelated > 0 and paths > 0 and found >= 0.85 * paths
