@@ -124,11 +124,6 @@ class Graph:
         return [frozenset([o]) for o in self.opaque_ops]
 
     @functools.cached_property
-    def gradient_producers(self) -> list[int]:
-        """Per gradient, the op id of the value its all-reduce reduces (`Gradient.producer`)."""
-        return [g.producer for g in self.gradients]
-
-    @functools.cached_property
     def collective_ops(self) -> dict[int, tuple[str, int]]:
         """Opaque collectives: op id -> (collective, bytes per device; `cost.allreduce.collective_ops`)."""
         return collective_ops(self)

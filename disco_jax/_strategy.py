@@ -349,7 +349,7 @@ def components(graph: Graph, members: Sequence[int]) -> list[frozenset[int]]:
 
 def _bucket_order(graph: Graph, s: Strategy) -> list[int]:
     """Bucket indexes by their last gradient's producer (the order their all-reduces can start)."""
-    producer, buckets = graph.gradient_producers.__getitem__, s.buckets
+    producer, buckets = [g.producer for g in graph.gradients].__getitem__, s.buckets
     return sorted(range(len(buckets)), key=lambda b: max(map(producer, buckets[b])))
 
 
@@ -367,7 +367,7 @@ def merge_buckets(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | N
         return None
     if (s.buckets[a][0] in s.sharded) != (s.buckets[b][0] in s.sharded):
         return None  # one collective cannot both reduce and reduce-scatter
-    merged = tuple(sorted(s.buckets[a] + s.buckets[b], key=graph.gradient_producers.__getitem__))
+    merged = tuple(sorted(s.buckets[a] + s.buckets[b], key=lambda g: graph.gradients[g].producer))
     # An all-reduce cannot carry a value computed from another of its own results (batch-norm
     # statistics reduced in the forward pass feed later gradients): that would be a cycle.
     carried = sum(1 << g for g in merged)
@@ -384,7 +384,7 @@ def split_bucket(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | No
     if not multi:
         return None
     i = rng.choice(multi)
-    ordered = sorted(s.buckets[i], key=graph.gradient_producers.__getitem__)
+    ordered = sorted(s.buckets[i], key=lambda g: graph.gradients[g].producer)
     cut = rng.randrange(1, len(ordered))
     buckets = [b for j, b in enumerate(s.buckets) if j != i] + [tuple(ordered[:cut]), tuple(ordered[cut:])]
     return dataclasses.replace(s, buckets=tuple(buckets))
