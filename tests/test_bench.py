@@ -14,7 +14,7 @@ import pytest
 from disco_jax import _capture, _compile, _graph, _plan, _validate, backends, optimize_distributed, targets, zoo
 from disco_jax._files import write_json_atomic
 from disco_jax.cost import sharded
-from disco_jax.eval import baselines, bench, clusters, report, rows
+from disco_jax.eval import baselines, bench, clusters, headroom, report, rows
 
 REPORT = Path(__file__).resolve().parents[1] / "report"
 
@@ -254,3 +254,35 @@ def test_a_gpu_row_enacts_a_sharded_update_by_lowering_the_step_again():
         assert state[rows.DISCO] == state["replicated"] and update["sharded_gradients"] == 0
     assert row["time_us"][rows.DISCO] == disco["enacted"]["simulated"]["iteration_us"]
     json.dumps(row)
+
+
+def _headroom_row(model: str, disco_us: float, bound_us: float, searched_us: float | None = None) -> dict:
+    """A simulated row with best baseline 100 us and FO 90 us: 10 us of headroom."""
+    disco = {"simulated": {"iteration_us": disco_us}}
+    if searched_us is not None:
+        disco["searched"] = {"iteration_us": searched_us}
+    return {
+        "model": model,
+        "best_baseline_us": 100.0,
+        "fo_us": 90.0,
+        "disco_us": disco_us,
+        "dependency_bound_us": bound_us,
+        "strategies": {rows.DISCO: disco},
+    }
+
+
+def test_rows_short_of_the_headroom_target_are_told_apart_by_what_limits_them():
+    """Enactment first (the searched plan captured the target, its compiled program did not), then
+    kernels (the plan's dependency bound allows less), else order (the bound allows it)."""
+    enacted = _headroom_row("resnet50", 97.0, 90.0, searched_us=91.0)
+    kernels = _headroom_row("mlp", 97.0, 95.0, searched_us=96.0)
+    order = _headroom_row("bert", 96.0, 90.0)
+    reached = _headroom_row("vgg19", 91.0, 90.0)
+    assert headroom.limit(enacted) == (headroom.ENACTMENT, pytest.approx(0.3), pytest.approx(0.9))
+    assert headroom.limit(kernels) == (headroom.KERNELS, pytest.approx(0.3), pytest.approx(0.5))
+    assert headroom.limit(order) == (headroom.ORDER, pytest.approx(0.4), pytest.approx(1.0))
+    assert headroom.limit(reached) is None
+    text = headroom.limits_text([enacted, kernels, order, reached])
+    assert "resnet50 30% (90% as searched)" in text and "mlp 30% (50% allowed)" in text
+    assert "bert 40% (100% allowed)" in text and "vgg19" not in text
+    assert headroom.limits_text([reached]).startswith("Every row captures 85%")

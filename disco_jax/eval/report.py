@@ -20,7 +20,7 @@ from pathlib import Path
 
 from disco_jax._files import write_json_atomic
 from disco_jax.backends import CPU
-from disco_jax.eval import baselines, clusters
+from disco_jax.eval import baselines, clusters, headroom
 from disco_jax.eval.figures import write_figures
 from disco_jax.eval.rows import (
     BASELINE_ORDER,
@@ -221,26 +221,19 @@ def _headline(by_platform: dict[str, list[dict]]) -> list[str]:
     return [_t("headline"), "\n".join(items), _t("losses"), "\n".join(loss_items) if loss_items else _t("no_losses")]
 
 
-def _bound_allows(r: dict) -> float | None:
-    """The share of FO's headroom the dependency bound of disco-jax's plan leaves reachable."""
-    db, t_best, fo = r.get("dependency_bound_us"), r["best_baseline_us"], r["fo_us"]
-    if db is None or t_best - fo <= 1e-3 * t_best:
-        return None
-    return (t_best - db) / (t_best - fo)
-
-
 def _bound_headline(prow: list[dict]) -> str:
-    allows = {r["model"]: a for r in prow if (a := _bound_allows(r)) is not None}
+    allows = {r["model"]: a for r in prow if (a := headroom.bound_allows(r)) is not None}
     if not allows:
         return ""
     gap = {r["model"]: r["disco_us"] / r["dependency_bound_us"] - 1 for r in prow if r["model"] in allows}
-    limited = ", ".join(f"{m} {_frac(a)}" for m, a in allows.items() if a < 0.85)
+    limited = ", ".join(f"{m} {_frac(a)}" for m, a in allows.items() if a < headroom.TARGET)
     return _t(
         "headline_bound",
         allowed=_frac(statistics.median(allows.values())),
         limited=f"below 85% on {limited}" if limited else "85% or more on every row",
         gap=_pct(statistics.median(gap.values())),
         ordered=", ".join(f"{m} {_pct(g)}" for m, g in gap.items() if g > 0.05) or "none",
+        limits=headroom.limits_text(prow),
     )
 
 
@@ -297,7 +290,7 @@ def _platform_tables(prow: list[dict]) -> list[str]:
                     _pct(r.get("fo_speedup")),
                     _frac(r["headroom_captured"]),
                     _ms(r.get("dependency_bound_us")),
-                    _frac(_bound_allows(r)),
+                    _frac(headroom.bound_allows(r)),
                     "n/a" if search_s is None else f"{search_s:.1f}",
                     r["kernels"],
                 ]
