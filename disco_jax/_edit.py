@@ -138,11 +138,11 @@ class StrategyEdit:
 
         Two walks over kernels meet in the middle: forward from `start` along the values it
         hands out, backward from `target` along the values it reads, each step extending the
-        smaller frontier, until a kernel lies on both (a path) or one walk runs out (none). Only
-        ops between `start`'s first value and `target`'s last op can lie on a path, so values
-        produced after `target`'s last op are not followed forward, nor ops before `start`'s
-        first value backward. More than `limit` kernels are not visited: a cycle found is
-        certain, one missed is left to `kernel_dag`'s full check."""
+        smaller frontier, until a kernel lies on both (a path) or one walk runs out (none).
+        Values produced after `target`'s last op are not followed forward, nor ops before
+        `start`'s first value backward: no path of ops leaves that range, though one through a
+        kernel holding ops far apart (XLA:GPU's clones) can. Nor are more than `limit` kernels
+        visited. So a cycle found is certain, and one missed is left to `kernel_dag`'s full check."""
         homed = [o for o in self.groups[start] if self.homes[o] == start]
         if not homed:
             return False
@@ -151,33 +151,24 @@ class StrategyEdit:
         origin, goal = ("group", start), ("group", target)
         ahead, behind = {origin}, {goal}  # reached from start; reaching target
         forward, backward = [origin], [goal]
+        walks = {  # frontier, its side's kernels, the other side's, next kernels, own end, other end
+            True: (forward, ahead, behind, lambda n: self._successors(n, last, buckets, bucket_of), origin, goal),
+            False: (backward, behind, ahead, lambda n: self._predecessors(n, first, buckets, bucket_of), goal, origin),
+        }
         while forward and backward:
-            if len(forward) <= len(backward):
-                node = forward.pop()
-                for x in self._successors(node, last, buckets, bucket_of):
-                    if x in ahead:
-                        continue
-                    if x == goal:
-                        if node != origin:
-                            return True
-                        continue  # the edge the merge absorbs
-                    if x in behind:
+            frontier, mine, theirs, step, home, end = walks[len(forward) <= len(backward)]
+            node = frontier.pop()
+            for x in step(node):
+                if x in mine:
+                    continue
+                if x == end:
+                    if node != home:
                         return True
-                    ahead.add(x)
-                    forward.append(x)
-            else:
-                node = backward.pop()
-                for x in self._predecessors(node, first, buckets, bucket_of):
-                    if x in behind:
-                        continue
-                    if x == origin:
-                        if node != goal:
-                            return True
-                        continue
-                    if x in ahead:
-                        return True
-                    behind.add(x)
-                    backward.append(x)
+                    continue  # the direct edge, which the merge absorbs
+                if x in theirs:
+                    return True
+                mine.add(x)
+                frontier.append(x)
             if len(ahead) + len(behind) >= limit:
                 return False
         return False
