@@ -17,6 +17,8 @@ tested in this order:
 
 from __future__ import annotations
 
+from disco_jax.eval.rows import DISCO
+
 TARGET = 0.85
 
 ENACTMENT, KERNELS, ORDER = "enactment", "kernels", "order"
@@ -41,7 +43,7 @@ def limit(r: dict) -> tuple[str, float, float] | None:
     share = captured(r, r["disco_us"])
     if share is None or share >= TARGET:
         return None
-    searched = captured(r, (r["strategies"]["disco-jax"].get("searched") or {}).get("iteration_us"))
+    searched = captured(r, (r["strategies"][DISCO].get("searched") or {}).get("iteration_us"))
     if searched is not None and searched >= TARGET:
         return ENACTMENT, share, searched
     allows = bound_allows(r)

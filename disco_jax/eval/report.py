@@ -227,10 +227,11 @@ def _bound_headline(prow: list[dict]) -> str:
         return ""
     gap = {r["model"]: r["disco_us"] / r["dependency_bound_us"] - 1 for r in prow if r["model"] in allows}
     limited = ", ".join(f"{m} {_frac(a)}" for m, a in allows.items() if a < headroom.TARGET)
+    target = _frac(headroom.TARGET)
     return _t(
         "headline_bound",
         allowed=_frac(statistics.median(allows.values())),
-        limited=f"below 85% on {limited}" if limited else "85% or more on every row",
+        limited=f"below {target} on {limited}" if limited else f"{target} or more on every row",
         gap=_pct(statistics.median(gap.values())),
         ordered=", ".join(f"{m} {_pct(g)}" for m, g in gap.items() if g > 0.05) or "none",
         limits=headroom.limits_text(prow),
