@@ -266,6 +266,7 @@ def _headroom_row(model: str, disco_us: float, bound_us: float, searched_us: flo
         "best_baseline_us": 100.0,
         "fo_us": 90.0,
         "disco_us": disco_us,
+        "headroom_captured": rows.headroom_share(100.0, 90.0, disco_us),
         "dependency_bound_us": bound_us,
         "strategies": {rows.DISCO: disco},
     }

@@ -17,7 +17,7 @@ tested in this order:
 
 from __future__ import annotations
 
-from disco_jax.eval.rows import DISCO
+from disco_jax.eval.rows import DISCO, headroom_share
 
 TARGET = 0.85
 
@@ -25,11 +25,9 @@ ENACTMENT, KERNELS, ORDER = "enactment", "kernels", "order"
 
 
 def captured(r: dict, time_us: float | None) -> float | None:
-    """The share of the row's FO headroom an iteration of `time_us` captures; None without one."""
-    t_best, fo = r["best_baseline_us"], r["fo_us"]
-    if time_us is None or t_best - fo <= 1e-3 * t_best:
-        return None
-    return (t_best - time_us) / (t_best - fo)
+    """The share of the row's FO headroom an iteration of `time_us` captures (`rows.headroom_share`);
+    None without a time."""
+    return None if time_us is None else headroom_share(r["best_baseline_us"], r["fo_us"], time_us)
 
 
 def bound_allows(r: dict) -> float | None:
@@ -40,7 +38,7 @@ def bound_allows(r: dict) -> float | None:
 def limit(r: dict) -> tuple[str, float, float] | None:
     """For a row below `TARGET`: (what limits it, the share captured, the share the limit names:
     as searched for enactment, as any order allows for kernels and order); None at or above."""
-    share = captured(r, r["disco_us"])
+    share = r["headroom_captured"]
     if share is None or share >= TARGET:
         return None
     searched = captured(r, (r["strategies"][DISCO].get("searched") or {}).get("iteration_us"))
