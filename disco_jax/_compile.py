@@ -4,6 +4,10 @@ These are the pipeline's hands (and the evaluation harness's, through the same p
 
 * `compile_strategy` compiles the step with a strategy written into its module at the backend's
   hook stage (`graph.backend.rewriter`);
+* every compile of a step, XLA's own plan (`capture_graph`) and each strategy's, gets the proven
+  sharding rules the backend applies at the hook (`Backend.hook_rules`, `sharding.apply`): what
+  was applied where is `Graph.rules_applied` for XLA's plan and `rules_applied(graph, strategy)`
+  for a strategy's, and `keeps_plan` checks that XLA compiled the collectives the hook returned;
 * `Runner` calls a compiled step repeatedly with fresh copies of the inputs it donates;
 * `compiled_stats` counts what a compiled module holds (the truth of a plan: all-reduces and
   fusions as XLA emitted them);
@@ -25,6 +29,7 @@ from disco_jax._graph import Graph, build_graph
 from disco_jax._plan import MachineKey
 from disco_jax._strategy import Strategy
 from disco_jax.backends import Backend
+from disco_jax.sharding import apply
 
 
 def donated(lowered: jax.stages.Lowered) -> list[bool]:
@@ -64,13 +69,15 @@ _TRIVIAL = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bi
 
 def compiled_stats(text: str) -> dict[str, int]:
     """What a compiled module's entry computation holds: all-reduces (and how many tensors they
-    carry), fusions of any kind, loop fusions, loop fusions of more than one compute instruction
-    (op fusion proper: with the `fusion` pass off, XLA:CPU still wraps single ops in
-    one-instruction kLoop fusions), and library-call custom fusions."""
+    carry), reduce-scatters, all-gathers, fusions of any kind, loop fusions, loop fusions of more
+    than one compute instruction (op fusion proper: with the `fusion` pass off, XLA:CPU still
+    wraps single ops in one-instruction kLoop fusions), and library-call custom fusions."""
     module = _hlo.parse_module(text)
     stats = {
         "all-reduce": 0,
         "all-reduce-operands": 0,
+        "reduce-scatter": 0,
+        "all-gather": 0,
         "fusion": 0,
         "loop_fusions": 0,
         "multi_op_loop_fusions": 0,
@@ -80,6 +87,8 @@ def compiled_stats(text: str) -> dict[str, int]:
         if inst.opcode in ("all-reduce", "all-reduce-start"):
             stats["all-reduce"] += 1
             stats["all-reduce-operands"] += len(inst.operands)
+        elif inst.opcode.removesuffix("-start") in ("reduce-scatter", "all-gather"):
+            stats[inst.opcode.removesuffix("-start")] += 1
         elif inst.opcode == "fusion":
             stats["fusion"] += 1
             if inst.attr("kind") == "kCustom":
@@ -98,18 +107,66 @@ def plan_tag(fingerprint: str, strategy_json: dict) -> str:
     return f"{fingerprint}:{digest}"
 
 
+def with_hook_rules(backend: Backend, text: str) -> apply.Applied:
+    """`text` with the sharding rules `backend` applies at the hook (`Backend.hook_rules`)."""
+    return apply.apply_rules(text, backend.hook_rules) if backend.hook_rules else apply.Applied(text)
+
+
+# Per plan tag (`plan_tag`): the rules applied to the module `compile_strategy` returned at the
+# hook, and the all-reduces and reduce-scatters that module holds.
+_HOOK_RESULTS: dict[str, tuple[tuple[dict, ...], dict[str, int]]] = {}
+
+
+def _rewritten(graph: Graph, strategy: Strategy, tag: str) -> str:
+    """The module text the hook returns for `strategy`: its rewrite, with the hook rules."""
+    applied = with_hook_rules(graph.backend, graph.backend.rewriter.rewrite(graph, strategy))
+    counts = {"all-reduce": len(strategy.buckets), "reduce-scatter": 0}  # the rewrite's, no rule applied
+    if applied.applications:
+        counts = {"all-reduce": 0, "reduce-scatter": 0}
+        for inst in _hlo.parse_module(applied.text).entry.instructions:
+            if inst.opcode in counts:
+                counts[inst.opcode] += 1
+    _HOOK_RESULTS[tag] = (applied.applications, counts)
+    return applied.text
+
+
+def _hook_result(graph: Graph, strategy: Strategy) -> tuple[tuple[dict, ...], dict[str, int]]:
+    tag = plan_tag(graph.fingerprint, strategy.to_json(graph))
+    if tag not in _HOOK_RESULTS:
+        _rewritten(graph, strategy, tag)
+    return _HOOK_RESULTS[tag]
+
+
+def rules_applied(graph: Graph, strategy: Strategy) -> list[dict]:
+    """The sharding rules applied at the hook to `strategy`'s module: per application its rule,
+    the instructions it matched (`at`) and the instruction it made (`result`)."""
+    return list(_hook_result(graph, strategy)[0])
+
+
+def keeps_plan(counts: dict[str, int], graph: Graph, strategy: Strategy) -> bool:
+    """Whether a compiled strategy (`compiled_stats` of it) holds the all-reduces the hook
+    returned (one per bucket, less those the hook rules turned into reduce-scatters) and, where
+    the pipeline applies rules itself, its reduce-scatters."""
+    planned = _hook_result(graph, strategy)[1]
+    if counts["all-reduce"] != planned["all-reduce"]:
+        return False
+    return not graph.backend.hook_rules or counts.get("reduce-scatter", 0) == planned["reduce-scatter"]
+
+
 def compile_strategy(
     lowered: jax.stages.Lowered, graph: Graph, strategy: Strategy, compiler_options: dict | None = None
 ) -> tuple[Any, str]:
-    """Compile the step with `strategy` rewritten into its module at the hook. `compiler_options`
-    (e.g. `backends.gpu.collective_options(...)`) go on top of the backend's `rewrite_options`.
+    """Compile the step with `strategy` rewritten into its module at the hook (and the backend's
+    hook rules applied to it). `compiler_options` (e.g. `backends.gpu.collective_options(...)`)
+    go on top of the backend's `rewrite_options`.
 
     Returns (compiled, status): 'rewritten'; 'cached' when JAX served the executable compiled
     earlier for the same plan, in this process or from the persistent compilation cache (the
     cache key carries the plan's digest); or
     'fingerprint-mismatch' when the module at the hook is not the one the plan was made for
     (it is then compiled unmodified)."""
-    text = graph.backend.rewriter.rewrite(graph, strategy)
+    tag = plan_tag(graph.fingerprint, strategy.to_json(graph))
+    text = _rewritten(graph, strategy, tag)
     status = ["cached"]
 
     def handler(module_text: str) -> str | None:
@@ -120,7 +177,6 @@ def compile_strategy(
         return text
 
     options = {**graph.backend.rewrite_options, **(compiler_options or {})}
-    tag = plan_tag(graph.fingerprint, strategy.to_json(graph))
     if compiler_options:
         tag += ":" + hashlib.sha256(json.dumps(compiler_options, sort_keys=True).encode()).hexdigest()[:16]
     compiled = _capture.compile_with_hook(
@@ -170,11 +226,21 @@ def capture_graph(
     graph also carries those decisions, read at the backend's `decisions_stage` of the same
     compile. Needs no device: a step lowered for compile-only devices (`disco_jax.targets`)
     captures the same way. The compile runs with the backend's `decisions_options` (XLA's plan as
-    the graph can express it); the executable is XLA's under them."""
+    the graph can express it); the executable is XLA's under them, with the backend's hook rules
+    applied (`Graph.rules_applied` says where)."""
     stages = (backend.hook_stage,) + ((backend.decisions_stage,) if backend.decisions_stage else ())
     options = {**backend.decisions_options, **(compiler_options or {})} or None
-    texts, compiled = _capture.capture_stages(lowered, stages, options, platform=backend.platform)
+    applied: list[apply.Applied] = []
+
+    def with_rules(text: str) -> str | None:
+        applied.append(with_hook_rules(backend, text))
+        return applied[-1].text if applied[-1].applications else None
+
+    texts, compiled = _capture.capture_stages(
+        lowered, stages, options, platform=backend.platform, rewrites={backend.hook_stage: with_rules}
+    )
     graph = build_graph(texts[backend.hook_stage], backend)
+    graph.rules_applied = applied[-1].applications if applied else ()
     if backend.decisions_stage and backend.read_decisions is not None:
         graph = backend.read_decisions(graph, texts[backend.decisions_stage])
     return graph, compiled

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from disco_jax import _distributed, _hlo, _profile, _profiling, _search, _validate, cost
-from disco_jax._compile import Captured, Runner, compile_strategy, compiled_stats
+from disco_jax._compile import Captured, Runner, compile_strategy, compiled_stats, keeps_plan
 from disco_jax._console import Ui
 from disco_jax._edit import prune
 from disco_jax._graph import Graph
@@ -63,11 +63,14 @@ class TuningConfig:
 @dataclasses.dataclass
 class Measurement:
     """One candidate on the devices: its interleaved timing against XLA's plan, its kernels' times
-    by their ops (the kernels the simulator costs), and the all-reduces XLA kept (None: unknown)."""
+    by their ops (the kernels the simulator costs), the all-reduces XLA kept (None: unknown) and
+    whether they (and any reduce-scatters the hook rules made) are the ones the hook returned
+    (`_compile.keeps_plan`; None: judged by the all-reduces against the buckets)."""
 
     timing: _validate.Timing
     kernel_times: dict[frozenset[int], float] = dataclasses.field(default_factory=dict)
     allreduces: int | None = None
+    kept: bool | None = None
 
 
 Measure = Callable[[Strategy], Measurement]
@@ -88,9 +91,11 @@ class Record:
 
     @property
     def eligible(self) -> bool:
-        """Measured, and XLA kept the planned all-reduces (else another program was timed)."""
+        """Measured, and XLA kept the planned collectives (else another program was timed)."""
         m = self.measurement
-        return m is not None and m.allreduces in (None, len(self.strategy.buckets))
+        if m is None or m.kept is not None:
+            return m is not None and m.kept
+        return m.allreduces in (None, len(self.strategy.buckets))
 
     @property
     def measured_ratio(self) -> float:
@@ -449,7 +454,8 @@ def device_measure(step: Captured, default_runner: Runner, tuning: TuningConfig)
         )
         names = kernel_members(graph, strategy, graph.backend.rewriter.rewrite(graph, strategy))
         kernels = {names[n]: t for n, t in times.items() if n in names}
-        return Measurement(timing, kernels, compiled_stats(compiled.as_text())["all-reduce"])
+        counts = compiled_stats(compiled.as_text())
+        return Measurement(timing, kernels, counts["all-reduce"], keeps_plan(counts, graph, strategy))
 
     return measure
 

@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
+from disco_jax.sharding import apply
+
 if TYPE_CHECKING:
     from disco_jax._graph import Graph
     from disco_jax._strategy import Strategy
@@ -53,6 +55,11 @@ class Backend:
     creates_reduce_scatter: whether the compiler turns an all-reduce whose every user is a
       dynamic-slice into a reduce-scatter after the hook (XLA:GPU's ReduceScatterCreator; the
       sharded weight update's gradients); the simulator costs such a gradient's transfer as one.
+    hook_rules: the proven sharding rules (`sharding.rules` names) the pipeline applies itself to
+      every module it compiles on this backend, at the hook after any plan's rewrite
+      (`sharding.apply.apply_rules`): those the compiler does not apply (XLA:CPU: the
+      reduce-scatter of an all-reduce read as blocks, grouped all-gathers; XLA:GPU: none, it
+      forms reduce-scatters and combines all-gathers itself).
     """
 
     platform: str
@@ -70,3 +77,10 @@ class Backend:
     decorator_ready: bool = True
     emits_fusions: bool = True
     creates_reduce_scatter: bool = False
+    hook_rules: frozenset[str] = frozenset()
+
+    @property
+    def forms_reduce_scatter(self) -> bool:
+        """Whether a sharded update's all-reduce runs as a reduce-scatter on this backend: the
+        compiler forms it, or the pipeline applies the rule that does (once proven)."""
+        return self.creates_reduce_scatter or apply.REDUCE_SCATTER_RULE in (self.hook_rules & apply.proven())
