@@ -180,4 +180,9 @@ def _comm_us(graph: Graph, st: KernelState, k: int, params: SimulatorParams, all
         return (params.bucket_us(allreduce, whole) if whole else 0.0) + (
             collective_time_us(allreduce, "reduce-scatter", split) if split else 0.0
         )
-    return collective_time_us(allreduce, *graph.collective_ops[next(iter(members))])
+    (o,) = members
+    collective, nbytes = graph.collective_ops[o]
+    time_us = collective_time_us(allreduce, collective, nbytes)
+    if o in sharded.grouped_gathers(graph):  # its group's all-gather paid the latency
+        time_us -= collective_time_us(allreduce, collective, 0)
+    return time_us

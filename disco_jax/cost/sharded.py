@@ -199,3 +199,16 @@ def scattered_gradients(graph: Graph) -> frozenset[int]:
         return frozenset()
     matched = apply.scatterable(graph.module)
     return frozenset(g.id for g in graph.gradients if g.result_name in matched)
+
+
+@_once_per_graph
+def grouped_gathers(graph: Graph) -> frozenset[int]:
+    """The all-gathers of `graph` the hook groups with an earlier one under XLA's plan
+    (`Graph.rules_applied`, `grouped_all_gather`): one all-gather pays the group's latency, these
+    only their bytes. Taken from XLA's plan for every strategy (a plan with other buckets may
+    group them otherwise)."""
+    out = set()
+    for a in graph.rules_applied:
+        if a["rule"] == apply.GROUPED_ALL_GATHER_RULE:
+            out.update(graph.entry_values[name] for name in a["at"][1:] if name in graph.entry_values)
+    return frozenset(out)

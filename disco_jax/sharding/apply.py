@@ -102,10 +102,13 @@ def scatterable(module: _hlo.HloModuleText) -> dict[str, OwnBlockRead]:
     """Per entry all-reduce result that every device reads only as its own block (by the name
     it is read by: a get-tuple-element of a variadic all-reduce, else the all-reduce), how it
     is read: what `apply_rules` turns into reduce-scatters."""
+    if REDUCE_SCATTER_RULE not in proven():
+        return {}
     entry, out = Scope(module.entry), {}
+    elementwise = set(ELEMENTWISE_RULES) <= proven()
     for inst in module.entry.instructions:
         if inst.opcode == "all-reduce":
-            for result, read in _scattered(module, entry, inst).values():
+            for result, read in _scattered(module, entry, inst, elementwise).values():
                 out[result] = read
     return out
 
@@ -139,7 +142,7 @@ def _scattered(module, entry: Scope, inst: _hlo.Instruction, elementwise: bool =
         return {}
     if not _is_sum(module, inst):
         return {}
-    out = {}
+    out, claimed = {}, set()  # (computation, instruction) pairs an earlier operand's read rewrites
     for operand, names in results.items():
         if len(names) != 1:
             continue
@@ -151,6 +154,10 @@ def _scattered(module, entry: Scope, inst: _hlo.Instruction, elementwise: bool =
             continue
         if any(len(r.scope.by_name[b].operands) > 2 for r in read.scopes for b in r.between):
             continue  # the rules cover unary and binary elementwise ops
+        touched = {(r.scope.computation.name, name) for r in read.scopes for name in r.between + r.slices}
+        if touched & claimed:
+            continue  # an op reading two gradients: each read would rewrite it
+        claimed |= touched
         out[operand] = (names[0], read)
     return out
 
