@@ -113,8 +113,10 @@ def with_hook_rules(backend: Backend, text: str) -> apply.Applied:
 
 
 # Per plan tag (`plan_tag`): the rules applied to the module `compile_strategy` returned at the
-# hook, and the all-reduces and reduce-scatters that module holds.
+# hook, and the all-reduces and reduce-scatters that module holds (the latest few hundred plans;
+# an older one is rewritten again when asked for).
 _HOOK_RESULTS: dict[str, tuple[tuple[dict, ...], dict[str, int]]] = {}
+_HOOK_RESULTS_KEPT = 256
 
 
 def _rewritten(graph: Graph, strategy: Strategy, tag: str) -> str:
@@ -127,6 +129,8 @@ def _rewritten(graph: Graph, strategy: Strategy, tag: str) -> str:
             if inst.opcode in counts:
                 counts[inst.opcode] += 1
     _HOOK_RESULTS[tag] = (applied.applications, counts)
+    while len(_HOOK_RESULTS) > _HOOK_RESULTS_KEPT:
+        del _HOOK_RESULTS[next(iter(_HOOK_RESULTS))]
     return applied.text
 
 
