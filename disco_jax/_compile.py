@@ -155,6 +155,14 @@ class Captured:
         """The module's name as XLA compiles it (profiler traces name kernels under it)."""
         return _capture.module_name(self.lowered)
 
+    def default_copy(self) -> Any:
+        """XLA's own executable of this program compiled a second time: the same program and
+        options as `default_compiled` (only the debug option that keys JAX's caches differs,
+        `_capture.CACHE_KEY_OPTION`), a separate executable that others are timed against."""
+        tag = _capture.cache_key_value(f"copy/{self.graph.fingerprint}")
+        options = {**self.graph.backend.decisions_options, _capture.CACHE_KEY_OPTION: tag}
+        return self.lowered.compile(compiler_options=options)
+
     def runner(self, compiled: Any, args: tuple | None = None, kwargs: dict | None = None) -> Runner:
         """A `Runner` of `compiled` on this call's arguments (or on others of the same signature)."""
         return Runner(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -42,6 +43,7 @@ from disco_jax import (
 from disco_jax._compile import capture, capture_graph, compile_strategy, compiled_stats
 from disco_jax._search import KEEP
 from disco_jax._strategy import sharding_all, with_sharding, xla_default
+from disco_jax._validate import median_interval
 from disco_jax.cost import sharded
 from disco_jax.eval import baselines, clusters
 from disco_jax.sharding import choice, update
@@ -152,19 +154,70 @@ def summarize(times_us: dict[str, float], fo_us: float) -> dict:
     }
 
 
+def measured_summary(strategies: dict[str, dict], reference_us: float) -> dict:
+    """A measured row's figures from its configurations (`measured`: their ratios to the row's
+    reference, `measured_json`; `simulated`): one time scale for the row, each configuration's
+    median ratio times the reference's median time (ratios of interleaved pairs are what is
+    robust); FO on that scale (the simulated bound times measured / simulated JAX_default);
+    `summarize`'s figures; and the speed-up's 95% interval (`ratio_between` the best baseline and
+    disco-jax), None where the row holds no per-pair ratios."""
+    times = {k: v["measured"]["ratio"] * reference_us for k, v in strategies.items()}
+    fo_simulated = min(v["simulated"]["full_overlap_us"] for v in strategies.values() if v["simulated"])
+    fo = fo_simulated * times["JAX_default"] / strategies["JAX_default"]["simulated"]["iteration_us"]
+    summary = summarize(times, fo)
+    interval = ratio_between(strategies[summary["best_baseline"]]["measured"], strategies[DISCO]["measured"])
+    return {
+        "time_us": times,
+        **summary,
+        "speedup_ci95": None if interval is None else [x - 1.0 for x in interval],
+        "fo_simulated_us": fo_simulated,
+    }
+
+
 def sim_json(step) -> dict | None:
     return None if step is None else step.to_json()
 
 
 def measured_json(timing) -> dict:
+    """A configuration timed against the row's reference (`_validate.Timing`: the reference is its
+    `default` side): its median time, the median per-pair ratio with its spread, interval and
+    every pair's ratio (which `ratio_between` compares configurations by)."""
     return {
         "us": timing.plan_us,
-        "default_us": timing.default_us,
+        "reference_us": timing.default_us,
         "ratio": timing.ratio,
         "ratio_iqr": [timing.ratio_low, timing.ratio_high],
         "ratio_ci95": list(timing.ratio_ci95),
         "pairs": timing.pairs,
+        "ratios": timing.ratios,
     }
+
+
+def overhead_json(timing) -> dict:
+    """The decorator's per-call overhead: the decorated call timed against the executable it runs
+    (`timing`'s default side), as a ratio and in microseconds per call (the ratio's excess times
+    the executable's median time)."""
+    per_call = lambda ratio: (ratio - 1.0) * timing.default_us  # noqa: E731
+    return {
+        **measured_json(timing),
+        "us_per_call": per_call(timing.ratio),
+        "us_per_call_iqr": [per_call(timing.ratio_low), per_call(timing.ratio_high)],
+        "us_per_call_ci95": [per_call(x) for x in timing.ratio_ci95],
+    }
+
+
+def ratio_between(a: dict, b: dict, confidence: float = 0.95) -> tuple[float, float] | None:
+    """Interval of median(a) / median(b) for two configurations timed against the same reference
+    (`measured_json`): each median's distribution-free interval at 1 - (1 - confidence) / 2,
+    divided crosswise, so that both hold together with at least `confidence` (Bonferroni). None
+    where either holds no per-pair ratios or too few for an interval."""
+    if not a.get("ratios") or not b.get("ratios"):
+        return None
+    each = 1.0 - (1.0 - confidence) / 2
+    (a_low, a_high), (b_low, b_high) = median_interval(a["ratios"], each), median_interval(b["ratios"], each)
+    if not all(map(math.isfinite, (a_low, a_high, b_low, b_high))) or b_low <= 0:
+        return None
+    return a_low / b_high, a_high / b_low
 
 
 def outputs_json(comparison) -> dict:
