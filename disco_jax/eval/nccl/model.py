@@ -275,7 +275,7 @@ class FittedCollectives:
     fabric: str
     gpus_per_node: int
     nodes: int
-    regimes: Mapping[str, tuple[Regime, ...]]
+    regimes: Mapping[str, tuple[Regime, ...]] = dataclasses.field(hash=False)
     node_bandwidth_GBps: float | None
     # NCCL on GPUs: a sharded weight update's all-reduce becomes a reduce-scatter.
     forms_reduce_scatter: ClassVar[bool] = True
@@ -292,6 +292,8 @@ class FittedCollectives:
         ("ring", "nvls", "tree"): only that algorithm's regimes (a table measured with it forced)."""
         if collective == "done":
             return 0.0
+        if isinstance(nbytes, int | float) and algorithm is None and self.num_devices > 1:  # the simulator's call
+            return min(r.latency_us + r.us_per_byte * nbytes for r in self.regimes[collective])
         if self.num_devices <= 1:
             return np.zeros_like(nbytes, dtype=float) if np.ndim(nbytes) else 0.0
         regimes = [r for r in self.regimes[collective] if algorithm in (None, r.algorithm)]
