@@ -34,7 +34,7 @@ from disco_jax._compile import Captured, capture, compile_strategy, compiled_sta
 from disco_jax._console import Ui
 from disco_jax._profiling import calibrate, profile
 from disco_jax.eval import baselines
-from disco_jax.eval.rows import DISCO, log, measured_json, outputs_json, sim_json, summarize
+from disco_jax.eval.rows import DISCO, full_overlap_us, log, measured_json, outputs_json, sim_json, summarize
 
 
 class Job:
@@ -182,7 +182,7 @@ def measured_row(
         k: v["measured"]["ratio"] * default_us if k != "JAX_default" else default_us for k, v in strategies.items()
     }
     # FO on the measured time scale: the simulated bound times measured / simulated JAX_default.
-    fo_simulated = min(v["simulated"]["full_overlap_us"] for v in strategies.values() if v["simulated"])
+    fo_simulated = full_overlap_us(strategies)
     fo = fo_simulated * default_us / strategies["JAX_default"]["simulated"]["iteration_us"]
     return {
         "strategies": strategies,

@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 
 from disco_jax._files import write_json_atomic
-from disco_jax.backends import CPU
+from disco_jax.backends import CPU, GPU, Backend
 from disco_jax.eval import baselines, clusters, headroom
 from disco_jax.eval.figures import write_figures
 from disco_jax.eval.rows import (
@@ -434,21 +434,24 @@ def _paper_models(rows: list[dict], models: list[str]) -> list[str]:
     return blocks
 
 
-def _enacted_by(name: str) -> str:
-    """How the measured platform enacts a baseline: its compile options, or our rewrite."""
-    options = CPU.baseline_options.get(name)
+def _enacted_by(name: str, backend: Backend = CPU) -> str:
+    """How `backend` enacts a baseline: its compile options, or our rewrite."""
+    options = backend.baseline_options.get(name)
     if options is None:
         return _t("enacted_by_rewrite")
     if not options:
         return _t("enacted_by_defaults")
-    return _t("enacted_by_options", options=",".join(f"{k}={v}" for k, v in options.items()))
+    return _t("enacted_by_options", options="; ".join(f"{k}={v}" for k, v in options.items()))
 
 
 def _baselines_and_clusters() -> list[str]:
     blocks = [
         _t(
             "baselines",
-            rows="\n".join(_table_row([name, _enacted_by(name), baselines.SOURCES[name]]) for name in BASELINE_ORDER),
+            rows="\n".join(
+                _table_row([name, _enacted_by(name), _enacted_by(name, GPU), baselines.SOURCES[name]])
+                for name in BASELINE_ORDER
+            ),
         )
     ]
     cluster_rows = [
