@@ -153,7 +153,9 @@ class CompiledProgram:
     a rewrite, the backend's `rewrite_options` included). status: 'compiled' (options), 'rewritten'
     or 'cached' (rewrite, see `compile_strategy`), or 'not enacted' with the `reason`; `compiled`
     (the `jax.stages.Compiled`) is None then. compile_s / compile_cpu_s: wall and process CPU
-    seconds of the compile (CPU time is the figure to compare on a shared machine)."""
+    seconds of the compile (CPU time is the figure to compare on a shared machine).
+    same_program_as: the name the same program was compiled under first, when `Programs` served
+    it again (its compile seconds are that compile's)."""
 
     name: str
     enacted_by: str
@@ -163,6 +165,7 @@ class CompiledProgram:
     reason: str | None = None
     compile_s: float = 0.0
     compile_cpu_s: float = 0.0
+    same_program_as: str | None = None  # compiled before under this name (`Programs`): no compile of its own
 
     @property
     def enacted(self) -> bool:
@@ -188,6 +191,7 @@ class CompiledProgram:
             "compiled": self.stats,
             "compile_s": round(self.compile_s, 3),
             "compile_cpu_s": round(self.compile_cpu_s, 3),
+            "same_program_as": self.same_program_as,
         }
 
 
@@ -242,7 +246,7 @@ class Programs:
         if key not in self._by_key:
             self._by_key[key] = compile_program(self.lowered, self.graph, name, strategy, compiler_options)
         found = self._by_key[key]
-        return found if found.name == name else dataclasses.replace(found, name=name)
+        return found if found.name == name else dataclasses.replace(found, name=name, same_program_as=found.name)
 
 
 @dataclasses.dataclass

@@ -25,7 +25,14 @@ from disco_jax._compile import Programs, capture_graph  # noqa: E402
 from disco_jax.eval import baselines, clusters  # noqa: E402
 from disco_jax.eval.rows import PAPER_DEVICES  # noqa: E402
 
-COLUMNS = ("fusion", "multi_op_loop_fusions", "custom_fusions", "multi_op_custom_fusions", "all-reduce")
+# compiled_stats key -> column heading
+COLUMNS = {
+    "fusion": "fusions",
+    "multi_op_loop_fusions": "multi-op",
+    "custom_fusions": "custom",
+    "multi_op_custom_fusions": "multi-op custom",
+    "all-reduce": "all-reduces",
+}
 
 
 def model_programs(model: str, config: str, cluster: clusters.Cluster) -> dict:
@@ -57,21 +64,21 @@ def print_table(found: dict) -> None:
         f"\n{found['model']} ({found['config']}, {found['target']} x {PAPER_DEVICES}): "
         f"{found['gradients']} gradients, capture {found['capture_s']:.1f} s"
     )
-    print(
-        f"{'baseline':22s} {'enacted by':16s} {'status':12s} "
-        + " ".join(f"{c:>8.8s}" for c in COLUMNS)
-        + "   wall s   cpu s"
-    )
+    widths = {k: max(8, len(h)) for k, h in COLUMNS.items()}
+    headings = " ".join(f"{h:>{widths[k]}}" for k, h in COLUMNS.items())
+    print(f"{'baseline':22s} {'enacted by':16s} {'status':12s} {headings}   wall s   cpu s")
     for name, p in found["baselines"].items():
         stats = p["compiled"] or {}
-        cells = " ".join(f"{stats.get(c, '-'):>8}" for c in COLUMNS)
+        cells = " ".join(f"{stats.get(k, '-'):>{widths[k]}}" for k in COLUMNS)
         times = f"{p['compile_s']:8.1f} {p['compile_cpu_s']:7.1f}"
         print(f"{name:22s} {p['enacted_by']:16s} {p['status']:12s} {cells} {times}")
         if p["reason"]:
             print(f"    not enacted: {p['reason']}")
+        if p["same_program_as"]:
+            print(f"    the same program as {p['same_program_as']} (compiled once)")
         print(f"    options: {p['compiler_options']}")
-    total = sum(p["compile_s"] for p in found["baselines"].values())
-    cpu = sum(p["compile_cpu_s"] for p in found["baselines"].values())
+    own = [p for p in found["baselines"].values() if not p["same_program_as"]]
+    total, cpu = sum(p["compile_s"] for p in own), sum(p["compile_cpu_s"] for p in own)
     print(f"compiling the baselines: {total:.1f} s wall, {cpu:.1f} s CPU")
 
 

@@ -341,4 +341,5 @@ def test_a_strategy_that_cannot_be_enacted_says_why_and_compiles_nothing(capture
 def test_programs_compile_each_enactment_once(captured, baseline_programs):
     _, compiled, programs = baseline_programs
     again = programs.compile("again", None, backends.GPU.baseline_options["JAX_op_fusion"])
-    assert again.compiled is compiled["JAX_op_fusion"].compiled and again.name == "again"
+    assert again.compiled is compiled["JAX_op_fusion"].compiled
+    assert (again.name, again.same_program_as) == ("again", "JAX_op_fusion")
