@@ -65,6 +65,16 @@ def test_decorated_tiny_model_trains_and_equals_the_unmodified_step(name, style,
     assert np.mean(changed) > 0.9
 
 
+def test_fo_is_the_lowest_baseline_bound_never_disco_jax():
+    strategies = {
+        "JAX_default": {"simulated": {"full_overlap_us": 90.0}},
+        "Horovod": {"simulated": {"full_overlap_us": 80.0}},
+        "PyTorch_DDP": {"simulated": None},  # not enacted
+        rows.DISCO: {"simulated": {"full_overlap_us": 50.0}},
+    }
+    assert rows.full_overlap_us(strategies) == 80.0
+
+
 def test_summary_speedup_and_headroom():
     s = rows.summarize({"A": 120.0, "B": 100.0, rows.DISCO: 90.0}, fo_us=80.0)
     assert s["best_baseline"] == "B"
@@ -91,11 +101,14 @@ def test_simulated_row_has_every_strategy_and_a_consistent_bound(simulated_rows)
         assert all(t is not None and t > 0 for t in times.values()), name
         # The search starts from every baseline: it is never worse in simulation.
         assert times[rows.DISCO] <= row["best_baseline_us"] + 1e-6
-        assert row["fo_us"] <= min(times.values()) + 1e-6
-        # The dependency bound is disco-jax's plan's: between FO and its simulated time.
+        # FO is the baselines' bound, never disco-jax's own.
+        simulated = {k: v["simulated"] for k, v in row["strategies"].items()}
+        assert row["fo_us"] == min(simulated[b]["full_overlap_us"] for b in rows.BASELINE_ORDER)
+        assert row["fo_us"] <= min(times[b] for b in rows.BASELINE_ORDER) + 1e-6
+        # The dependency bound is disco-jax's plan's: between its plan's FO and its simulated time.
         bound = row["dependency_bound_us"]
-        assert row["strategies"][rows.DISCO]["simulated"]["dependency_bound_us"] == bound
-        assert row["fo_us"] - 1e-6 <= bound <= times[rows.DISCO] + 1e-6
+        assert simulated[rows.DISCO]["dependency_bound_us"] == bound
+        assert simulated[rows.DISCO]["full_overlap_us"] - 1e-6 <= bound <= times[rows.DISCO] + 1e-6
         assert row["search"]["evaluated"] >= len(rows.BASELINE_ORDER)
         # XLA's all-reduce combining on a GPU cluster is XLA:GPU's combiner.
         assert row["strategies"]["JAX_default"]["buckets"] == len(baselines.xla_gpu_buckets(graph))
@@ -250,19 +263,36 @@ def test_measured_rows_are_told_against_one_reference_with_intervals():
     assert "The decorator's own cost per call in µs" in text and "$" not in text
 
 
-def test_gpu_cluster_row_is_costed_on_the_program_xla_gpu_compiled():
-    """A cluster row on XLA:GPU's module (deviceless, H100 target): JAX_default is XLA:GPU's own
-    combining as compiled, and disco-jax's plan is enacted, compiled and simulated as compiled."""
+@pytest.fixture(scope="module")
+def gpu_mlp():
+    """The tiny MLP's Adam step lowered for 8 H100s (deviceless), captured, with its compiled
+    programs, which the GPU rows below share (as one target's rows do in the bench)."""
     lowered = zoo.lower_abstract(zoo.get_model("mlp", "tiny"), optax.adam(1e-3), targets.mesh("h100-sxm", 8), "jit")
     graph, compiled = _compile.capture_graph(lowered, backends.GPU)
+    return lowered, graph, compiled, _compile.Programs(lowered, graph)
+
+
+def test_gpu_cluster_row_is_costed_on_the_program_xla_gpu_compiled(gpu_mlp):
+    """A cluster row on XLA:GPU's module (deviceless, H100 target): every baseline compiled as
+    XLA:GPU enacts it (JAX_default: XLA:GPU's own program), and disco-jax's plan enacted, compiled
+    and simulated as compiled."""
+    lowered, graph, compiled, programs = gpu_mlp
     cluster = clusters.get_cluster("8xH100-NVLink")
     assert cluster.target == "h100-sxm" and clusters.get_cluster("clusterA-12x1080Ti").target is None
-    row = rows.simulated_row(graph, cluster, budget_s=1.0, lowered=lowered)
+    row = rows.simulated_row(graph, cluster, budget_s=1.0, lowered=lowered, programs=programs)
     xla_allreduces = _compile.compiled_stats(compiled.as_text())["all-reduce"]
     assert row["strategies"]["JAX_default"]["buckets"] == len(graph.xla_buckets) == xla_allreduces
+    # Every baseline compiled as XLA:GPU enacts it; JAX_default is XLA's own program.
+    for name in rows.BASELINE_ORDER:
+        program = row["strategies"][name]["program"]
+        assert program["status"] in _compile.ENACTED and program["compiled"]["fusion"] > 0, name
+        assert program["enacted_by"] == ("rewrite" if name in ("PyTorch_DDP", "Horovod") else "compile options")
+    default = row["strategies"]["JAX_default"]["program"]
+    assert default["compiler_options"] == {} and default["compiled"]["all-reduce"] == xla_allreduces
+    assert row["strategies"]["JAX_no_fusion"]["program"]["compiled"]["multi_op_loop_fusions"] == 0
     disco = row["strategies"][rows.DISCO]
     enacted = disco["enacted"]
-    assert enacted["status"] == "rewritten"
+    assert enacted["status"] == "rewritten" and enacted["enacted_by"] == "rewrite"
     assert enacted["compiled"]["all-reduce"] == enacted["planned_buckets"] == enacted["compiled_buckets"]
     assert enacted["simulated"] is not None and disco["simulated"] == enacted["simulated"]
     assert "searched" in disco
@@ -270,12 +300,11 @@ def test_gpu_cluster_row_is_costed_on_the_program_xla_gpu_compiled():
     json.dumps(row)
 
 
-def test_a_gpu_row_enacts_a_sharded_update_by_lowering_the_step_again():
+def test_a_gpu_row_enacts_a_sharded_update_by_lowering_the_step_again(gpu_mlp):
     """The search may shard weight updates (`Strategy.sharded`); a GPU row then costs the step
     lowered again with that state sharded, as XLA:GPU compiles it, against the best plan that
     shards nothing, and reports the optimizer-state bytes per device of what it took."""
-    lowered = zoo.lower_abstract(zoo.get_model("mlp", "tiny"), optax.adam(1e-3), targets.mesh("h100-sxm", 8), "jit")
-    graph, _ = _compile.capture_graph(lowered, backends.GPU)
+    lowered, graph, _, programs = gpu_mlp
     shardable = sharded.regions_of(graph).shardable
     relower = functools.partial(rows.sharded_paper_program, "mlp", "jit", "h100-sxm", graph, config="tiny")
     program = relower(shardable)
@@ -283,7 +312,7 @@ def test_a_gpu_row_enacts_a_sharded_update_by_lowering_the_step_again():
     assert "all-gather" in collectives  # the updated parameters, gathered
     assert sum(program.transfer_bytes) < sum(graph.transfer_bytes)  # gradients reduce-scattered
     row = rows.simulated_row(
-        graph, clusters.get_cluster("8xH100-NVLink"), budget_s=1.0, lowered=lowered, relower=relower
+        graph, clusters.get_cluster("8xH100-NVLink"), budget_s=1.0, lowered=lowered, relower=relower, programs=programs
     )
     disco, update = row["strategies"][rows.DISCO], row["weight_update"]
     assert update["shardable_gradients"] == len(shardable) > 0

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from disco_jax._files import write_json_atomic
-from disco_jax.backends import CPU
+from disco_jax.backends import CPU, GPU, Backend
 from disco_jax.eval import baselines, clusters, headroom, report_measured
 from disco_jax.eval import report_text as fmt
 from disco_jax.eval.figures import write_figures
@@ -315,14 +315,14 @@ def _paper_models(rows: list[dict], models: list[str]) -> list[str]:
     return blocks
 
 
-def _enacted_by(name: str) -> str:
-    """How the measured platform enacts a baseline: its compile options, or our rewrite."""
-    options = CPU.baseline_options.get(name)
+def _enacted_by(name: str, backend: Backend = CPU) -> str:
+    """How `backend` enacts a baseline: its compile options, or our rewrite."""
+    options = backend.baseline_options.get(name)
     if options is None:
         return fmt.fill("enacted_by_rewrite")
     if not options:
         return fmt.fill("enacted_by_defaults")
-    return fmt.fill("enacted_by_options", options=",".join(f"{k}={v}" for k, v in options.items()))
+    return fmt.fill("enacted_by_options", options="; ".join(f"{k}={v}" for k, v in options.items()))
 
 
 def _baselines_and_clusters() -> list[str]:
@@ -330,7 +330,8 @@ def _baselines_and_clusters() -> list[str]:
         fmt.fill(
             "baselines",
             rows="\n".join(
-                fmt.table_row([name, _enacted_by(name), baselines.SOURCES[name]]) for name in BASELINE_ORDER
+                fmt.table_row([name, _enacted_by(name), _enacted_by(name, GPU), baselines.SOURCES[name]])
+                for name in BASELINE_ORDER
             ),
         )
     ]
