@@ -225,7 +225,7 @@ def choose(
     comparison = update.check_outputs(step, best.step)
     info["check"] = dataclasses.asdict(comparison)
     if not comparison.within_tolerance:
-        reason = f"the sharded update's outputs differ, max abs error {comparison.max_abs_error:.3g}"
+        reason = f"the sharded update's outputs differ: {comparison.summary()}"
         return step, None, {**info, "mode": "replicated", "reason": reason}
     timing = _validate.time_until_decided(
         step.runner(step.default_compiled),
