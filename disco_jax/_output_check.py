@@ -81,24 +81,22 @@ class Float64Run:
         info = getattr(fn, "_jit_info", None)
         if info is None or not hasattr(fn, "__wrapped__"):
             return None, "the step is not a jax.jit function"
-        try:
-            args, kwargs = jax.tree.map(_promoted, (self.args, self.kwargs))
-        except Exception as e:  # e.g. a key array spanning other processes
-            return None, f"its inputs cannot be copied to the host: {_message(e)}"
         jitted = jax.jit(fn.__wrapped__, static_argnums=info.static_argnums, static_argnames=info.static_argnames)
-        with jax.enable_x64(True), jax.default_device(_host_cpu()):
-            try:
-                traced = jitted.trace(*args, **kwargs)
+        try:
+            with jax.enable_x64(True), jax.default_device(_host_cpu()):
+                # Traced from shapes first: nothing is copied for a step that cannot run.
+                shape_args, shape_kwargs = jax.tree.map(_promoted_shape, (self.args, self.kwargs))
+                traced = jitted.trace(*shape_args, **shape_kwargs)
                 narrow = narrow_float(traced.jaxpr.jaxpr)
                 if narrow is not None:
                     return None, f"it computes in {narrow} even from float64 inputs"
                 flops = (traced.lower().cost_analysis() or {}).get("flops", 0.0)
                 if flops > MAX_FLOAT64_FLOPS:
                     return None, f"its float64 run needs {flops:.3g} flops, over {MAX_FLOAT64_FLOPS:.0e} on the host"
-                outputs = jax.tree.map(np.asarray, jitted(*args, **kwargs))
-            except Exception as e:  # shard_map collectives across processes, custom calls, ...
-                return None, f"it does not run in float64 on the host: {_message(e)}"
-        return outputs, None
+                args, kwargs = jax.tree.map(_promoted, (self.args, self.kwargs))
+                return jax.tree.map(np.asarray, jitted(*args, **kwargs)), None
+        except Exception as e:  # no host CPU backend, shard_map collectives across processes, custom calls, ...
+            return None, f"it does not run in float64 on the host: {_message(e)}"
 
 
 def _message(e: Exception) -> str:
@@ -118,6 +116,19 @@ def _host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def _float64(dtype) -> Any:
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return np.dtype(np.complex128)
+    return np.dtype(np.float64) if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
+def _promoted_shape(x: Any) -> Any:
+    """An input's shape and promoted dtype, as `_promoted` will give it (no sharding)."""
+    if isinstance(x, jax.Array | np.ndarray):
+        return jax.ShapeDtypeStruct(x.shape, _float64(x.dtype))
+    return x
+
+
 def _promoted(x: Any) -> Any:
     """An input as the float64 run takes it: floating arrays as float64 host arrays, other arrays
     on the host, key arrays rebuilt on the host CPU from their data, anything else as it is."""
@@ -127,27 +138,32 @@ def _promoted(x: Any) -> Any:
         data = _host(jax.random.key_data(x))
         return jax.device_put(jax.random.wrap_key_data(data, impl=jax.random.key_impl(x)), _host_cpu())
     host = _host(x) if isinstance(x, jax.Array) else x
-    if jnp.issubdtype(host.dtype, jnp.complexfloating):
-        return host.astype(np.complex128)
-    if jnp.issubdtype(host.dtype, jnp.floating):
-        return host.astype(np.float64)
-    return host
+    return host.astype(_float64(host.dtype))
+
+
+def _float_bits(var) -> int:
+    dtype = getattr(getattr(var, "aval", None), "dtype", None)
+    return jnp.finfo(dtype).bits if dtype is not None and jnp.issubdtype(dtype, jnp.inexact) else 0
 
 
 def narrow_float(jaxpr) -> str | None:
-    """Where a float64 trace still computes in a narrower float type (a hard-coded float32 cast, a
-    reduced-precision op): 'float32 (convert_element_type)', or None. Walks nested jaxprs."""
+    """Where a float64 trace rounds to a narrower float type (a hard-coded float32 cast of a value
+    computed from the inputs, a reduced-precision op): 'float32 (convert_element_type)', or None.
+    Narrow floats made from integers or booleans (masks, one-hot labels) lose nothing and pass.
+    Walks nested jaxprs."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "reduce_precision":
             return f"reduced precision ({eqn.primitive.name})"
-        for var in eqn.outvars:
-            dtype = getattr(var.aval, "dtype", None)
-            if dtype is not None and jnp.issubdtype(dtype, jnp.inexact) and jnp.finfo(dtype).bits < 64:
-                return f"{dtype} ({eqn.primitive.name})"
-        for inner in jax_core.jaxprs_in_params(eqn.params):
-            found = narrow_float(inner)
+        inner = list(jax_core.jaxprs_in_params(eqn.params))
+        if inner:  # a call, a loop, a custom derivative: its body says where
+            found = next((f for f in map(narrow_float, inner) if f is not None), None)
             if found is not None:
                 return found
+            continue
+        widest = max(map(_float_bits, eqn.invars), default=0)
+        for var in eqn.outvars:
+            if 0 < _float_bits(var) < widest:
+                return f"{var.aval.dtype} ({eqn.primitive.name})"
     return None
 
 

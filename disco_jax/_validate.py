@@ -168,6 +168,14 @@ def _errors(r: np.ndarray, c: np.ndarray) -> tuple[float, float]:
     return float(np.nanmax(diff)), float(np.nanmax(diff / np.maximum(np.abs(r64), 1e-30)))
 
 
+def ulp_bound(default: np.ndarray, sensitivity: float | None = None) -> float:
+    """The ulp tolerance's bound on max |plan - default| for one floating array: atol + rtol x
+    max |default| (`TOLERANCES` by itemsize), and at least SENSITIVITY_FACTOR x its `sensitivity`."""
+    rtol, atol = TOLERANCES.get(default.dtype.itemsize, TOLERANCES[4])
+    bound = atol + rtol * float(np.nanmax(np.abs(default.astype(np.float64))))
+    return bound if sensitivity is None else max(bound, SENSITIVITY_FACTOR * sensitivity)
+
+
 def compare_outputs(reference: Any, candidate: Any, *, bitwise: bool, floor: list[float] | None = None) -> Comparison:
     """Compare step outputs with the ulp tolerance (or bitwise); `floor` is `sensitivity(...)`
     per output, if measured."""
@@ -182,14 +190,10 @@ def compare_outputs(reference: Any, candidate: Any, *, bitwise: bool, floor: lis
         if differs:
             return Comparison(False, False, float("inf"), float("inf"), len(pairs), i, check)
         abs_err, rel_err = _errors(r, c)
-        rtol, atol = TOLERANCES.get(r.dtype.itemsize, TOLERANCES[4])
         if abs_err > max_abs:
             max_abs, worst = abs_err, i
         max_rel = max(max_rel, rel_err)
-        allowed = atol + rtol * float(np.nanmax(np.abs(r.astype(np.float64))))
-        if floor is not None:
-            allowed = max(allowed, SENSITIVITY_FACTOR * floor[i])
-        if abs_err > allowed:
+        if abs_err > ulp_bound(r, None if floor is None else floor[i]):
             within = False
     ok = equal if bitwise else within
     return Comparison(equal, ok, max_abs, max_rel, len(pairs), worst, check)

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from disco_jax import _validate
-from disco_jax._output_check import Float64Run, OutputCheck
+from disco_jax._output_check import Float64Run, OutputCheck, narrow_float
 
 from _steps import gradient_sums, make_step
 
@@ -102,6 +102,14 @@ def test_the_float64_run_promotes_floating_inputs_and_keeps_the_rest():
     # 1/3 rounded to float32, times 3 in float64: not 1.0, as float32 arithmetic would give.
     np.testing.assert_array_equal(y, np.float64(np.float32(1.0 / 3.0)) * 3.0 + 2.0)
     assert np.all(y != np.float32(3.0))
+
+
+def test_narrow_floats_made_from_masks_pass_and_casts_of_computed_floats_do_not():
+    with jax.enable_x64(True):
+        masked = jax.make_jaxpr(lambda x, mask: x * mask.astype(jnp.float32))(np.ones(3), np.ones(3, bool))
+        cast = jax.make_jaxpr(jax.jit(lambda x: x.astype(jnp.float32) * 2))(np.ones(3))
+    assert narrow_float(masked.jaxpr) is None  # exact: a bool is 0.0 or 1.0 in any float type
+    assert narrow_float(cast.jaxpr) == "float32 (convert_element_type)"  # found inside the nested jit
 
 
 def test_deviation_counts_matching_nans_and_infinities_as_equal():
