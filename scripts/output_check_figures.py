@@ -40,14 +40,15 @@ OPTIMIZERS = {
 }
 
 
-def ulp_shares(default, plan, nudged) -> list[float]:
-    """Per floating output array: max |plan - XLA| over the ulp tolerance's bound."""
-    shares = []
+def ulp_bounds(default, plan, nudged) -> tuple[list[float], list[float]]:
+    """Per floating output array: the ulp tolerance's bound on |plan - XLA|, and max |plan - XLA|
+    over it."""
+    bounds, shares = [], []
     for d, p, n in zip(*(map(np.asarray, jax.tree.leaves(t)) for t in (default, plan, nudged))):
         if np.issubdtype(d.dtype, np.floating):
-            sensitivity = _validate.sensitivity(d, n)[0]
-            shares.append(_validate.deviation(p, d.astype(np.float64)) / _validate.ulp_bound(d, sensitivity))
-    return shares
+            bounds.append(_validate.ulp_bound(d, _validate.sensitivity(d, n)[0]))
+            shares.append(_validate.deviation(p, d.astype(np.float64)) / bounds[-1])
+    return bounds, shares
 
 
 def figures(model: str, optimizer: str) -> dict:
@@ -61,7 +62,7 @@ def figures(model: str, optimizer: str) -> dict:
     plan = compiled(*args)
     new = check.compare(plan)
     old = _validate.compare_outputs(check.default(), plan, bitwise=False, floor=None)
-    shares = ulp_shares(check.default(), plan, check.run_nudged())
+    bounds, shares = ulp_bounds(check.default(), plan, check.run_nudged())
     row = {
         "model": model,
         "optimizer": optimizer,
@@ -80,6 +81,7 @@ def figures(model: str, optimizer: str) -> dict:
         floating = [i for i, a in enumerate(new.allowed) if a]
         worst = max(floating, key=lambda i: new.plan_deviation[i] / new.allowed[i])
         ratios = [new.plan_deviation[i] / new.default_deviation[i] for i in floating if new.default_deviation[i]]
+        looser = [b / new.allowed[i] for b, i in zip(bounds, floating)]
         row.update(
             arrays=len(floating),
             worst_array=worst,
@@ -89,6 +91,8 @@ def figures(model: str, optimizer: str) -> dict:
             largest_plan_over_xla=max(ratios, default=0.0),
             largest_default_deviation=max(new.default_deviation),
             largest_plan_deviation=max(new.plan_deviation),
+            # How much looser the ulp tolerance held each array than the float64 check does.
+            ulp_bound_over_float64_bound_median=float(np.median(looser)),
         )
     return row
 
@@ -106,7 +110,8 @@ def line(r: dict) -> str:
         f"at {r['worst_share']:.3f} of allowed (XLA {r['worst_default_deviation']:.3g}, plan "
         f"{r['worst_plan_deviation']:.3g}); plan/XLA up to {r['largest_plan_over_xla']:.2f}x over {r['arrays']} "
         f"arrays; largest deviation XLA {r['largest_default_deviation']:.3g}, plan {r['largest_plan_deviation']:.3g}; "
-        f"|plan - XLA| {r['max_abs_plan_minus_xla']:.3g}; {old}; {r['seconds']:.0f} s"
+        f"|plan - XLA| {r['max_abs_plan_minus_xla']:.3g}; {old}; ulp bound / float64 bound median "
+        f"{r['ulp_bound_over_float64_bound_median']:.3g}; {r['seconds']:.0f} s"
     )
 
 

@@ -74,7 +74,7 @@ def store_per_gradient_plan(step, args, plan_dir):
     return plan, len(graph.gradients)
 
 
-def gradient_sums(optimizer, sizes=(16, 32, 32, 4), batch=64):
+def gradient_sums(optimizer, sizes=(16, 32, 4), batch=64):
     """(XLA's data-parallel step, variants of it written with `shard_map` that combine the devices'
     gradients by hand, args). Each variant gathers every device's gradient of its batch shard and
     combines the stack with its function: 'reordered' sums them last device first and divides by
