@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
 
-from disco_jax import _distributed, _validate
+from disco_jax import _distributed, _validate, backends
 
 # The float64 step runs on the host's CPU; above this many floating-point operations (XLA's cost
 # analysis of the float64 program) it would take minutes there, and the ulp tolerance decides.
@@ -105,7 +105,7 @@ def _message(e: Exception) -> str:
 
 
 def _host_cpu():
-    return jax.local_devices(backend="cpu")[0]
+    return jax.local_devices(backend=backends.CPU.platform)[0]
 
 
 def _host(x: jax.Array) -> np.ndarray:
