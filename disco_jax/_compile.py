@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-from disco_jax import _capture, _hlo
+from disco_jax import _capture, _hlo, _output_check, _validate
 from disco_jax._graph import Graph, build_graph
 from disco_jax._plan import MachineKey
 from disco_jax._strategy import Strategy
@@ -254,7 +254,9 @@ class Captured:
     """One program of a decorated step, captured: the lowered step, its module as a graph at the
     backend's hook stage, XLA's own executable, the call's dynamic arguments (what executables
     take), the devices they live on, and the machine key plans are stored under. `scope` names
-    the program's multi-process exchanges (None in a single process)."""
+    the program's multi-process exchanges (None in a single process). `exact`: the float64 run of
+    the call (`_output_check.Float64Run`), shared by every program of the call; None where the
+    function is not known (the ulp tolerance then judges candidates' outputs)."""
 
     lowered: jax.stages.Lowered
     graph: Graph
@@ -264,6 +266,17 @@ class Captured:
     devices: list
     machine: MachineKey
     scope: str | None = None
+    exact: _output_check.Float64Run | None = None
+
+    @functools.cached_property
+    def output_check(self) -> _output_check.OutputCheck:
+        """How candidates' outputs are judged against this program's (one per program: XLA's
+        outputs are run once, the float64 run once per call)."""
+
+        def run_nudged():
+            return self.runner(self.default_compiled, *_validate.nudge((self.args, self.kwargs)))()
+
+        return _output_check.OutputCheck(self.runner(self.default_compiled), run_nudged, self.exact)
 
     @property
     def module_name(self) -> str:

@@ -90,6 +90,9 @@ def test_a_forced_sharded_update_checks_outputs_across_processes(tmp_path):
     for r in (p0, p1):
         assert r["weight_update"]["mode"] == "sharded", r["weight_update"]["reason"]
         assert r["weight_update"]["check"]["within_tolerance"] and r["within_tolerance"]
+        # Each process gathered the inputs and ran the step in float64 on its own CPU device.
+        assert r["weight_update"]["check"]["check"] == "float64-reference", r["weight_update"]["check"]
+        assert r["output_check"] == "float64-reference", r["output_check_fallback"]
         assert r["sharded_state_leaves"] > 0
     assert p0["weight_update"]["check"] == p1["weight_update"]["check"]
 

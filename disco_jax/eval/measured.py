@@ -41,6 +41,7 @@ import optax
 from disco_jax import ProfileDatabase, Strategy, _distributed, _validate, backends, optimize_distributed, zoo
 from disco_jax._compile import Captured, capture, compile_strategy, compiled_stats
 from disco_jax._console import Ui
+from disco_jax._output_check import Float64Run
 from disco_jax._profiling import calibrate, profile
 from disco_jax.eval import baselines
 from disco_jax.eval.rows import (
@@ -81,14 +82,11 @@ class Job:
         found = _distributed.broadcast_json(f"{self.scope}/baseline/{b.name}", b.strategy.to_json(graph))
         return dataclasses.replace(b, strategy=Strategy.from_json(graph, found))
 
-    def compare(self, reference: Any, outputs: Any, floor: list[float]) -> _validate.Comparison:
-        """Outputs against JAX_default's (`reference`: this process's shards), every process's verdict merged."""
-        comparison = _validate.compare_outputs(reference, _distributed.addressable(outputs), bitwise=False, floor=floor)
-        if self.scope is None:
-            return comparison
-        return _validate.Comparison.merge(
-            _distributed.gather_json(f"{self.scope}/outputs/{next(self.count)}", dataclasses.asdict(comparison))
-        )
+    def compare(self, captured: Captured, outputs: Any) -> _validate.Comparison:
+        """Outputs against JAX_default's by the step's output check (`captured.output_check`: the
+        float64 run of the step where it runs), every process's verdict merged."""
+        merge_key = None if self.scope is None else f"{self.scope}/outputs/{next(self.count)}"
+        return captured.output_check.compare(outputs, merge_key=merge_key)
 
 
 def compile_baseline(captured: Captured, b: baselines.Baseline) -> tuple:
@@ -136,6 +134,7 @@ def measured_row(
     if backend is None:
         raise ValueError(f"disco-jax has no backend for {jax.default_backend()!r}")
     captured = capture(step.lower(*args), backend, args, {})
+    captured.exact = Float64Run(step, args, {})
     graph = captured.graph
     capture_s = time.perf_counter() - started
     validation_pairs = max(8, pairs // 2)
@@ -148,9 +147,6 @@ def measured_row(
     candidates = baselines.all_baselines(
         graph, kernel_time_us=lambda ks: [t * scale for t in cost_model.estimator.estimate(graph, ks)]
     )
-    local = _distributed.addressable
-    reference = local(default_runner())
-    floor = _validate.sensitivity(reference, local(step(*_validate.nudge(args))))
     default_counts = compiled_stats(captured.default_compiled.as_text())
     reference_runner = captured.runner(captured.default_copy())
     strategies: dict[str, dict] = {}
@@ -160,9 +156,9 @@ def measured_row(
         log(f"{name}: {b.name} ({b.enacted_by})")
         compiled, status = compile_baseline(captured, b)
         runner = captured.runner(compiled)
-        # Bitwise equality is recorded; the check is the tolerance of `_validate` (fusion changes,
-        # and our rewrite of some modules, move float results by a few ulps).
-        comparison = job.compare(reference, runner(), floor)
+        # Bitwise equality is recorded; the check is the output check's (fusion changes, and our
+        # rewrite of some modules, move float results by a few ulps).
+        comparison = job.compare(captured, runner())
         timing = job.time(reference_runner, runner, pairs)
         reference_samples.append(timing.default_us)
         sim = cost_model.simulate(graph, b.strategy)
@@ -188,7 +184,7 @@ def measured_row(
     applied = bool(report.applied)
     executable, plan_args = plan_executable(optimized, args)
     strategy = Strategy.from_json(graph, report.plan["strategy"]) if applied else baselines.jax_default(graph).strategy
-    comparison = job.compare(reference, out, floor)
+    comparison = job.compare(captured, out)
     log(f"{name}: disco-jax {'plan applied' if applied else 'XLA default kept'}; timing its executable")
     plan_runner = captured.runner(executable, plan_args)
     timing = job.time(reference_runner, plan_runner, pairs)

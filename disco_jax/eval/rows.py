@@ -229,11 +229,20 @@ def ratio_between(a: dict, b: dict, confidence: float = 0.95) -> tuple[float, fl
 
 
 def outputs_json(comparison) -> dict:
-    return {
+    """A row's record of a configuration's outputs: the verdict, which check decided (and why not
+    the float64 one), and for the float64 check the largest ratio of the plan's deviation from the
+    float64 result to what it was allowed."""
+    out = {
         "bitwise_equal": comparison.bitwise_equal,
         "within_tolerance": comparison.within_tolerance,
         "max_abs_error": comparison.max_abs_error,
+        "check": comparison.check,
+        "fallback_reason": comparison.fallback_reason,
     }
+    if comparison.plan_deviation:
+        shares = [p / a for p, a in zip(comparison.plan_deviation, comparison.allowed) if a]
+        out["worst_share_of_allowed"] = max(shares, default=0.0)
+    return out
 
 
 # --------------------------------------------------------------------------- simulated rows
