@@ -103,6 +103,7 @@ def main(argv=None) -> None:
     graph, compiled = capture_graph(lowered, backends.GPU)
     programs = {"default": (graph, compiled.as_text())}
     out = {"model": args.model, "cluster": cluster.name, "capture_s": time.perf_counter() - started}
+    print(f"captured in {out['capture_s']:.0f} s", flush=True)
     if args.budget > 0:  # searched on the first constants' graph-level simulator
         estimator = ChainEstimator([estimator_for(cluster, args.constants[0])])
         search_cost = CostModel(estimator, allreduce, {}).evaluator(graph)
@@ -111,6 +112,7 @@ def main(argv=None) -> None:
         text = plan_compiled.as_text()
         programs["searched"] = (backends.GPU.read_decisions(graph, text), text)
         out["search"] = {"status": status, "constants": args.constants[0], "searched_us": search_cost(result.best)}
+        print(f"searched and compiled ({status}) at {time.perf_counter() - started:.0f} s", flush=True)
     for constants in args.constants:
         estimator = ChainEstimator([estimator_for(cluster, constants)])
         for label, (read, text) in programs.items():

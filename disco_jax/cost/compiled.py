@@ -96,11 +96,14 @@ def compiled_program(text: str, backend: Backend) -> CompiledProgram:
 def measured_table(program: CompiledProgram, times_us: Mapping[str, float]) -> TableEstimator:
     """Profiled kernel times by instruction name (`_profile.measure_kernel_times` of the executable
     `program` was read from) as a table by kernel signature: it answers for the same kernel in any
-    program (names alone would not: another compile reuses them for other kernels)."""
+    program (names alone would not: another compile reuses them for other kernels). Kernels of
+    one signature (the same computation, XLA:CPU's per-layer Adam fusions) get their mean."""
     graph = program.graph
-    return TableEstimator(
-        {graph.kernel_signature(ops): float(times_us[name]) for name, ops in program.ops.items() if name in times_us}
-    )
+    by_signature: dict[str, list[float]] = {}
+    for name, ops in program.ops.items():
+        if name in times_us:
+            by_signature.setdefault(graph.kernel_signature(ops), []).append(float(times_us[name]))
+    return TableEstimator({sig: sum(times) / len(times) for sig, times in by_signature.items()})
 
 
 @dataclasses.dataclass(frozen=True)
