@@ -84,7 +84,19 @@ def compiled_figures(text: str, estimator, allreduce) -> dict:
     kinds: dict[str, int] = {}
     for k in program.kernels:
         kinds[k.kind] = kinds.get(k.kind, 0) + 1
-    return {"module_kernels": kinds, **costed.to_json()}
+    # Where the time goes: per (kind, method), the kernels' count and summed time.
+    split: dict[str, list[float]] = {}
+    for k in costed.kernels:
+        entry = split.setdefault(f"{k.kind} by {k.method}", [0, 0.0])
+        entry[0] += 1
+        entry[1] += k.time_us
+    largest = max(program.compute_kernels, key=lambda k: len(program.ops[k.name]))
+    return {
+        "module_kernels": kinds,
+        "time_by_kind_and_method_us": split,
+        "largest_kernel": {"name": largest.name, "ops": len(program.ops[largest.name])},
+        **costed.to_json(),
+    }
 
 
 def main(argv=None) -> None:

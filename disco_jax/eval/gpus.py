@@ -16,7 +16,8 @@ GPUs' are assumed. No GEMM or convolution was timed, so the dot efficiency stays
   is what the fitted launch cost is, so nothing is added;
 * `RooflineEstimator` (``analytical-scaled``) for the rest (opaque ops: gemms, convolutions; and
   fusions beyond the GNN's training range, such as XLA:GPU's horizontally fused optimizer updates
-  of up to ~176 ops, which are memory-bound: the fitted bandwidth costs them) and for GPUs
+  (several parameters' Adam updates in one kernel of tens to hundreds of ops), which are
+  memory-bound: the fitted bandwidth costs them) and for GPUs
   without weights: ``launch + max(bytes / (memory efficiency x HBM bandwidth), elementwise work
   / fp32 peak + dot and convolution flops / (dot efficiency x dot peak))``, the dot peak of the
   operands' type: 16-bit floats (bfloat16, float16) at the tensor cores' 16-bit rate, others at
