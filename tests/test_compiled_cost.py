@@ -3,7 +3,6 @@ collectives of the module XLA compiled (XLA:GPU deviceless for 8 H100s, every ti
 XLA:CPU), in XLA's schedule on a compute and a communication stream, by measurement where a
 profile timed the kernel, and 16-bit dots at the tensor cores' 16-bit rate."""
 
-import functools
 import json
 
 import jax
@@ -56,22 +55,16 @@ def _module_kernels(text: str) -> tuple[int, list[tuple[str, str]]]:
     return compute, collectives
 
 
-@functools.cache
-def _gpu_text(model: str) -> str:
-    """XLA:GPU's compiled module of a tiny zoo model's Adam step for 8 H100s (deviceless)."""
-    lowered = zoo.lower_abstract(zoo.get_model(model, "tiny"), optax.adam(1e-3), targets.mesh("h100-sxm", 8), "jit")
-    return lowered.compile().as_text()
-
-
 H100_ROOFLINE = gpus.RooflineEstimator(gpus.H100_SXM)
 H100_COLLECTIVES = clusters.get_cluster("8xH100-NVLink").allreduce_model()
 
 
 @pytest.mark.parametrize("model", sorted(zoo.MODELS))
-def test_every_kernel_and_collective_of_xla_gpu_program_is_costed_once(model):
-    text = _gpu_text(model)
+def test_every_kernel_and_collective_of_xla_gpu_program_is_costed_once(model, xla_gpu_zoo):
+    text = xla_gpu_zoo(model)[2]
     compute, collectives = _module_kernels(text)
-    costed = cost.compiled_cost(text, backends.GPU, H100_ROOFLINE, H100_COLLECTIVES)
+    program = cost.compiled_program(text, backends.GPU)
+    costed = cost.cost_program(program, H100_ROOFLINE, H100_COLLECTIVES)
     record = costed.to_json()
     assert record["num_kernels"] == compute > 0
     assert [(k.name, k.lane) for k in costed.kernels if k.method == "collective model"] == [
@@ -82,13 +75,16 @@ def test_every_kernel_and_collective_of_xla_gpu_program_is_costed_once(model):
     assert costed.iteration_us >= max(costed.compute_us, costed.comm_us) > 0
     assert costed.compute_us == pytest.approx(sum(k.time_us for k in costed.kernels if k.lane == "compute"))
     json.dumps(costed.to_json(kernels=True))
+    # Library calls and gemm fusions carry their flops (cuDNN convolutions: from their attributes).
+    matrix = [k for k in program.compute_kernels if k.kind in ("gemm", "conv")]
+    assert matrix and all(cost.kernel_work(program.graph, program.ops[k.name]).dot > 0 for k in matrix)
 
 
-def test_h100_estimator_costs_fusions_by_the_gnn_within_its_range_and_the_rest_by_the_fitted_roofline():
+def test_h100_estimator_costs_fusions_by_the_gnn_within_its_range_and_the_rest_by_the_fitted_roofline(xla_gpu_zoo):
     """XLA:GPU's horizontally fused Adam updates exceed the GNN's training range (its largest
     kernel): the roofline at the fitted bandwidth costs them; gemms are roofline with the dot
     efficiency recorded as assumed."""
-    text = _gpu_text("transformer")
+    text = xla_gpu_zoo("transformer")[2]
     program = cost.compiled_program(text, backends.GPU)
     estimator = clusters.get_cluster("8xH100-NVLink").kernel_estimator()
     costed = cost.cost_program(program, estimator, H100_COLLECTIVES)
