@@ -207,13 +207,11 @@ def test_adam_step_on_a100_xla_plan_reproduces_xla_program():
 
 
 @pytest.fixture(scope="module", params=["transformer", "rnnlm"])
-def zoo_captured(request):
+def zoo_captured(request, xla_gpu_zoo):
     """Zoo models whose XLA:GPU programs fuse across opaque ops (embedding gathers), recompute
-    layer norms and LSTM gates in later fusions, and reassociate sums of all-reduces by default."""
-    model = request.param
-    lowered = zoo.lower_abstract(zoo.get_model(model, "tiny"), optax.adam(1e-3), targets.mesh("h100-sxm", 8), "jit")
-    graph, compiled = _compile.capture_graph(lowered, backends.GPU)
-    return lowered, graph, compiled.as_text()
+    layer norms and LSTM gates in later fusions, and reassociate sums of all-reduces by default
+    (compiled once per session: `conftest.xla_gpu_zoo`)."""
+    return xla_gpu_zoo(request.param)
 
 
 def test_xla_buckets_cover_every_gradient_once_as_xla_compiled(zoo_captured):

@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
+from disco_jax.backends.compiled import CompiledKernel, read_kernels
+
 if TYPE_CHECKING:
     from disco_jax._graph import Graph
     from disco_jax._strategy import Strategy
@@ -53,6 +55,8 @@ class Backend:
     creates_reduce_scatter: whether the compiler turns an all-reduce whose every user is a
       dynamic-slice into a reduce-scatter after the hook (XLA:GPU's ReduceScatterCreator; the
       sharded weight update's gradients); the simulator costs such a gradient's transfer as one.
+    read_kernels: the kernels of a compiled executable's module text in schedule order, what
+      `cost.compiled` costs (`backends.compiled.read_kernels`, which reads XLA:GPU's and XLA:CPU's).
     """
 
     platform: str
@@ -70,3 +74,4 @@ class Backend:
     decorator_ready: bool = True
     emits_fusions: bool = True
     creates_reduce_scatter: bool = False
+    read_kernels: Callable[[str], list[CompiledKernel]] = read_kernels
