@@ -11,6 +11,9 @@ These are the pipeline's hands (and the evaluation harness's, through the same p
 * `Runner` calls a compiled step repeatedly with fresh copies of the inputs it donates;
 * `compiled_stats` counts what a compiled module holds (the truth of a plan: all-reduces and
   fusions as XLA emitted them);
+* `compile_program` is the one path every strategy of a step takes to a `CompiledProgram`:
+  compile options (XLA enacts it) or the rewriter (we enact it), timed, and marked not enacted,
+  with the reason, where neither works;
 * `step_devices` lists the devices a call's arrays live on;
 * `capture` turns a lowered step into a `Captured` program: the graph and XLA's own executable.
 """
@@ -18,13 +21,16 @@ These are the pipeline's hands (and the evaluation harness's, through the same p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from disco_jax import _capture, _hlo
+from disco_jax import _capture, _hlo, _output_check, _validate
 from disco_jax._graph import Graph, build_graph
 from disco_jax._plan import MachineKey
 from disco_jax._strategy import Strategy
@@ -71,7 +77,9 @@ def compiled_stats(text: str) -> dict[str, int]:
     """What a compiled module's entry computation holds: all-reduces (and how many tensors they
     carry), reduce-scatters, all-gathers, fusions of any kind, loop fusions, loop fusions of more
     than one compute instruction (op fusion proper: with the `fusion` pass off, XLA:CPU still
-    wraps single ops in one-instruction kLoop fusions), and library-call custom fusions."""
+    wraps single ops in one-instruction kLoop fusions), library-call custom fusions, and custom
+    fusions that compute more than their one op (XLA:GPU: a gemm with a fused elementwise
+    prologue or epilogue, a Triton softmax fusion)."""
     module = _hlo.parse_module(text)
     stats = {
         "all-reduce": 0,
@@ -82,6 +90,7 @@ def compiled_stats(text: str) -> dict[str, int]:
         "loop_fusions": 0,
         "multi_op_loop_fusions": 0,
         "custom_fusions": 0,
+        "multi_op_custom_fusions": 0,
     }
     for inst in module.entry.instructions:
         if inst.opcode in ("all-reduce", "all-reduce-start"):
@@ -91,13 +100,11 @@ def compiled_stats(text: str) -> dict[str, int]:
             stats[inst.opcode.removesuffix("-start")] += 1
         elif inst.opcode == "fusion":
             stats["fusion"] += 1
-            if inst.attr("kind") == "kCustom":
-                stats["custom_fusions"] += 1
-                continue
-            stats["loop_fusions"] += 1
             comp = module.computation((inst.attr("calls") or "").lstrip("%"))
-            if sum(1 for i in comp.instructions if i.opcode not in _TRIVIAL) > 1:
-                stats["multi_op_loop_fusions"] += 1
+            multi_op = sum(1 for i in comp.instructions if i.opcode not in _TRIVIAL) > 1
+            kind = "custom" if inst.attr("kind") == "kCustom" else "loop"
+            stats[f"{kind}_fusions"] += 1
+            stats[f"multi_op_{kind}_fusions"] += multi_op
     return stats
 
 
@@ -110,6 +117,17 @@ def plan_tag(fingerprint: str, strategy_json: dict) -> str:
 def with_hook_rules(backend: Backend, text: str) -> apply.Applied:
     """`text` with the sharding rules `backend` applies at the hook (`Backend.hook_rules`)."""
     return apply.apply_rules(text, backend.hook_rules) if backend.hook_rules else apply.Applied(text)
+
+
+def hook_rules_handler(backend: Backend, applied: list[apply.Applied]) -> Callable[[str], str | None]:
+    """The hook handler that compiles XLA's own plan with `backend`'s hook rules: the module
+    rewritten where a rule applied (None: unchanged); each result is appended to `applied`."""
+
+    def handler(text: str) -> str | None:
+        applied.append(with_hook_rules(backend, text))
+        return applied[-1].text if applied[-1].applications else None
+
+    return handler
 
 
 # Per plan tag (`plan_tag`): the rules applied to the module `compile_strategy` returned at the
@@ -194,12 +212,123 @@ def compile_strategy(
     return compiled, status[0]
 
 
+ENACTED = ("compiled", "rewritten", "cached")  # a CompiledProgram's statuses where it holds the strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledProgram:
+    """One strategy of a step as XLA compiled it: the program a simulated figure is costed on.
+
+    name: the strategy's name (a baseline's, or the plan's). enacted_by: "compile options" (XLA
+    compiles the step its own way under them) or "rewrite" (the strategy written into the module
+    at the hook, `compile_strategy`). compiler_options: every XLA option the compile ran with (for
+    a rewrite, the backend's `rewrite_options` included). status: 'compiled' (options), 'rewritten'
+    or 'cached' (rewrite, see `compile_strategy`), or 'not enacted' with the `reason`; `compiled`
+    (the `jax.stages.Compiled`) is None then. compile_s / compile_cpu_s: wall and process CPU
+    seconds of the compile (CPU time is the figure to compare on a shared machine).
+    same_program_as: the name the same program was compiled under first, when `Programs` served
+    it again (its compile seconds are that compile's)."""
+
+    name: str
+    enacted_by: str
+    compiler_options: dict
+    status: str
+    compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
+    reason: str | None = None
+    compile_s: float = 0.0
+    compile_cpu_s: float = 0.0
+    same_program_as: str | None = None  # compiled before under this name (`Programs`): no compile of its own
+
+    @property
+    def enacted(self) -> bool:
+        return self.status in ENACTED
+
+    @functools.cached_property
+    def text(self) -> str | None:
+        """The compiled module (scheduled, after every pass of XLA's): what runs."""
+        return None if self.compiled is None else self.compiled.as_text()
+
+    @functools.cached_property
+    def stats(self) -> dict[str, int] | None:
+        return None if self.text is None else compiled_stats(self.text)
+
+    def to_json(self) -> dict:
+        """The record a row keeps (not the module text)."""
+        return {
+            "name": self.name,
+            "enacted_by": self.enacted_by,
+            "compiler_options": {k: str(v) for k, v in self.compiler_options.items()},
+            "status": self.status,
+            "reason": self.reason,
+            "compiled": self.stats,
+            "compile_s": round(self.compile_s, 3),
+            "compile_cpu_s": round(self.compile_cpu_s, 3),
+            "same_program_as": self.same_program_as,
+        }
+
+
+def compile_program(
+    lowered: jax.stages.Lowered, graph: Graph, name: str, strategy: Strategy | None, compiler_options: dict | None
+) -> CompiledProgram:
+    """Compile one strategy of the step the way it is enacted: with `compiler_options` (XLA's own
+    program under them; `strategy` is not read) or, when they are None, by writing `strategy` into
+    the module at the hook (`compile_strategy`). A strategy the rewriter refuses, or a compile XLA
+    fails, gives a program marked 'not enacted' with the reason instead of an error."""
+    enacted_by = "rewrite" if compiler_options is None else "compile options"
+    options = {**graph.backend.rewrite_options} if compiler_options is None else dict(compiler_options)
+    started, cpu = time.perf_counter(), time.process_time()
+    try:
+        if compiler_options is None:
+            compiled, status = compile_strategy(lowered, graph, strategy)
+        else:
+            compiled, status = lowered.compile(compiler_options=options or None), "compiled"
+    except (ValueError, jax.errors.JaxRuntimeError) as e:
+        compiled, status, reason = None, "not enacted", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    else:
+        reason = None
+        if status == "fingerprint-mismatch":  # compiled unmodified: not this strategy
+            status, reason = "not enacted", "the module at the hook is not the captured one (compiled unmodified)"
+    return CompiledProgram(
+        name,
+        enacted_by,
+        options,
+        status,
+        compiled if reason is None else None,
+        reason,
+        time.perf_counter() - started,
+        time.process_time() - cpu,
+    )
+
+
+class Programs:
+    """The compiled programs of one lowered step (`lowered`, captured as `graph`), each compiled
+    once: a program under compile options is shared by every strategy enacted with them, a
+    rewritten one by every equal strategy (rows of several clusters share one target's programs)."""
+
+    def __init__(self, lowered: jax.stages.Lowered, graph: Graph):
+        self.lowered, self.graph = lowered, graph
+        self._by_key: dict[tuple, CompiledProgram] = {}
+
+    def compile(self, name: str, strategy: Strategy | None, compiler_options: dict | None) -> CompiledProgram:
+        """`compile_program` of this step, or the same program compiled earlier (under `name`)."""
+        if compiler_options is None:
+            key: tuple = ("rewrite", strategy.key())
+        else:
+            key = ("compile options", json.dumps(compiler_options, sort_keys=True, default=str))
+        if key not in self._by_key:
+            self._by_key[key] = compile_program(self.lowered, self.graph, name, strategy, compiler_options)
+        found = self._by_key[key]
+        return found if found.name == name else dataclasses.replace(found, name=name, same_program_as=found.name)
+
+
 @dataclasses.dataclass
 class Captured:
     """One program of a decorated step, captured: the lowered step, its module as a graph at the
     backend's hook stage, XLA's own executable, the call's dynamic arguments (what executables
     take), the devices they live on, and the machine key plans are stored under. `scope` names
-    the program's multi-process exchanges (None in a single process)."""
+    the program's multi-process exchanges (None in a single process). `exact`: the float64 run of
+    the call (`_output_check.Float64Run`), shared by every program of the call; None where the
+    function is not known (the ulp tolerance then judges candidates' outputs)."""
 
     lowered: jax.stages.Lowered
     graph: Graph
@@ -209,11 +338,41 @@ class Captured:
     devices: list
     machine: MachineKey
     scope: str | None = None
+    exact: _output_check.Float64Run | None = None
+
+    @functools.cached_property
+    def output_check(self) -> _output_check.OutputCheck:
+        """How candidates' outputs are judged against this program's (one per program: XLA's
+        outputs are run once, the float64 run once per call)."""
+
+        def run_nudged():
+            return self.runner(self.default_compiled, *_validate.nudge((self.args, self.kwargs)))()
+
+        return _output_check.OutputCheck(self.runner(self.default_compiled), run_nudged, self.exact)
 
     @property
     def module_name(self) -> str:
         """The module's name as XLA compiles it (profiler traces name kernels under it)."""
         return _capture.module_name(self.lowered)
+
+    def default_copy(self) -> Any:
+        """XLA's own executable of this program compiled a second time: the same program and
+        options as `default_compiled` (only the debug option that keys JAX's caches differs,
+        `_capture.CACHE_KEY_OPTION`), a separate executable that others are timed against. Where
+        the backend applies hook rules, they are applied to the copy as to `default_compiled`
+        (compiled afresh then: a cached executable would skip the hook)."""
+        backend = self.graph.backend
+        if backend.hook_rules:
+            return _capture.compile_with_hook(
+                self.lowered,
+                hook_rules_handler(backend, []),
+                compiler_options=dict(backend.decisions_options),
+                platform=backend.platform,
+                stage=backend.hook_stage,
+            )
+        tag = _capture.cache_key_value(f"copy/{self.graph.fingerprint}")
+        options = {**backend.decisions_options, _capture.CACHE_KEY_OPTION: tag}
+        return self.lowered.compile(compiler_options=options)
 
     def runner(self, compiled: Any, args: tuple | None = None, kwargs: dict | None = None) -> Runner:
         """A `Runner` of `compiled` on this call's arguments (or on others of the same signature)."""
@@ -235,13 +394,12 @@ def capture_graph(
     stages = (backend.hook_stage,) + ((backend.decisions_stage,) if backend.decisions_stage else ())
     options = {**backend.decisions_options, **(compiler_options or {})} or None
     applied: list[apply.Applied] = []
-
-    def with_rules(text: str) -> str | None:
-        applied.append(with_hook_rules(backend, text))
-        return applied[-1].text if applied[-1].applications else None
-
     texts, compiled = _capture.capture_stages(
-        lowered, stages, options, platform=backend.platform, rewrites={backend.hook_stage: with_rules}
+        lowered,
+        stages,
+        options,
+        platform=backend.platform,
+        rewrites={backend.hook_stage: hook_rules_handler(backend, applied)},
     )
     graph = build_graph(texts[backend.hook_stage], backend)
     graph.rules_applied = applied[-1].applications if applied else ()
@@ -251,7 +409,8 @@ def capture_graph(
 
 
 def capture(lowered: jax.stages.Lowered, backend: Backend, args: tuple, kwargs: dict) -> Captured:
-    """Capture `lowered` at `backend`'s hook stage and compile it unmodified (one compile).
+    """Capture `lowered` at `backend`'s hook stage and compile it with XLA's plan (one compile;
+    the backend's hook rules applied, as to every program of the step).
     `args`/`kwargs`: the call's dynamic arguments."""
     graph, default_compiled = capture_graph(lowered, backend)
     if backend.decisions_options:  # the unmodified step is XLA's own, all its passes on

@@ -32,12 +32,14 @@ def worker(model: str, phase: str, config: str, style: str, out: Path, budget_s:
     import optax
 
     from disco_jax import _validate, optimize_distributed, zoo
+    from disco_jax._output_check import OutputCheck
 
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
     spec = zoo.get_model(model, config)
     step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(NUM_DEVICES), style)
-    reference = jax.block_until_ready(step(state, batch))
+    check = OutputCheck.for_call(step, (state, batch))
+    check.default()  # the unmodified step's outputs, before the decorated step runs
     optimized = optimize_distributed(
         step, search=phase == "search", budget_s=budget_s, plan_dir=plan_dir, validation_pairs=16
     )
@@ -46,8 +48,7 @@ def worker(model: str, phase: str, config: str, style: str, out: Path, budget_s:
     first_call_s = time.perf_counter() - started
     report = optimized.last_report
     plan = report.plan or {}
-    floor = _validate.sensitivity(reference, step(*_validate.nudge((state, batch))))
-    bitwise = _validate.compare_outputs(reference, result, bitwise=False, floor=floor)
+    comparison = check.compare(result)
     timing = _validate.time_interleaved(lambda: step(state, batch), lambda: optimized(state, batch), pairs=20)
     out.write_text(
         json.dumps(
@@ -70,9 +71,10 @@ def worker(model: str, phase: str, config: str, style: str, out: Path, budget_s:
                 "measured_default_us": timing.default_us,
                 "measured_plan_us": timing.plan_us,
                 "measured_ratio": timing.ratio,
-                "outputs_bitwise_equal": bitwise.bitwise_equal,
-                "outputs_within_tolerance": bitwise.within_tolerance,
-                "max_abs_error": bitwise.max_abs_error,
+                "outputs_bitwise_equal": comparison.bitwise_equal,
+                "outputs_within_tolerance": comparison.within_tolerance,
+                "outputs_check": comparison.check,
+                "max_abs_error": comparison.max_abs_error,
             }
         )
     )

@@ -239,3 +239,18 @@ def addressable(outputs: Any) -> Any:
         return x
 
     return jax.tree.map(local, outputs)
+
+
+def local_parts(full: Any, like: Any) -> Any:
+    """`full` (host arrays of whole outputs, held by every process) cut as `addressable` cuts
+    `like`: each of `like`'s arrays spanning other processes' devices becomes the list of the
+    regions of its local shards (identity in a single-process job)."""
+    if not is_multiprocess():
+        return full
+
+    def cut(x, shape_of):
+        if isinstance(shape_of, jax.Array) and not shape_of.is_fully_addressable:
+            return [np.asarray(x)[s.index] for s in shape_of.addressable_shards]
+        return x
+
+    return jax.tree.map(cut, full, like)

@@ -326,10 +326,10 @@ def _compat_key(inst: _hlo.Instruction, module: _hlo.HloModuleText, dtype: str) 
     )
 
 
-def build_graph(text: str, backend: Backend) -> Graph:
-    """Parse a module captured at `backend`'s hook stage into the graph IR. The backend says
-    which ops its loop emitter fuses; the graph keeps it (`graph.backend`) for the search's
-    questions about what can be fused and emitted."""
+def build_graph(text: str, backend: Backend, *, merge_duplicates: bool = True) -> Graph:
+    """Parse a module captured at `backend`'s hook stage into the graph IR. The backend says which
+    ops its loop emitter fuses; the graph keeps it (`graph.backend`) for the search's questions.
+    `merge_duplicates=False`: every fusion's ops its own (a compiled module, `cost.compiled`)."""
     module = _hlo.parse_module(text)
     entry = module.entry
     ops: list[Op] = []
@@ -444,7 +444,7 @@ def build_graph(text: str, backend: Backend) -> Graph:
                     tuple_values[inst.name] = [inner[o] for o in i.operands]
                 else:
                     kind = "free" if i.opcode == "constant" else "fusible"
-                    mergeable = not (inst.name in exclusive and i.name in outputs)
+                    mergeable = merge_duplicates and not (inst.name in exclusive and i.name in outputs)
                     oid = add(
                         dataclasses.replace(i, is_root=False),
                         kind,
@@ -456,7 +456,7 @@ def build_graph(text: str, backend: Backend) -> Graph:
                     if kind == "fusible":
                         members.append(oid)
             root = comp.root
-            exports = tuple_values.get(inst.name, [inner[root.name]]) if root.opcode == "tuple" else [inner[root.name]]
+            exports = tuple_values[inst.name] if root.opcode == "tuple" else [inner[root.name]]
             if root.opcode != "tuple":
                 value[inst.name] = inner[root.name]
             xla_groups.append(frozenset(members))

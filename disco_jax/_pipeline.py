@@ -29,6 +29,7 @@ import jax
 from disco_jax import _distributed, _files, _plan, _profile_store, _search, _strategy, _tuning, _validate, backends
 from disco_jax._compile import Captured, Runner, capture, compile_strategy, compiled_stats, keeps_plan, rules_applied
 from disco_jax._console import Ui
+from disco_jax._output_check import Float64Run
 from disco_jax._profiling import calibrate, profile
 from disco_jax._strategy import Strategy
 from disco_jax.cost import CostModel
@@ -146,6 +147,7 @@ def prepare(
         report.reason = "unsupported backend"
         return fn
     step = capture(fn.lower(*args, **kwargs), backend, dynamic_args, dynamic_kwargs)
+    step.exact = Float64Run(fn, args, kwargs)  # run only if a plan's outputs need it
     layout, costs = None, None
     if options.weight_update == "sharded":  # the program to optimize is the step lowered again
         agree(step, report)  # its output check runs both programs and merges every process's verdict
@@ -315,31 +317,21 @@ def validate(
     step: Captured, default_runner: Runner, best: Strategy, compiled: Any, pairs: int, simulated_ratio: float
 ) -> Verdict:
     """Compare the candidate's outputs with XLA's (bitwise when only all-reduces were regrouped:
-    every element is then reduced in the same order), time both interleaved, and check that XLA
-    kept the planned all-reduces. With several processes each compares its own output shards."""
+    every element is then reduced in the same order; else `step.output_check`'s float64 reference
+    or ulp tolerance), time both interleaved, and check that XLA kept the planned all-reduces. With
+    several processes each compares its own output shards."""
     graph = step.graph
     counts = compiled_stats(compiled.as_text())
     plan_runner = step.runner(compiled)
-    bitwise = best.fusion_key() == _strategy.xla_default(graph).fusion_key()
-    local = _distributed.addressable
-    reference = local(default_runner())
-    floor = None
-    if not bitwise:
-        nudged_args, nudged_kwargs = _validate.nudge((step.args, step.kwargs))
-        floor = _validate.sensitivity(
-            reference, local(step.runner(step.default_compiled, nudged_args, nudged_kwargs)())
-        )
-    comparison = _validate.compare_outputs(reference, local(plan_runner()), bitwise=bitwise, floor=floor)
+    bitwise = _strategy.regroups_only(graph, best)
+    merge_key = None if step.scope is None else f"{step.scope}/validation"
+    comparison = step.output_check.compare(plan_runner(), bitwise=bitwise, merge_key=merge_key)
     timing = _validate.time_until_decided(
         default_runner,
         plan_runner,
         looks=(pairs, 2 * pairs, 4 * pairs),
         merge=None if step.scope is None else _distributed.slowest_pairs(f"{step.scope}/timing"),
     )
-    if step.scope is not None:
-        comparison = _validate.Comparison.merge(
-            _distributed.gather_json(f"{step.scope}/validation", dataclasses.asdict(comparison))
-        )
     measured = {
         **timing.to_json(),
         "bitwise_required": bitwise,
@@ -349,8 +341,7 @@ def validate(
     if not comparison.within_tolerance:
         return Verdict(
             True,
-            f"rejected: outputs differ (max abs error {comparison.max_abs_error:.3g}"
-            f"{', bitwise equality required' if bitwise else ''})",
+            f"rejected: outputs differ ({comparison.summary()})",
             measured,
             counts,
         )

@@ -121,6 +121,7 @@ def profile(
             "analytical": analytical.to_json(),
             "allreduce": allreduce.to_json(),
         },
+        kernel_times_us=times,
     )
 
 

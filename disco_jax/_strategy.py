@@ -127,6 +127,12 @@ def xla_default(graph: Graph) -> Strategy:
     return Strategy(tuple(graph.xla_groups), tuple(homes), tuple(graph.xla_buckets), "xla")
 
 
+def regroups_only(graph: Graph, s: Strategy) -> bool:
+    """`s` has XLA's fusions and differs at most in its all-reduce buckets: every element is then
+    reduced in the same order, so its outputs must be bitwise XLA's."""
+    return s.fusion_key() == xla_default(graph).fusion_key()
+
+
 def unfused(graph: Graph) -> Strategy:
     """No op fusion, one all-reduce per gradient."""
     fusible = graph.fusible_ops

@@ -36,7 +36,7 @@ from disco_jax._compile import Captured, Runner, compile_strategy, compiled_stat
 from disco_jax._console import Ui
 from disco_jax._edit import prune
 from disco_jax._graph import Graph
-from disco_jax._strategy import Strategy, group_exports, kernel_dag, xla_default
+from disco_jax._strategy import Strategy, group_exports, kernel_dag, regroups_only, xla_default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,13 +63,15 @@ class TuningConfig:
 @dataclasses.dataclass
 class Measurement:
     """One candidate on the devices: its interleaved timing against XLA's plan, its kernels' times
-    by their ops (the kernels the simulator costs), the all-reduces XLA kept (None: unknown) and
-    whether they (and any reduce-scatters the hook rules made) are the ones the hook returned
+    by their ops (the kernels the simulator costs), the all-reduces XLA kept (None: unknown), its
+    outputs against the step's (`Captured.output_check`; None: not checked), and whether the
+    collectives XLA kept (reduce-scatters the hook rules made too) are the ones the hook returned
     (`_compile.keeps_plan`; None: judged by the all-reduces against the buckets)."""
 
     timing: _validate.Timing
     kernel_times: dict[frozenset[int], float] = dataclasses.field(default_factory=dict)
     allreduces: int | None = None
+    outputs: _validate.Comparison | None = None
     kept: bool | None = None
 
 
@@ -90,12 +92,19 @@ class Record:
     kernels_added: int = 0
 
     @property
-    def eligible(self) -> bool:
-        """Measured, and XLA kept the planned collectives (else another program was timed)."""
+    def wrong(self) -> bool:
+        """Measured, and its outputs failed the output check."""
         m = self.measurement
-        if m is None or m.kept is not None:
-            return m is not None and m.kept
-        return m.allreduces in (None, len(self.strategy.buckets))
+        return m is not None and m.outputs is not None and not m.outputs.within_tolerance
+
+    @property
+    def eligible(self) -> bool:
+        """Measured, its outputs right, and XLA kept the planned collectives (else another program
+        was timed)."""
+        m = self.measurement
+        if m is None or self.wrong:
+            return False
+        return m.kept if m.kept is not None else m.allreduces in (None, len(self.strategy.buckets))
 
     @property
     def measured_ratio(self) -> float:
@@ -119,6 +128,9 @@ class Record:
             },
             "kernels_added": self.kernels_added,
         }
+        outputs = None if self.measurement is None else self.measurement.outputs
+        if outputs is not None:
+            out["outputs"] = {"check": outputs.check, "within_tolerance": outputs.within_tolerance}
         if self.error is not None:
             out["error"] = self.error
         return out
@@ -232,9 +244,10 @@ class MeasuredSearch:
 
     def cost(self, s: Strategy) -> float | None:
         """A strategy's cost for the search: what it measured (its ratio to XLA's plan, in simulated
-        units), for a candidate measured already; None for one that failed; else simulated."""
+        units), for a candidate measured already; None for one that failed or computed other
+        outputs; else simulated."""
         r = self.measured.get(s.key())
-        if r is not None and r.measurement is None:
+        if r is not None and (r.measurement is None or r.wrong):
             return None
         if r is not None and r.eligible:
             return r.measured_ratio * self.default_us
@@ -436,7 +449,8 @@ def kernel_members(graph: Graph, strategy: Strategy, module_text: str) -> dict[s
 
 
 def device_measure(step: Captured, default_runner: Runner, tuning: TuningConfig) -> Measure:
-    """The real `measure`: compile the candidate through the rewriter, time it against XLA's
+    """The real `measure`: compile the candidate through the rewriter, check its outputs against
+    the step's (`step.output_check`, the same check as validation's), time it against XLA's
     executable in interleaved pairs, and trace its kernels. Every process of a job calls it for
     the same candidates in the same order (the runs are collectives)."""
     graph, count = step.graph, itertools.count()
@@ -445,6 +459,11 @@ def device_measure(step: Captured, default_runner: Runner, tuning: TuningConfig)
         index = next(count)
         compiled, _ = compile_strategy(step.lowered, graph, strategy)
         runner = step.runner(compiled)
+        outputs = step.output_check.compare(
+            runner(),
+            bitwise=regroups_only(graph, strategy),
+            merge_key=None if step.scope is None else f"{step.scope}/tuning/{index}/outputs",
+        )
         timing = _validate.time_interleaved(default_runner, runner, pairs=tuning.pairs)
         if step.scope is not None:  # judged by the slowest process, as validation does
             ratios = _distributed.slowest_pairs(f"{step.scope}/tuning/{index}/timing")(timing.ratios)
@@ -455,7 +474,7 @@ def device_measure(step: Captured, default_runner: Runner, tuning: TuningConfig)
         names = kernel_members(graph, strategy, graph.backend.rewriter.rewrite(graph, strategy))
         kernels = {names[n]: t for n, t in times.items() if n in names}
         counts = compiled_stats(compiled.as_text())
-        return Measurement(timing, kernels, counts["all-reduce"], keeps_plan(counts, graph, strategy))
+        return Measurement(timing, kernels, counts["all-reduce"], outputs, keeps_plan(counts, graph, strategy))
 
     return measure
 

@@ -1,18 +1,19 @@
 """Check a plan against the unmodified step: equal outputs, and not slower beyond noise.
 
-Both executables run on the same inputs. Outputs are compared bitwise when the plan only
-regroups all-reduces (each element is still reduced in the same order), else within a tolerance:
-fused and unfused elementwise code are generated differently by XLA, so values may move by a few
-ulps (a fused kernel may evaluate an expression in another order or with fused multiply-adds),
-and optimizers such as Adam divide by running moments, which enlarges those ulps on elements
-near zero (an update's sign can flip where a gradient is ~0). The tolerance is therefore per
-output array, the larger of
+Both executables run on the same inputs (`_output_check.OutputCheck` runs them and picks the
+check). Outputs are compared bitwise when the plan only regroups all-reduces (each element is
+still reduced in the same order). Otherwise fused and unfused elementwise code are generated
+differently by XLA, and collectives may sum in another order, so values move by a few ulps; and
+optimizers such as Adam divide by running moments, which turns those ulps on elements near zero
+into learning-rate-sized differences (an update's sign can flip where a gradient is ~0). So:
 
-* atol + rtol * max |default| (rtol = 1e-4, atol = 1e-6 for 32-bit floats; 1e-2 / 1e-3 for
-  16-bit; 1e-7 / 1e-9 for 64-bit), and
-* 10 x the output's own sensitivity: how far the unmodified step's output moves when every
-  floating-point input is nudged by one ulp (`sensitivity`). A rewrite that only reorders
-  rounding stays within it; a wrong rewrite moves outputs far more.
+* where the step can be re-run in float64, `compare_to_float64`: per floating output array the
+  plan's max deviation from the float64 result must be at most FACTOR x XLA's own program's plus
+  FLOOR_ULPS ulps of the array's magnitude (the reasons for those values: docs/output-check.md);
+* else `compare_outputs`, the ulp tolerance, per output array the larger of
+  atol + rtol * max |default| (rtol = 1e-4, atol = 1e-6 for 32-bit floats; 1e-2 / 1e-3 for
+  16-bit; 1e-7 / 1e-9 for 64-bit), and 10 x the output's own sensitivity: how far the unmodified
+  step's output moves when every floating-point input is nudged by one ulp (`sensitivity`).
 
 Integer and boolean outputs must be equal.
 
@@ -31,24 +32,60 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 TOLERANCES = {2: (1e-2, 1e-3), 4: (1e-4, 1e-6), 8: (1e-7, 1e-9)}  # itemsize -> (rtol, atol)
 
+# Which check decided a `Comparison`.
+BITWISE_CHECK, FLOAT64_CHECK, ULP_CHECK = "bitwise", "float64-reference", "ulp-tolerance"
+# The float64 check (`compare_to_float64`): a candidate may deviate from the float64 result by
+# FACTOR x XLA's own deviation plus FLOOR_ULPS ulps of the array's magnitude (docs/output-check.md).
+FACTOR = 8.0
+FLOOR_ULPS = 4.0
+
 
 @dataclasses.dataclass
 class Comparison:
+    """A candidate's outputs against its program's reference (`_output_check.OutputCheck`).
+
+    bitwise_equal: equal to XLA's outputs bit for bit. within_tolerance: the verdict of `check`,
+    which is 'bitwise' (only all-reduces regrouped: equality required), 'float64-reference'
+    (`compare_to_float64`) or 'ulp-tolerance' (`compare_outputs`; `fallback_reason` says why the
+    float64 reference was not used). max_abs_error / max_rel_error / worst_output: the largest
+    |candidate - XLA's outputs| over the compared arrays, and where. For the float64 check, per
+    compared array (an output leaf; in a multi-process job one local shard of it), in leaf order:
+    `default_deviation` and `plan_deviation`, max |XLA's - float64| and max |candidate - float64|,
+    and `allowed`, `factor` x the first plus the floor (`floor_ulps` ulps of the array's magnitude);
+    0.0 for integer and boolean arrays, which must equal XLA's."""
+
     bitwise_equal: bool
     within_tolerance: bool
     max_abs_error: float
     max_rel_error: float
     num_outputs: int
     worst_output: int | None
+    check: str = ULP_CHECK
+    fallback_reason: str | None = None
+    factor: float | None = None
+    floor_ulps: float | None = None
+    default_deviation: list[float] | None = None
+    plan_deviation: list[float] | None = None
+    allowed: list[float] | None = None
 
     @classmethod
     def merge(cls, comparisons: list[dict]) -> Comparison:
-        """One verdict from every process's comparison of its own output shards (as JSON)."""
+        """One verdict from every process's comparison of its own output shards (as JSON): within
+        when every process's is; per-array deviations at their largest over the processes."""
         worst = max(comparisons, key=lambda c: c["max_abs_error"])
+        first = comparisons[0]
+
+        def largest(field: str) -> list[float] | None:
+            lists = [c.get(field) for c in comparisons]
+            if any(values is None for values in lists) or len({len(v) for v in lists}) != 1:
+                return first.get(field)
+            return [max(values) for values in zip(*lists)]
+
         return cls(
             bitwise_equal=all(c["bitwise_equal"] for c in comparisons),
             within_tolerance=all(c["within_tolerance"] for c in comparisons),
@@ -56,7 +93,27 @@ class Comparison:
             max_rel_error=max(c["max_rel_error"] for c in comparisons),
             num_outputs=worst["num_outputs"],
             worst_output=worst["worst_output"],
+            check=first.get("check", ULP_CHECK),
+            fallback_reason=next((c["fallback_reason"] for c in comparisons if c.get("fallback_reason")), None),
+            factor=first.get("factor"),
+            floor_ulps=first.get("floor_ulps"),
+            default_deviation=largest("default_deviation"),
+            plan_deviation=largest("plan_deviation"),
+            allowed=largest("allowed"),
         )
+
+    def summary(self) -> str:
+        """One line for a rejection reason: which check, and by how much."""
+        if self.check == FLOAT64_CHECK and self.plan_deviation:
+            i = max(range(len(self.plan_deviation)), key=lambda k: self.plan_deviation[k] - self.allowed[k])
+            return (
+                f"output {i} deviates {self.plan_deviation[i]:.3g} from the float64 result, allowed "
+                f"{self.allowed[i]:.3g} ({self.factor:g} x XLA's {self.default_deviation[i]:.3g} + floor)"
+            )
+        if self.check == BITWISE_CHECK:
+            return f"max abs error {self.max_abs_error:.3g}, bitwise equality required"
+        why = f" ({self.fallback_reason})" if self.fallback_reason else ""
+        return f"max abs error {self.max_abs_error:.3g}, beyond the ulp tolerance{why}"
 
 
 SENSITIVITY_FACTOR = 10.0
@@ -78,44 +135,128 @@ def sensitivity(reference: Any, nudged: Any) -> list[float]:
     out = []
     for r, n in zip(jax.tree.leaves(reference), jax.tree.leaves(nudged)):
         r, n = np.asarray(r), np.asarray(n)
-        if np.issubdtype(r.dtype, np.inexact):
+        if jax.numpy.issubdtype(r.dtype, jax.numpy.inexact):
             out.append(float(np.nanmax(np.abs(r.astype(np.float64) - n.astype(np.float64)), initial=0.0)))
         else:
             out.append(0.0)
     return out
 
 
-def compare_outputs(reference: Any, candidate: Any, *, bitwise: bool, floor: list[float] | None = None) -> Comparison:
-    """Compare step outputs; `floor` is `sensitivity(...)` per output, if measured."""
+def _flattened(reference: Any, candidate: Any) -> list[tuple[np.ndarray, np.ndarray]]:
     ref_leaves, ref_tree = jax.tree.flatten(reference)
     cand_leaves, cand_tree = jax.tree.flatten(candidate)
     if ref_tree != cand_tree:
         raise ValueError(f"output structures differ: {ref_tree} vs {cand_tree}")
+    return [(np.asarray(r), np.asarray(c)) for r, c in zip(ref_leaves, cand_leaves)]
+
+
+def _differs(r: np.ndarray, c: np.ndarray) -> bool | None:
+    """None when equal, False when they differ only in floating values, True when they cannot be
+    compared as values (shape, dtype, integer or boolean contents)."""
+    if r.shape != c.shape or r.dtype != c.dtype:
+        return True
+    floating = bool(jnp.issubdtype(r.dtype, jnp.inexact))
+    if np.array_equal(r, c, equal_nan=floating):
+        return None
+    return not floating
+
+
+def _errors(r: np.ndarray, c: np.ndarray) -> tuple[float, float]:
+    """(max abs, max rel) |c - r|."""
+    r64, c64 = r.astype(np.float64), c.astype(np.float64)
+    diff = np.abs(r64 - c64)
+    return float(np.nanmax(diff)), float(np.nanmax(diff / np.maximum(np.abs(r64), 1e-30)))
+
+
+def ulp_bound(default: np.ndarray, sensitivity: float | None = None) -> float:
+    """The ulp tolerance's bound on max |plan - default| for one floating array: atol + rtol x
+    max |default| (`TOLERANCES` by itemsize), and at least SENSITIVITY_FACTOR x its `sensitivity`."""
+    rtol, atol = TOLERANCES.get(default.dtype.itemsize, TOLERANCES[4])
+    bound = atol + rtol * float(np.nanmax(np.abs(default.astype(np.float64))))
+    return bound if sensitivity is None else max(bound, SENSITIVITY_FACTOR * sensitivity)
+
+
+def compare_outputs(reference: Any, candidate: Any, *, bitwise: bool, floor: list[float] | None = None) -> Comparison:
+    """Compare step outputs with the ulp tolerance (or bitwise); `floor` is `sensitivity(...)`
+    per output, if measured."""
+    check = BITWISE_CHECK if bitwise else ULP_CHECK
+    pairs = _flattened(reference, candidate)
     equal, within, max_abs, max_rel, worst = True, True, 0.0, 0.0, None
-    for i, (r, c) in enumerate(zip(ref_leaves, cand_leaves)):
-        r, c = np.asarray(r), np.asarray(c)
-        if r.shape != c.shape or r.dtype != c.dtype:
-            return Comparison(False, False, float("inf"), float("inf"), len(ref_leaves), i)
-        if np.array_equal(r, c, equal_nan=np.issubdtype(r.dtype, np.inexact)):
+    for i, (r, c) in enumerate(pairs):
+        differs = _differs(r, c)
+        if differs is None:
             continue
         equal = False
-        if not np.issubdtype(r.dtype, np.inexact):
-            return Comparison(False, False, float("inf"), float("inf"), len(ref_leaves), i)
-        r64, c64 = r.astype(np.float64), c.astype(np.float64)
-        diff = np.abs(r64 - c64)
-        rtol, atol = TOLERANCES.get(r.dtype.itemsize, TOLERANCES[4])
-        abs_err = float(np.nanmax(diff))
-        rel_err = float(np.nanmax(diff / np.maximum(np.abs(r64), 1e-30)))
+        if differs:
+            return Comparison(False, False, float("inf"), float("inf"), len(pairs), i, check)
+        abs_err, rel_err = _errors(r, c)
         if abs_err > max_abs:
             max_abs, worst = abs_err, i
         max_rel = max(max_rel, rel_err)
-        allowed = atol + rtol * float(np.nanmax(np.abs(r64)))
-        if floor is not None:
-            allowed = max(allowed, SENSITIVITY_FACTOR * floor[i])
-        if abs_err > allowed:
+        if abs_err > ulp_bound(r, None if floor is None else floor[i]):
             within = False
     ok = equal if bitwise else within
-    return Comparison(equal, ok, max_abs, max_rel, len(ref_leaves), worst)
+    return Comparison(equal, ok, max_abs, max_rel, len(pairs), worst, check)
+
+
+def deviation(values: np.ndarray, exact: np.ndarray) -> float:
+    """max |values - exact| (exact: float64); equal infinities and NaN against NaN count 0, a NaN
+    against a number counts infinite."""
+    v = values.astype(np.complex128 if np.iscomplexobj(values) else np.float64)
+    same = (v == exact) | (np.isnan(v) & np.isnan(exact))
+    with np.errstate(invalid="ignore"):  # inf - inf, where `same` already decided
+        diff = np.where(same, 0.0, np.abs(v - exact))
+    return float(np.where(np.isnan(diff), np.inf, diff).max(initial=0.0))
+
+
+def deviation_floor(exact: np.ndarray, dtype: np.dtype) -> float:
+    """FLOOR_ULPS ulps (of `dtype`) of the largest finite |exact|, and at least the dtype's
+    smallest normal number (XLA may flush denormals in one program and not the other)."""
+    info = jnp.finfo(dtype)
+    finite = np.abs(exact[np.isfinite(exact)])
+    return max(FLOOR_ULPS * float(info.eps) * float(finite.max(initial=0.0)), float(info.tiny))
+
+
+def compare_to_float64(exact: Any, default: Any, candidate: Any) -> Comparison:
+    """A candidate's outputs against the float64 result `exact` of the same call, with XLA's own
+    program's (`default`) as the yardstick: per floating array, max |candidate - exact| must be at
+    most FACTOR x max |default - exact| + `deviation_floor`. Integer and boolean arrays must equal
+    XLA's. `exact`: host float64 arrays in the structure of `default` and `candidate`."""
+    pairs = _flattened(default, candidate)
+    exact_leaves = [np.asarray(x) for x in jax.tree.leaves(exact)]
+    equal, within, max_abs, max_rel, worst = True, True, 0.0, 0.0, None
+    by_default, by_plan, allowed = [], [], []
+    for i, ((d, c), x) in enumerate(zip(pairs, exact_leaves)):
+        differs = _differs(d, c)
+        if differs:
+            return Comparison(False, False, float("inf"), float("inf"), len(pairs), i, FLOAT64_CHECK)
+        if not jnp.issubdtype(d.dtype, jnp.inexact):
+            by_default.append(0.0), by_plan.append(0.0), allowed.append(0.0)
+            continue
+        if differs is not None:
+            equal = False
+            abs_err, rel_err = _errors(d, c)
+            if abs_err > max_abs:
+                max_abs, worst = abs_err, i
+            max_rel = max(max_rel, rel_err)
+        from_default, from_plan = deviation(d, x), deviation(c, x)
+        bound = FACTOR * from_default + deviation_floor(x, d.dtype)
+        within = within and from_plan <= bound
+        by_default.append(from_default), by_plan.append(from_plan), allowed.append(bound)
+    return Comparison(
+        equal,
+        within,
+        max_abs,
+        max_rel,
+        len(pairs),
+        worst,
+        FLOAT64_CHECK,
+        factor=FACTOR,
+        floor_ulps=FLOOR_ULPS,
+        default_deviation=by_default,
+        plan_deviation=by_plan,
+        allowed=allowed,
+    )
 
 
 CONFIDENCE = 0.95

@@ -3,6 +3,7 @@ captured at PRE_SCHEDULER with XLA's own decisions read at POST_SCHEDULER, and p
 the GPU rewriter, asserted on the compiled module. Never skipped: a missing CUDA plugin fails."""
 
 import dataclasses
+import json
 import random
 
 import optax
@@ -10,6 +11,7 @@ import pytest
 
 from disco_jax import _compile, _hlo, _strategy, backends, targets, zoo
 from disco_jax.backends import gpu, gpu_schedule
+from disco_jax.eval import baselines
 
 
 @pytest.fixture(scope="module")
@@ -205,13 +207,11 @@ def test_adam_step_on_a100_xla_plan_reproduces_xla_program():
 
 
 @pytest.fixture(scope="module", params=["transformer", "rnnlm"])
-def zoo_captured(request):
+def zoo_captured(request, xla_gpu_zoo):
     """Zoo models whose XLA:GPU programs fuse across opaque ops (embedding gathers), recompute
-    layer norms and LSTM gates in later fusions, and reassociate sums of all-reduces by default."""
-    model = request.param
-    lowered = zoo.lower_abstract(zoo.get_model(model, "tiny"), optax.adam(1e-3), targets.mesh("h100-sxm", 8), "jit")
-    graph, compiled = _compile.capture_graph(lowered, backends.GPU)
-    return lowered, graph, compiled.as_text()
+    layer norms and LSTM gates in later fusions, and reassociate sums of all-reduces by default
+    (compiled once per session: `conftest.xla_gpu_zoo`)."""
+    return xla_gpu_zoo(request.param)
 
 
 def test_xla_buckets_cover_every_gradient_once_as_xla_compiled(zoo_captured):
@@ -240,3 +240,104 @@ def test_per_gradient_buckets_survive_reassociation(zoo_captured):
     each = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "each")
     text = _compile_plan(zoo_captured, each)
     assert _compile.compiled_stats(text)["all-reduce"] == len(graph.gradients)
+
+
+# --------------------------------------------------------------------------- DisCo's baselines on XLA:GPU
+
+
+@pytest.fixture(scope="module")
+def baseline_programs(captured):
+    """Every baseline of the tiny MLP step compiled as XLA:GPU enacts it (one compile each), DDP
+    and Horovod with bucket limits small enough to give its 0.25-16 KiB gradients several buckets."""
+    lowered, graph, _ = captured
+    candidates = baselines.all_baselines(
+        graph,
+        combine=backends.GPU.xla_buckets,
+        bucket_cap_bytes=20_000,
+        first_bucket_bytes=8_000,
+        threshold_bytes=20_000,
+    )
+    programs = _compile.Programs(lowered, graph)
+    return {b.name: b for b in candidates}, baselines.compile_baselines(programs, candidates), programs
+
+
+def test_every_baseline_is_enacted_by_xla_gpu_options_or_the_rewriter(baseline_programs):
+    candidates, compiled, _ = baseline_programs
+    assert list(compiled) == list(baselines.BASELINES)
+    for name, program in compiled.items():
+        assert program.enacted and program.reason is None, (name, program.reason)
+        options = backends.GPU.baseline_options.get(name)
+        assert candidates[name].compiler_options == options
+        if options is None:  # DDP and Horovod: their buckets written into the module
+            assert (program.enacted_by, program.status) == ("rewrite", "rewritten")
+            assert program.compiler_options == backends.GPU.rewrite_options
+        else:
+            assert (program.enacted_by, program.status, program.compiler_options) == (
+                "compile options",
+                "compiled",
+                options,
+            )
+        record = program.to_json()
+        assert record["compiled"] == program.stats and json.loads(json.dumps(record)) == record
+
+
+def test_gpu_no_fusion_emits_every_op_alone_with_one_all_reduce_per_gradient(captured, baseline_programs):
+    _, graph, _ = captured
+    _, compiled, _ = baseline_programs
+    stats = {name: p.stats for name, p in compiled.items()}
+    n = len(graph.gradients)
+    assert stats["JAX_default"]["multi_op_loop_fusions"] > 0 and stats["JAX_default"]["all-reduce"] < n
+    for name in ("JAX_no_fusion", "JAX_AllReduce_fusion"):
+        assert stats[name]["multi_op_loop_fusions"] == 0, name
+        assert stats[name]["loop_fusions"] > stats["JAX_default"]["loop_fusions"], name  # one op per fusion
+    assert stats["JAX_no_fusion"]["all-reduce"] == n
+    assert _reduced_elements(compiled["JAX_no_fusion"].text) == sorted(_gradient_elements(graph, [g]) for g in range(n))
+    # XLA's combining as XLA does it on the unfused program: the default's all-reduces.
+    assert stats["JAX_AllReduce_fusion"]["all-reduce"] == stats["JAX_default"]["all-reduce"]
+
+
+def test_gpu_op_fusion_keeps_xla_fusions_with_one_all_reduce_per_gradient(captured, baseline_programs):
+    _, graph, _ = captured
+    _, compiled, _ = baseline_programs
+    op_fusion, default = compiled["JAX_op_fusion"].stats, compiled["JAX_default"].stats
+    assert op_fusion["multi_op_loop_fusions"] == default["multi_op_loop_fusions"] > 0
+    n = len(graph.gradients)
+    assert op_fusion["all-reduce"] == n
+    assert _reduced_elements(compiled["JAX_op_fusion"].text) == sorted(_gradient_elements(graph, [g]) for g in range(n))
+
+
+def test_gpu_default_is_xla_gpu_untouched(captured, baseline_programs):
+    lowered, graph, _ = captured
+    _, compiled, _ = baseline_programs
+    program = compiled["JAX_default"]
+    assert program.compiler_options == {}
+    assert program.stats == _compile.compiled_stats(lowered.compile().as_text())
+    assert program.stats["all-reduce"] == len(graph.xla_buckets)  # XLA's combined all-reduces
+
+
+@pytest.mark.parametrize("name", ["PyTorch_DDP", "Horovod"])
+def test_gpu_framework_buckets_are_the_all_reduces_compiled(captured, baseline_programs, name):
+    _, graph, _ = captured
+    candidates, compiled, _ = baseline_programs
+    buckets = candidates[name].strategy.buckets
+    stats = compiled[name].stats
+    assert stats["all-reduce"] == len(buckets) > 1
+    assert _reduced_elements(compiled[name].text) == sorted(_gradient_elements(graph, b) for b in buckets)
+    # XLA's op fusion, as XLA forms it.
+    assert stats["multi_op_loop_fusions"] == compiled["JAX_default"].stats["multi_op_loop_fusions"]
+
+
+def test_a_strategy_that_cannot_be_enacted_says_why_and_compiles_nothing(captured, baseline_programs):
+    _, graph, _ = captured
+    *_, programs = baseline_programs
+    xla = _strategy.xla_default(graph)
+    program = programs.compile("broken", dataclasses.replace(xla, buckets=xla.buckets[:0]), None)
+    assert not program.enacted and program.status == "not enacted" and "not valid" in program.reason
+    assert program.text is None and program.stats is None and program.to_json()["compiled"] is None
+
+
+def test_programs_compile_each_enactment_once(captured, baseline_programs):
+    _, compiled, programs = baseline_programs
+    again = programs.compile("again", None, backends.GPU.baseline_options["JAX_op_fusion"])
+    assert again.compiled is compiled["JAX_op_fusion"].compiled
+    assert (again.name, again.same_program_as) == ("again", "JAX_op_fusion")

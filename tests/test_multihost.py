@@ -52,7 +52,9 @@ def _succeeded(result, reports, num_processes=2):
 
 def test_search_on_process_0_then_every_process_enacts_the_plan(tmp_path):
     plan_dir = tmp_path / "plans"
-    result, reports = run_job(plan_dir, "--pick-per-gradient", search=True)
+    # The replicated update: its outputs are whole on every process, so bitwise comparable (the
+    # weight-update choice may shard the state over gloo, each process then holding its shards).
+    result, reports = run_job(plan_dir, "--pick-per-gradient", "--weight-update", "replicated", search=True)
     _succeeded(result, reports)
     p0, p1 = reports[0], reports[1]
     assert (p0["searches"], p0["search_ran"]) == (1, True)
@@ -71,7 +73,7 @@ def test_search_on_process_0_then_every_process_enacts_the_plan(tmp_path):
     plans = [p for p in plan_dir.glob("*.json") if not p.name.endswith(".timeline.json")]
     assert len(plans) == 1 and plans[0].name.endswith("-p2.json")
 
-    result, reports = run_job(plan_dir, search=False)
+    result, reports = run_job(plan_dir, "--weight-update", "replicated", search=False)
     _succeeded(result, reports)
     for r in reports.values():
         assert r["phase"] == "enact" and r["searches"] == 0 and not r["search_ran"]
@@ -90,6 +92,9 @@ def test_a_forced_sharded_update_checks_outputs_across_processes(tmp_path):
     for r in (p0, p1):
         assert r["weight_update"]["mode"] == "sharded", r["weight_update"]["reason"]
         assert r["weight_update"]["check"]["within_tolerance"] and r["within_tolerance"]
+        # Each process gathered the inputs and ran the step in float64 on its own CPU device.
+        assert r["weight_update"]["check"]["check"] == "float64-reference", r["weight_update"]["check"]
+        assert r["output_check"] == "float64-reference", r["output_check_fallback"]
         assert r["sharded_state_leaves"] > 0
     assert p0["weight_update"]["check"] == p1["weight_update"]["check"]
 

@@ -157,6 +157,24 @@ def test_no_candidate_faster_keeps_xla_with_the_evidence(graph):
     assert a["predicted_ratio"] * b["predicted_us"] == pytest.approx(b["predicted_ratio"] * a["predicted_us"])
 
 
+def test_a_candidate_whose_outputs_fail_the_check_is_never_chosen(graph):
+    model = cost_model()
+    tuning = _tuning.TuningConfig(candidates=2, budget_s=60, max_rounds=1)
+    wrong = _validate.Comparison(False, False, 1.0, 1.0, 3, 0, _validate.FLOAT64_CHECK)
+    right = _validate.Comparison(False, True, 1e-7, 1e-6, 3, 0, _validate.FLOAT64_CHECK)
+    measured = iter([(0.8, wrong), (0.9, right)])  # the first candidate measures fastest, and is wrong
+    loop = _tuning.MeasuredSearch(graph, model, first_search(graph, model), SEARCH, tuning)
+    while (s := loop.next()) is not None:
+        ratio, outputs = next(measured)
+        loop.record(_tuning.Measurement(timing(ratio), {}, len(s.buckets), outputs))
+    tuned = loop.finish()
+    bad, good = tuned.records
+    assert bad.wrong and not bad.eligible and loop.cost(bad.strategy) is None
+    assert tuned.best.key() == good.strategy.key() != bad.strategy.key()
+    stored = json.loads(json.dumps(tuned.to_json()))["measured_candidates"]
+    assert stored[0]["outputs"] == {"check": "float64-reference", "within_tolerance": False}
+
+
 def test_kernel_names_of_a_rewritten_module_map_to_the_strategy_groups(graph):
     rng, s = random.Random(0), _strategy.xla_default(graph)
     for _ in range(1000):  # split XLA's fusions until the strategy holds a fusion XLA did not form
@@ -191,6 +209,7 @@ def test_optimize_distributed_compiles_times_and_records_its_candidates(tmp_path
     for r, (s, counts) in zip(records, compiled):
         assert counts["all-reduce"] == len(s.buckets) == r["allreduces"]["planned"] == r["allreduces"]["compiled"]
         assert r["origin"] == s.origin and r["pairs"] == 6
+        assert r["outputs"]["within_tolerance"], r["outputs"]  # checked as validation checks them
         assert r["predicted_us"] > 0 and r["measured_us"] > 0 and r["predicted_ratio"] > 0 and r["measured_ratio"] > 0
     assert report.search["recalibration"]
     # The candidates' kernels went into the profile database beside those the profile phase timed.
@@ -224,7 +243,8 @@ def test_every_process_measures_the_candidates_process_0_picks(tmp_path):
     """Two processes: process 0 searches and picks, both compile and time the same candidates
     (collectives: a mismatch would hang or fail the job), and both end with process 0's plan."""
     plan_dir = tmp_path / "plans"
-    result, reports = run_job(plan_dir, search=True)
+    # The replicated update: one program, one plan (the weight-update choice is not this test's).
+    result, reports = run_job(plan_dir, "--weight-update", "replicated", search=True)
     assert result.exit_code == 0, "\n".join(result.outputs)
     p0, p1 = reports[0], reports[1]
     assert p0["searches"] >= 1 and p1["searches"] == 0

@@ -3,14 +3,17 @@
 Timings here are synthetic (a fake clock), so the rule is tested, not the machine."""
 
 import itertools
+import json
 import math
 
+import jax
 import numpy as np
 import optax
 import pytest
 
 from disco_jax import _compile, _pipeline, _strategy, _validate, backends
 from disco_jax._compile import capture
+from disco_jax._output_check import Float64Run
 
 from _steps import make_step
 
@@ -94,3 +97,26 @@ def test_pipeline_rejects_a_plan_that_is_not_faster_with_confidence(monkeypatch)
     monkeypatch.setattr(_validate, "time_until_decided", lambda *a, **k: faster)
     verdict = _pipeline.validate(captured, captured.runner(captured.default_compiled), best, compiled, 20, 0.9)
     assert not verdict.use_default and verdict.plan_counts["all-reduce"] == len(graph.gradients)
+
+
+def test_validating_a_fusion_plan_for_adam_records_the_float64_check(monkeypatch):
+    """A plan that changes fusion is judged against the float64 run of the step; the measured
+    record (the plan's JSON) says which check decided, with the per-leaf deviations of XLA's
+    program and the plan from the float64 result, the factor and the floor."""
+    step, args = make_step("jit", optimizer=optax.adam(1e-3))
+    captured = capture(step.lower(*args), backends.CPU, args, {})
+    captured.exact = Float64Run(step, args, {})
+    graph = captured.graph
+    best = _strategy.unfused(graph)
+    compiled, _ = _compile.compile_strategy(captured.lowered, graph, best)
+    faster = _validate.summarize([100.0] * 20, [90.0] * 20)
+    monkeypatch.setattr(_validate, "time_until_decided", lambda *a, **k: faster)
+    verdict = _pipeline.validate(captured, captured.runner(captured.default_compiled), best, compiled, 20, 0.9)
+    measured = json.loads(json.dumps(verdict.measured))  # as the plan stores it
+    assert not verdict.use_default and not measured["bitwise_required"]
+    assert measured["check"] == _validate.FLOAT64_CHECK and measured["fallback_reason"] is None
+    assert measured["factor"] == _validate.FACTOR and measured["floor_ulps"] == _validate.FLOOR_ULPS
+    outputs = jax.tree.leaves(step(*args))
+    assert len(measured["default_deviation"]) == len(measured["plan_deviation"]) == len(outputs)
+    assert all(p <= a for p, a in zip(measured["plan_deviation"], measured["allowed"]))
+    assert max(measured["default_deviation"]) > 0.0  # float32 Adam is not the float64 result

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from test_sharded_update import FAST, flax_adam_step, train
 
-from disco_jax import _plan, _strategy, backends, optimize_distributed, targets, zoo
+from disco_jax import _plan, _strategy, _validate, backends, optimize_distributed, targets, zoo
 from disco_jax._compile import capture, capture_graph
 from disco_jax._profile import measure_scatter_gather_cost
 from disco_jax.cost import AllReduceCostModel, sharded
@@ -73,10 +73,14 @@ def test_other_collectives_cost_half_an_allreduce_line_or_their_measured_line():
     measured = AllReduceCostModel(per_byte_us=2.0, latency_us=10.0, scatter_gather=(0.5, 40.0))
     assert collective_time_us(measured, "all-gather", 100) == 90.0
     assert AllReduceCostModel.from_json(measured.to_json()) == measured
-    ring = clusters.get_cluster("8xH100-NVLink").allreduce_model()
+    # A datasheet cluster (cluster A) has no reduce-scatter of its own: half its all-reduce line.
+    ring = clusters.get_cluster("clusterA-12x1080Ti").allreduce_model()
     nbytes = 64 << 20
     half = ring.time_us(0) + (ring.time_us(nbytes) - ring.time_us(0)) / 2
     assert collective_time_us(ring, "reduce-scatter", nbytes) == pytest.approx(half)
+    # The H100 clusters' reduce-scatter is fitted to its own nccl-tests table.
+    fitted = clusters.get_cluster("8xH100-NVLink").allreduce_model()
+    assert collective_time_us(fitted, "reduce-scatter", nbytes) == fitted.collective_time_us("reduce-scatter", nbytes)
 
 
 def test_the_simulator_puts_the_sharded_updates_all_gathers_on_the_channel():
@@ -137,6 +141,9 @@ def test_search_simulates_both_updates_and_records_state_bytes(tmp_path):
     assert replicated["collectives"]["all-gather"] == replicated["collectives"]["reduce-scatter"] == 0
     assert sharded["footprint_bytes"] < replicated["footprint_bytes"]
     assert replicated["simulated_us"] > 0 and sharded["simulated_us"] > 0
+    # Measured against the replicated update exactly when the simulator prefers it.
+    assert ("check" in sharded) == (sharded["simulated_us"] < replicated["simulated_us"])
+    assert "check" not in replicated and "measured" not in replicated
     sharded_state = [x for x in jax.tree.leaves(new_state[0].mu) if not x.sharding.is_fully_replicated]
     assert bool(sharded_state) == (info["mode"] == "sharded")  # the step runs what was decided
     np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-7)
@@ -185,25 +192,28 @@ def test_a_memory_limit_shards_the_largest_groups_and_enactment_reuses_the_decis
     assert enacted_state[0].mu["params"]["Dense_0"]["kernel"].sharding.spec == P("data")
     np.testing.assert_allclose(enacted, reference, rtol=1e-5, atol=1e-7)
 
-    # A tighter limit than the stored choice needs: chosen again from the recorded candidates, the
-    # fastest simulated that fits, with a warning (when the choice is the smallest candidate, no
-    # tighter limit leaves one to choose).
+    # Under the limit the replicated update exceeds, every candidate within it was measured.
+    within = [c for c in info["candidates"] if c["footprint_bytes"] <= 120_000]
+    assert within and all("check" in c for c in within)
+    assert all("check" not in c for c in info["candidates"] if c["footprint_bytes"] > 120_000)
+    # A tighter limit than the stored choice needs: chosen again from the recorded candidates,
+    # among those measured only, with a warning.
     tighter = chosen["footprint_bytes"] - 1
-    fitting = [c for c in info["candidates"] if c["footprint_bytes"] <= tighter]
-    if fitting:
-        expected = min(fitting, key=lambda c: c["simulated_us"])
-        enacting = optimize_distributed(search=False, plan_dir=tmp_path, memory_limit_bytes=tighter, **FAST)(step)
-        with pytest.warns(_plan.PlanWarning, match="chosen again"):
-            _, again_state, again_losses = train(enacting, params, opt_state, batches)
-        again = enacting.reports[0].weight_update
-        assert sorted(again["leaves"]) == expected["leaves"] != chosen["leaves"]
-        assert again["stored_memory_limit_bytes"] == 120_000 and again["memory_limit_bytes"] == tighter
-        # The returned state is sharded as the new choice says, and its program gathers one parameter
-        # per sharded (mu, nu) pair.
-        assert sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(again_state)) == len(expected["leaves"])
-        text = enacting.executable(params, opt_state, *batches[0]).as_text()
-        assert parameters_gathered(enacting.last_report, text) == len(expected["leaves"]) // 2
-        np.testing.assert_allclose(again_losses, reference, rtol=1e-5, atol=1e-7)
+    enacting = optimize_distributed(search=False, plan_dir=tmp_path, memory_limit_bytes=tighter, **FAST)(step)
+    with pytest.warns(_plan.PlanWarning, match="chosen again"):
+        _, again_state, again_losses = train(enacting, params, opt_state, batches)
+    again = enacting.reports[0].weight_update
+    picked = next(c for c in info["candidates"] if c["leaves"] == sorted(again["leaves"]))
+    assert "measured" in picked
+    if any("measured" in c and c["footprint_bytes"] <= tighter for c in info["candidates"]):
+        assert picked["footprint_bytes"] <= tighter
+    assert again["stored_memory_limit_bytes"] == 120_000 and again["memory_limit_bytes"] == tighter
+    # The returned state is sharded as the new choice says, and its program gathers one parameter
+    # per sharded (mu, nu) pair.
+    assert sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(again_state)) == len(picked["leaves"])
+    text = enacting.executable(params, opt_state, *batches[0]).as_text()
+    assert parameters_gathered(enacting.last_report, text) == len(picked["leaves"]) // 2
+    np.testing.assert_allclose(again_losses, reference, rtol=1e-5, atol=1e-7)
 
     # No limit: a sharding only the old limit forced gives way to the replicated update; one
     # measured faster stays.
@@ -223,6 +233,147 @@ def test_a_memory_limit_shards_the_largest_groups_and_enactment_reuses_the_decis
 def test_bad_memory_limits_raise(value):
     with pytest.raises(ValueError, match="memory_limit_bytes must be a positive integer"):
         optimize_distributed(memory_limit_bytes=value)
+
+
+def _timed(ratio: float, pairs: int = 20) -> dict:
+    """A candidate's `measured` record: every pair at `ratio` of the replicated step's time."""
+    return _validate.summarize([1000.0] * pairs, [1000.0 * ratio] * pairs).to_json()
+
+
+def _record(leaves: list[str], footprint: int, ratio: float | None = None, simulated: float = 1.0) -> dict:
+    """A recorded candidate (`Candidate.to_json`'s fields `pick` reads); `ratio`: measured at it."""
+    record = {"label": f"{len(leaves)} leaves", "leaves": leaves, "footprint_bytes": footprint}
+    record["simulated_us"] = simulated
+    if ratio is not None:
+        record.update(check={"within_tolerance": True}, measured=_timed(ratio))
+    return record
+
+
+def test_pick_takes_the_fastest_measured_faster_else_the_replicated_update_else_what_the_limit_leaves():
+    replicated = _record([], 1000)
+    a, b = _record(["a"], 600, ratio=0.8), _record(["a", "b"], 400, ratio=0.7)
+    index, why, forced = choice.pick([replicated, a, b], None)
+    assert index == 2 and not forced and "faster with confidence" in why
+    slower = [replicated, _record(["a"], 600, ratio=1.2), _record(["a", "b"], 400, ratio=1.1)]
+    assert choice.pick(slower, None)[0] == 0
+    assert choice.pick(slower, 1500)[0] == 0
+    index, why, forced = choice.pick(slower, 800)  # the replicated update exceeds it
+    assert index == 2 and forced and "only kind within the memory limit" in why
+    assert choice.pick(slower, 500)[0] == 2  # only the smaller fits
+
+
+def test_pick_never_chooses_a_candidate_that_was_not_measured():
+    replicated = _record([], 1000)
+    unmeasured = _record(["a", "b"], 400, simulated=0.1)  # fits and simulates fastest
+    failed = {**_record(["a"], 500), "check": {"within_tolerance": False}}  # outputs differed: not timed
+    index, why, forced = choice.pick([replicated, failed, unmeasured], 800)
+    assert index == 0 and not forced and "no sharded candidate was measured" in why
+    measured = _record(["b"], 900, ratio=1.3)
+    index, why, forced = choice.pick([replicated, failed, unmeasured, measured], 800)
+    assert index == 3 and forced and "no measured candidate fits" in why  # the measured one that needs least
+    index, why, forced = choice.pick([replicated, failed, unmeasured, measured], 950)
+    assert index == 3 and forced and "only kind within the memory limit" in why
+
+
+def _decision(mode_leaves: list[str], limit: int | None, candidates: list[dict], forced: bool) -> dict:
+    return {
+        "mode": "sharded" if mode_leaves else "replicated",
+        "leaves": {path: True for path in mode_leaves},
+        "forced": forced,
+        "candidates": candidates,
+        "memory_limit_bytes": limit,
+    }
+
+
+def test_rechoose_keeps_a_measured_choice_within_the_new_limit_without_a_warning(recwarn):
+    candidates = [_record([], 1000), _record(["a"], 600, ratio=0.8), _record(["a", "b"], 400)]
+    again = choice.rechoose(_decision(["a"], None, candidates, forced=False), 700)
+    assert again["mode"] == "sharded" and list(again["leaves"]) == ["a"] and not again["forced"]
+    assert again["stored_memory_limit_bytes"] is None and again["memory_limit_bytes"] == 700
+    assert not [w for w in recwarn if issubclass(w.category, _plan.PlanWarning)]
+
+
+def test_rechoose_falls_back_only_to_measured_candidates_or_the_replicated_update():
+    # Forced by the old limit (measured slower): without a limit the replicated update returns.
+    candidates = [_record([], 1000), _record(["a"], 600, ratio=1.2), _record(["a", "b"], 400, simulated=0.1)]
+    with pytest.warns(_plan.PlanWarning, match="chosen again"):
+        again = choice.rechoose(_decision(["a"], 700, candidates, forced=True), None)
+    assert again["mode"] == "replicated" and not again["leaves"]
+    # A limit the stored choice exceeds: the unmeasured candidate that fits is not taken; the
+    # stored choice (measured, the one that needs least of those measured) stays, with a warning.
+    with pytest.warns(_plan.PlanWarning, match="no measured candidate fits"):
+        again = choice.rechoose(_decision(["a"], 700, candidates, forced=True), 500)
+    assert list(again["leaves"]) == ["a"]
+    # A measured candidate that fits is taken.
+    candidates[2] = _record(["a", "b"], 400, ratio=1.1)
+    with pytest.warns(_plan.PlanWarning, match="chosen again"):
+        again = choice.rechoose(_decision(["a"], 700, candidates, forced=True), 500)
+    assert sorted(again["leaves"]) == ["a", "b"] and again["forced"]
+
+
+@pytest.fixture
+def prefers_sharded(monkeypatch):
+    """The simulator made to prefer every sharded candidate to the replicated update (on XLA:CPU it
+    prefers the replicated one for the tests' step) and the acceptance rule's timing replaced by a
+    verdict the test sets (`verdict["ratio"]`); records which programs were timed."""
+    timed: list[str] = []
+    verdict = {"ratio": 0.5}
+
+    def simulated_us(model, program):
+        return 10.0 if update.collectives(program.default_compiled.as_text())["all-gather"] else 20.0
+
+    def time_candidate(replicated, candidate, pairs, merge):
+        timed.append(candidate.graph.fingerprint)
+        return _validate.summarize([1000.0] * 20, [1000.0 * verdict["ratio"]] * 20)
+
+    monkeypatch.setattr(choice, "simulated_us", simulated_us)
+    monkeypatch.setattr(choice, "time_candidate", time_candidate)
+    return timed, verdict
+
+
+def test_a_sharded_update_the_simulator_prefers_is_measured_and_a_new_limit_never_takes_an_unmeasured_one(
+    tmp_path, prefers_sharded
+):
+    timed, verdict = prefers_sharded
+    step, params, opt_state, batches = flax_adam_step()
+    _, _, reference = train(step, params, opt_state, batches)
+    # No memory limit, the simulator prefers the sharded update, it measures slower: replicated.
+    verdict["ratio"] = 1.3
+    run = optimize_distributed(search=True, plan_dir=tmp_path, **FAST)(step)
+    _, new_state, losses = train(run, params, opt_state, batches)
+    info = run.reports[0].weight_update
+    replicated, *sharded = info["candidates"]
+    assert len(timed) == len(sharded) >= 1 and "measured" not in replicated
+    assert all(c["measured"]["verdict"] == "slower" and c["check"]["within_tolerance"] for c in sharded)
+    assert info["mode"] == "replicated" and "none measured faster" in info["reason"]
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(new_state))
+    np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-7)
+
+    # Enacted under a limit the replicated update exceeds: chosen again among the measured
+    # candidates, measuring nothing, with a warning.
+    limit = max(c["footprint_bytes"] for c in sharded)
+    assert replicated["footprint_bytes"] > limit
+    enacting = optimize_distributed(search=False, plan_dir=tmp_path, memory_limit_bytes=limit, **FAST)(step)
+    with pytest.warns(_plan.PlanWarning, match="chosen again"):
+        _, enacted_state, enacted = train(enacting, params, opt_state, batches)
+    again = enacting.reports[0].weight_update
+    assert again["mode"] == "sharded" and again["forced"] and again["stored_memory_limit_bytes"] is None
+    assert sorted(again["leaves"]) in [c["leaves"] for c in sharded] and len(timed) == len(sharded)
+    assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(enacted_state))
+    np.testing.assert_allclose(enacted, reference, rtol=1e-5, atol=1e-7)
+
+    # A search run under that limit measures again; measured faster, the sharded update is chosen
+    # for its speed, not forced.
+    verdict["ratio"] = 0.5
+    searching = optimize_distributed(search=True, plan_dir=tmp_path, memory_limit_bytes=limit, **FAST)(step)
+    _, new_state, losses = train(searching, params, opt_state, batches)
+    info = searching.reports[0].weight_update
+    assert len(timed) > len(sharded) and info["memory_limit_bytes"] == limit
+    assert info["mode"] == "sharded" and not info["forced"] and "faster with confidence" in info["reason"]
+    chosen = next(c for c in info["candidates"] if c["leaves"] == sorted(info["leaves"]))
+    assert chosen["measured"]["ratio"] == 0.5 and chosen["measured"]["ratio_ci95"] == [0.5, 0.5]
+    assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(new_state))
+    np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-7)
 
 
 def test_on_xla_gpu_the_sharded_update_reduce_scatters_and_sends_what_the_replicated_one_does():

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
+from disco_jax.backends.compiled import CompiledKernel, read_kernels
 from disco_jax.sharding import apply
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ class Backend:
       (`sharding.apply.apply_rules`): those the compiler does not apply (XLA:CPU: the
       reduce-scatter of an all-reduce read as blocks, grouped all-gathers; XLA:GPU: none, it
       forms reduce-scatters and combines all-gathers itself).
+    read_kernels: the kernels of a compiled executable's module text in schedule order, what
+      `cost.compiled` costs (`backends.compiled.read_kernels`, which reads XLA:GPU's and XLA:CPU's).
     """
 
     platform: str
@@ -77,6 +80,7 @@ class Backend:
     decorator_ready: bool = True
     emits_fusions: bool = True
     creates_reduce_scatter: bool = False
+    read_kernels: Callable[[str], list[CompiledKernel]] = read_kernels
     hook_rules: frozenset[str] = frozenset()
 
     @property

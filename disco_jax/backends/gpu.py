@@ -47,6 +47,22 @@ NO_PRODUCER_FUSION = frozenset({"reduce"})
 DECISIONS_OPTIONS = {"xla_disable_hlo_passes": "all-reduce-reassociate"}
 # And XLA's all-reduce combiner off: the plan's buckets are the all-reduces that run.
 REWRITE_OPTIONS = {**DECISIONS_OPTIONS, "xla_gpu_all_reduce_combine_threshold_bytes": "0"}
+# DisCo's compile-option baselines on XLA:GPU (docs/xla-facts.md, "XLA:GPU baselines"). No op
+# fusion: the pipeline named `fusion` off (`priority-fusion`, then `multi_output_fusion`) and the
+# Triton softmax rewriter, which fuses reductions and their elementwise neighbours before it; every
+# op is then emitted alone (`fusion-wrapper` still wraps it in a one-op fusion), and dots keep the
+# elementwise prologues and epilogues the Triton gemm rewriter fused into their gemm fusions (with
+# Triton gemms off, cuBLAS takes the bias add as its epilogue instead). No all-reduce combining:
+# the combiner off and all-reduce reassociation off (it would sum reduced gradients before one
+# all-reduce), so one all-reduce per gradient. XLA's combining and JAX_default are XLA:GPU's
+# defaults, reassociation included. PyTorch DDP and Horovod are enacted by the rewriter (not listed).
+NO_FUSION_PASSES = "fusion,triton-softmax-rewriter"
+BASELINE_OPTIONS = {
+    "JAX_no_fusion": {**REWRITE_OPTIONS, "xla_disable_hlo_passes": f"{NO_FUSION_PASSES},all-reduce-reassociate"},
+    "JAX_op_fusion": dict(REWRITE_OPTIONS),
+    "JAX_AllReduce_fusion": {"xla_disable_hlo_passes": NO_FUSION_PASSES},
+    "JAX_default": {},
+}
 
 
 def collective_options(
@@ -252,10 +268,7 @@ GPU = Backend(
     emittable=emittable,
     rewriter=GpuRewriter(),
     xla_buckets=xla_buckets,
-    baseline_options={
-        "JAX_op_fusion": dict(REWRITE_OPTIONS),
-        "JAX_default": dict(DECISIONS_OPTIONS),
-    },
+    baseline_options=BASELINE_OPTIONS,
     rewrite_options=REWRITE_OPTIONS,
     decisions_stage="POST_SCHEDULER",
     read_decisions=with_xla_decisions,

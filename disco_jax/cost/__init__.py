@@ -14,15 +14,28 @@
 * `events`: `run`, the event simulation of a kernel state.
 * `bound`: `dependency_bound`, the least iteration any order of a kernel state's kernels reaches
   (FO plus what dependencies force; `simulate(..., bound=True)`, reported per benchmark row).
+* `compiled`: the cost of a compiled program, kernel by kernel as XLA compiled and scheduled it
+  (`compiled_program`, `cost_program`, `compiled_cost` -> `CompiledCost`; DESIGN.md point 18):
+  what a strategy costs once compiled, beside the simulator that proposes strategies.
 * `simulator`: `simulate`, `SimulatorParams` and their multi-point `calibrate` (-> `Calibrated`:
   the parameters, the misfit and each point), `CostModel`, and `SimulatedCost` (the search's
   cost function, `CostModel.evaluator`).
 
 Data flow: profile table + plugins + analytical fit -> `chain(...)` -> `CostModel` (with the
-all-reduce cost) -> `simulate(graph, strategy)` for every candidate of the search.
+all-reduce cost) -> `simulate(graph, strategy)` for every candidate of the search; the
+executable compiled for a candidate -> `compiled_cost(text, backend, estimator, all-reduce cost)`.
 """
 
 from disco_jax.cost.allreduce import AllReduceCost, AllReduceCostModel, fit_allreduce_cost, fit_allreduce_samples
+from disco_jax.cost.compiled import (
+    CompiledCost,
+    CompiledProgram,
+    CostedKernel,
+    compiled_cost,
+    compiled_program,
+    cost_program,
+    measured_table,
+)
 from disco_jax.cost.estimators import (
     ENTRY_POINT_GROUP,
     AnalyticalEstimator,
@@ -77,6 +90,9 @@ __all__ = [
     "CalibratedEstimator",
     "CalibrationPoint",
     "ChainEstimator",
+    "CompiledCost",
+    "CompiledProgram",
+    "CostedKernel",
     "CostModel",
     "Estimator",
     "EstimatorFactory",
@@ -90,6 +106,9 @@ __all__ = [
     "Work",
     "calibrate",
     "chain",
+    "compiled_cost",
+    "compiled_program",
+    "cost_program",
     "estimator_factories",
     "fit_allreduce_cost",
     "fit_allreduce_samples",
@@ -98,6 +117,7 @@ __all__ = [
     "kernel_state",
     "kernel_work",
     "loop_work",
+    "measured_table",
     "plugin_estimators",
     "register_estimator",
     "simulate",

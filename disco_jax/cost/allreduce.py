@@ -8,8 +8,9 @@ the total over devices), and `to_json()` for the plan file and reports. Two impl
   (`fit_allreduce_cost`: medians per size, Huber-weighted relative residuals) to all-reduces
   timed on the real devices (`disco_jax._profile.measure_allreduce_cost`), with the spread of the
   fit over its repetitions (`fit_allreduce_samples`);
-* `disco_jax.eval.clusters.ClusterAllReduce`: NCCL's ring / hierarchical model of a simulated
-  GPU cluster.
+* `disco_jax.eval.nccl.FittedCollectives`: a simulated H100 cluster's collectives, fitted to
+  published nccl-tests tables (every collective its own); `disco_jax.eval.clusters.ClusterAllReduce`:
+  the datasheet ring / hierarchical model of a cluster with no measured table.
 
 The other collectives a program holds (`collective_ops`: the all-gathers and reduce-scatters of a
 sharded weight update) cost `collective_time_us`: the cost's own (a measured scatter/gather line)
@@ -99,9 +100,9 @@ def collective_time_us(cost: AllReduceCost, collective: str, nbytes: int | float
     it has one, else from its all-reduce line as a ring runs it. A ring all-reduce is a
     reduce-scatter then an all-gather of the same bytes, so each of those (and an all-to-all or a
     collective-permute, which send each byte once) costs the line's latency plus half its
-    per-byte time. That is also the cluster formula (`eval.clusters.ClusterAllReduce`): half the
-    ring or hierarchical transfer, with the all-reduce's latency (an overestimate by the ring's
-    steps, which only small tensors notice)."""
+    per-byte time. That is also the datasheet clusters' formula (`eval.clusters.ClusterAllReduce`):
+    half the ring or hierarchical transfer, with the all-reduce's latency (an overestimate by the
+    ring's steps, which only small tensors notice)."""
     if collective == "done":
         return 0.0
     own = getattr(cost, "collective_time_us", None)

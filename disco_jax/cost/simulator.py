@@ -367,12 +367,15 @@ def _label(graph: Graph, state: KernelState, k: int, allreduce: AllReduceCost) -
 @dataclasses.dataclass
 class CostModel:
     """What the simulator needs, built once per search: estimator chain and all-reduce cost.
-    `sources` says where each part came from (for the plan file)."""
+    `sources` says where each part came from (for the plan file). `kernel_times_us`: the profiled
+    times of XLA's executable by instruction name (`_profile.measure_kernel_times`), for the
+    compiled-program model (`cost.compiled.measured_table`); not written to the plan."""
 
     estimator: ChainEstimator
     allreduce: AllReduceCost
     sources: dict
     params: SimulatorParams = SimulatorParams()
+    kernel_times_us: dict[str, float] = dataclasses.field(default_factory=dict, repr=False)
 
     def evaluator(self, graph: Graph) -> SimulatedCost:
         """The search's cost function on `graph` (`SimulatedCost`). The estimators prepare first

@@ -44,6 +44,8 @@ TRANSCENDENTAL = frozenset(
     "exp exponential exponential-minus-one log log-plus-one logistic tanh sin cos tan erf power "
     "rsqrt sqrt cbrt atan2".split()
 )
+HALF_FLOATS = frozenset({"bf16", "f16"})
+"""16-bit float types: a dot or convolution of them runs at the tensor cores' 16-bit rate."""
 TRANSCENDENTAL_FLOPS = 8.0
 """Flop-equivalents per element of a transcendental op (exp, log, tanh... cost several FMAs)."""
 
@@ -64,6 +66,8 @@ class Work:
     transcendental: elements of transcendental ops.
     dot: flops of dots and convolutions.
     bytes: bytes of the op's output.
+    dot_16bit: the part of `dot` whose operands are 16-bit floats (bfloat16, float16): tensor
+      cores run it at their 16-bit rate, twice the TF32 one on an H100.
     """
 
     flops: float = 0.0
@@ -71,6 +75,7 @@ class Work:
     transcendental: float = 0.0
     dot: float = 0.0
     bytes: int = 0
+    dot_16bit: float = 0.0
 
     def __add__(self, other: Work) -> Work:
         return Work(
@@ -79,6 +84,7 @@ class Work:
             self.transcendental + other.transcendental,
             self.dot + other.dot,
             self.bytes + other.bytes,
+            self.dot_16bit + other.dot_16bit,
         )
 
 
@@ -102,11 +108,30 @@ def _reduced_elements(operands: Sequence[list[_hlo.TensorSpec] | None]) -> float
 
 
 def _contracted(inst: _hlo.Instruction, lhs: _hlo.TensorSpec) -> int:
+    """The product of the lhs's contracting dimensions: a dot's `lhs_contracting_dims`, or those
+    of a library gemm call's backend config (cuBLAS: `"lhs_contracting_dimensions":["1"]`)."""
+    dims = (inst.attr("lhs_contracting_dims", "{}") or "{}").strip("{}")
+    if inst.opcode == "custom-call":
+        found = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.attr("backend_config") or "")
+        dims = found.group(1).replace('"', "") if found else ""
     k = 1
-    for d in (inst.attr("lhs_contracting_dims", "{}") or "{}").strip("{}").split(","):
+    for d in dims.split(","):
         if d.strip():
             k *= lhs.dims[int(d)]
     return k
+
+
+def _matrix_op(inst: _hlo.Instruction) -> str | None:
+    """'convolution' or 'dot' for an instruction that is one: itself, or a library call that
+    carries one's attributes (a cuDNN convolution: `window` and `dim_labels`; a cuBLAS gemm: dot
+    dimension numbers in its backend config); None otherwise."""
+    if inst.opcode in ("dot", "convolution"):
+        return inst.opcode
+    if inst.opcode != "custom-call":
+        return None
+    if inst.attr("dim_labels") is not None:
+        return "convolution"
+    return "dot" if '"lhs_contracting_dimensions"' in (inst.attr("backend_config") or "") else None
 
 
 def _conv_flops(inst: _hlo.Instruction, rhs: _hlo.TensorSpec | None) -> float:
@@ -126,13 +151,15 @@ def instruction_work(inst: _hlo.Instruction, operands: Sequence[list[_hlo.Tensor
     """Work of one instruction of an opaque op (the op itself, or an instruction of a custom
     fusion's computation); `operands` are the output specs of its operands (None where unknown)."""
     first = operands[0][0] if operands and operands[0] else None
-    if inst.opcode == "convolution":
-        second = operands[1][0] if len(operands) > 1 and operands[1] else None
-        flops = _conv_flops(inst, second)
-        return Work(flops=flops, dot=flops)
-    if inst.opcode == "dot":
-        flops = 0.0 if first is None else 2.0 * inst.outputs[0].elements * _contracted(inst, first)
-        return Work(flops=flops, dot=flops)
+    second = operands[1][0] if len(operands) > 1 and operands[1] else None
+    matrix = _matrix_op(inst)
+    if matrix is not None:
+        if matrix == "convolution":
+            flops = _conv_flops(inst, second)
+        else:
+            flops = 0.0 if first is None else 2.0 * inst.outputs[0].elements * _contracted(inst, first)
+        narrow = first is not None and second is not None and {first.dtype, second.dtype} <= HALF_FLOATS
+        return Work(flops=flops, dot=flops, dot_16bit=flops if narrow else 0.0)
     elements = float(sum(t.elements for t in inst.outputs))
     if inst.opcode in TRANSCENDENTAL:
         return Work(flops=TRANSCENDENTAL_FLOPS * elements, transcendental=elements)
@@ -190,11 +217,14 @@ class KernelWork:
     elementwise: float
     transcendental: float
     dot: float
+    dot_16bit: float = 0.0  # of `dot`, the flops of 16-bit float operands (`Work.dot_16bit`)
 
     @classmethod
     def of(cls, read_bytes: float, written_bytes: float, ops: Sequence[Work]) -> KernelWork:
         total = sum(ops, Work())
-        return cls(float(read_bytes), float(written_bytes), total.elementwise, total.transcendental, total.dot)
+        return cls(
+            float(read_bytes), float(written_bytes), total.elementwise, total.transcendental, total.dot, total.dot_16bit
+        )
 
     @property
     def bytes(self) -> float:

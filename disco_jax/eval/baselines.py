@@ -3,11 +3,12 @@
 A `Baseline` is
 
 * a `Strategy` on the captured graph, for the simulator (every platform), and
-* how the measured platform (XLA:CPU, `backends.CPU`) enacts it: XLA compile options
-  (`compiler_options`, from `backends.CPU.baseline_options`), or, for the framework-style
-  bucketings XLA has no option for, a rewrite of the strategy into the module (`compiler_options
-  is None`: compile with `disco_jax._compile.compile_strategy`). The bucketing is what PyTorch
-  DDP and Horovod do; enacting it through our rewriter is enacting that policy.
+* how the graph's compiler (`graph.backend`: XLA:CPU measured, XLA:GPU compiled deviceless)
+  enacts it: XLA compile options (`compiler_options`, from the backend's `baseline_options`),
+  or, for the framework-style bucketings XLA has no option for, a rewrite of the strategy into
+  the module (`compiler_options is None`: compile with `disco_jax._compile.compile_strategy`).
+  The bucketing is what PyTorch DDP and Horovod do; enacting it through our rewriter is enacting
+  that policy. `compile_baselines` compiles each one that way (`_compile.Programs`).
 
 The baselines (one function each):
 
@@ -25,13 +26,18 @@ docs/xla-facts.md): the pass `fusion` forms loop fusions (with it disabled, `fus
 wraps each elementwise op alone in a one-instruction kLoop fusion, which is how XLA:CPU emits code
 for it); `cpu-all-reduce-combiner` combines all-reduces (the CPU combiner takes everything it can).
 XLA's library-call fusions (`__ynn_fusion` around a dot or convolution) are not op fusion and stay.
+XLA:GPU levers (`backends.gpu.BASELINE_OPTIONS`, tests/test_backends_gpu.py, docs/xla-facts.md):
+the pipeline `fusion` off (ops emitted one per fusion; gemm fusions keep the elementwise prologues
+and epilogues the Triton gemm rewriter gave them), the combine threshold 0 with all-reduce
+reassociation off (one all-reduce per gradient).
 
 "XLA's all-reduce combining" is a rule passed as `combine` (a function of the graph giving the
 gradient ids of each all-reduce): by default the measured platform's, `backends.CPU.xla_buckets`
 (what the captured module shows); on a simulated GPU cluster `xla_gpu_buckets`, XLA:GPU's combiner
 of neighbouring all-reduces up to `xla_gpu_all_reduce_combine_threshold_bytes` (30 MiB by
-default). The module is captured on CPU, so on a simulated GPU cluster "XLA's op fusion" is
-XLA:CPU's fusion decisions (XLA:GPU's differ in detail; both fuse elementwise chains greedily).
+default), where the graph is XLA:CPU's module (XLA:GPU's op fusion is then XLA:CPU's decisions),
+or `backends.GPU.xla_buckets`, XLA:GPU's combining as it compiled the step, where the graph is
+XLA:GPU's module.
 
 PyTorch DDP and Horovod do not fuse ops (eager PyTorch; Horovod leaves that to the framework). Here
 they get XLA's op fusion, so they are the strongest version of their bucketing policy; pass
@@ -44,6 +50,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from disco_jax import AllReduceCostModel, Graph, Strategy, _strategy, backends, simulate
+from disco_jax._compile import CompiledProgram, Programs
+from disco_jax.backends import Backend
 
 Combine = Callable[[Graph], Sequence[Sequence[int]]]  # XLA's all-reduce combining: gradient ids per all-reduce
 
@@ -56,9 +64,9 @@ HOROVOD_FUSION_THRESHOLD_BYTES = 128 * MiB  # HOROVOD_FUSION_THRESHOLD default s
 HOROVOD_CYCLE_TIME_US = 1000.0  # HOROVOD_CYCLE_TIME default (1 ms) since v0.21.0
 
 SOURCES = {
-    "JAX_no_fusion": "DisCo section 6.1 baseline (1); XLA:CPU passes 'fusion' and 'cpu-all-reduce-combiner' disabled",
-    "JAX_op_fusion": "DisCo section 6.1 baseline (2); XLA:CPU pass 'cpu-all-reduce-combiner' disabled",
-    "JAX_AllReduce_fusion": "DisCo section 6.1 baseline (3); XLA:CPU pass 'fusion' disabled",
+    "JAX_no_fusion": "DisCo section 6.1 baseline (1): XLA's op fusion and all-reduce combining off",
+    "JAX_op_fusion": "DisCo section 6.1 baseline (2): XLA's all-reduce combining off",
+    "JAX_AllReduce_fusion": "DisCo section 6.1 baseline (3): XLA's op fusion off",
     "JAX_default": "DisCo section 6.1 baseline (4); XLA's defaults (GPU combine threshold 30 MiB, "
     "xla_gpu_all_reduce_combine_threshold_bytes)",
     "PyTorch_DDP": "DisCo section 6.1 baseline (5); torch DistributedDataParallel bucket_cap_mb=25 and "
@@ -75,10 +83,10 @@ class Baseline:
     """One baseline on one captured graph.
 
     name: the baseline's name in the report. strategy: its decisions on the graph, for the
-    simulator. compiler_options: XLA compile options that make the measured platform (XLA:CPU)
-    compile the step this way (``{}``: XLA's defaults; `backends.CPU.baseline_options`), or None
-    when it is enacted by rewriting `strategy` into the module. description: one line for the
-    report."""
+    simulator. compiler_options: XLA compile options that make the graph's compiler
+    (`graph.backend`) compile the step this way (``{}``: XLA's defaults; the backend's
+    `baseline_options`), or None when it is enacted by rewriting `strategy` into the module.
+    description: one line for the report."""
 
     name: str
     strategy: Strategy
@@ -90,9 +98,9 @@ class Baseline:
         return "rewrite" if self.compiler_options is None else "compile options"
 
 
-def compiler_options(name: str) -> dict | None:
-    """The measured platform's compile options for baseline `name` (None: enacted by rewrite)."""
-    options = backends.CPU.baseline_options.get(name)
+def compiler_options(name: str, backend: Backend = backends.CPU) -> dict | None:
+    """`backend`'s compile options for baseline `name` (None: enacted by rewrite)."""
+    options = backend.baseline_options.get(name)
     return None if options is None else dict(options)
 
 
@@ -270,14 +278,22 @@ def _combining(combine: Combine) -> str:
 def jax_no_fusion(graph: Graph) -> Baseline:
     """Neither op fusion nor all-reduce combining."""
     s = _strategy.with_buckets(_strategy.unfused(graph), per_gradient(graph), "JAX_no_fusion")
-    return Baseline("JAX_no_fusion", s, compiler_options("JAX_no_fusion"), "no op fusion, one all-reduce per gradient")
+    return Baseline(
+        "JAX_no_fusion",
+        s,
+        compiler_options("JAX_no_fusion", graph.backend),
+        "no op fusion, one all-reduce per gradient",
+    )
 
 
 def jax_op_fusion(graph: Graph) -> Baseline:
     """XLA's op fusion, no all-reduce combining."""
     s = _strategy.with_buckets(_strategy.xla_default(graph), per_gradient(graph), "JAX_op_fusion")
     return Baseline(
-        "JAX_op_fusion", s, compiler_options("JAX_op_fusion"), "XLA's op fusion, one all-reduce per gradient"
+        "JAX_op_fusion",
+        s,
+        compiler_options("JAX_op_fusion", graph.backend),
+        "XLA's op fusion, one all-reduce per gradient",
     )
 
 
@@ -287,7 +303,7 @@ def jax_allreduce_fusion(graph: Graph, combine: Combine = backends.CPU.xla_bucke
     return Baseline(
         "JAX_AllReduce_fusion",
         s,
-        compiler_options("JAX_AllReduce_fusion"),
+        compiler_options("JAX_AllReduce_fusion", graph.backend),
         f"no op fusion, XLA's all-reduce combining ({_combining(combine)})",
     )
 
@@ -298,7 +314,7 @@ def jax_default(graph: Graph, combine: Combine = backends.CPU.xla_buckets) -> Ba
     return Baseline(
         "JAX_default",
         s,
-        compiler_options("JAX_default"),
+        compiler_options("JAX_default", graph.backend),
         f"XLA's op fusion and all-reduce combining ({_combining(combine)})",
     )
 
@@ -311,7 +327,7 @@ def pytorch_ddp(
     fusion: str = "xla",
     ready_times_us: Sequence[float] | None = None,
 ) -> Baseline:
-    """PyTorch DDP's gradient buckets (enacted by rewrite on the measured platform)."""
+    """PyTorch DDP's gradient buckets (enacted by rewrite)."""
     order = gradient_ready_order(graph, ready_times_us)
     s = _strategy.with_buckets(
         _fusion_groups(graph, fusion), ddp_buckets(graph, order, bucket_cap_bytes, first_bucket_bytes), "PyTorch_DDP"
@@ -319,7 +335,7 @@ def pytorch_ddp(
     return Baseline(
         "PyTorch_DDP",
         s,
-        compiler_options("PyTorch_DDP"),
+        compiler_options("PyTorch_DDP", graph.backend),
         f"{'XLA op fusion' if fusion == 'xla' else 'no op fusion'}, DDP buckets "
         f"(cap {bucket_cap_bytes / MiB:g} MiB, first {first_bucket_bytes / MiB:g} MiB)",
     )
@@ -333,7 +349,7 @@ def horovod(
     ready_times_us: Sequence[float] | None = None,
     fusion: str = "xla",
 ) -> Baseline:
-    """Horovod's threshold tensor fusion per cycle (enacted by rewrite on the measured platform)."""
+    """Horovod's threshold tensor fusion per cycle (enacted by rewrite)."""
     s = _strategy.with_buckets(
         _fusion_groups(graph, fusion), horovod_buckets(graph, threshold_bytes, ready_times_us, cycle_us), "Horovod"
     )
@@ -341,10 +357,18 @@ def horovod(
     return Baseline(
         "Horovod",
         s,
-        compiler_options("Horovod"),
+        compiler_options("Horovod", graph.backend),
         f"{'XLA op fusion' if fusion == 'xla' else 'no op fusion'}, fusion threshold "
         f"{threshold_bytes / MiB:g} MiB{cycle}",
     )
+
+
+def compile_baselines(programs: Programs, candidates: Sequence[Baseline]) -> dict[str, CompiledProgram]:
+    """Each baseline of `candidates` compiled as the graph's backend enacts it, by its name: XLA's
+    program under its compile options (JAX_default: XLA's own), or its strategy rewritten into the
+    module; a baseline that cannot be enacted comes back marked so, with the reason
+    (`_compile.compile_program`). `programs`: the step's programs (`_compile.Programs`)."""
+    return {b.name: programs.compile(b.name, b.strategy, b.compiler_options) for b in candidates}
 
 
 BASELINES: dict[str, Callable[..., Baseline]] = {

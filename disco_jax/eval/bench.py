@@ -42,6 +42,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from disco_jax import initialize_from_env
+from disco_jax._compile import Programs
 from disco_jax._files import write_json_atomic
 from disco_jax.eval import clusters
 from disco_jax.eval.measured import measured_row
@@ -132,6 +133,7 @@ def run_model(
     if not simulated or jax.process_index() != 0:
         return
     captures: dict[str | None, tuple] = {}  # one capture per target (None: XLA:CPU)
+    programs: dict[str, Programs] = {}  # one target's compiled programs serve each of its clusters
     for name in simulated:
         cluster = clusters.get_cluster(name)
         if cluster.target not in captures:
@@ -139,6 +141,8 @@ def run_model(
             log(f"{model}: capturing the paper config ({on})")
             captures[cluster.target] = capture_paper_model(model, style, cluster.target)
             log(f"{model}: captured in {captures[cluster.target][1]['capture_s']:.1f} s")
+            if cluster.target:
+                programs[cluster.target] = Programs(captures[cluster.target][2], captures[cluster.target][0])
         graph, info, lowered = captures[cluster.target]
         started = time.perf_counter()
         log(f"{model}: simulating {name} (search budget {budget_s:g} s)")
@@ -159,6 +163,7 @@ def run_model(
             relower=functools.partial(sharded_paper_program, model, style, cluster.target, graph)
             if cluster.target
             else None,
+            programs=programs.get(cluster.target),
         )
         row = {
             **common_fields(model, name, style, graph.summary(), cluster.kernel_estimator().name, cluster.num_devices),

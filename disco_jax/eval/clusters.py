@@ -4,11 +4,16 @@ A `Cluster` is a GPU (`disco_jax.eval.gpus.DeviceSpec`: its peak rates and kerne
 topology (`gpus_per_node` x `nodes`, the intra-node and inter-node `Link`s). It gives the two cost
 models the simulator needs for a platform we cannot run on:
 
-* `cluster.allreduce_model()`: ring all-reduce, ``2(N-1)/N * bytes / bandwidth + latency``
-  within a node, hierarchical across nodes (reduce-scatter in the node, all-reduce of the
-  1/G shard between nodes, all-gather in the node). Latencies follow NCCL's own tuning model
-  (a base latency plus a per-step hardware latency, for its LL and Simple protocols); like NCCL
-  the faster protocol is taken for each size.
+* `cluster.allreduce_model()`: the cost of its collectives. H100 clusters (`collectives` names
+  the fabric) take the models fitted to published nccl-tests tables
+  (`disco_jax.eval.nccl.collective_model`: per collective, the fastest of NCCL's regimes
+  ``latency + bytes / bandwidth``, carried from the measured shapes by NCCL's hop counts;
+  docs/collectives.md). Clusters with no measured table (cluster A, A100 nodes) keep the
+  datasheet model `ClusterAllReduce`: ring all-reduce, ``2(N-1)/N * bytes / bandwidth +
+  latency`` within a node, hierarchical across nodes (reduce-scatter in the node, all-reduce of
+  the 1/G shard between nodes, all-gather in the node), latencies from NCCL's tuning model (a
+  base latency plus a per-step hardware latency, for its LL and Simple protocols), the faster
+  protocol for each size.
 * `cluster.kernel_estimator()`: the GPU's kernel costs (`gpus.kernel_estimator`): the GNN trained
   on that GPU plus the launch overhead where disco-jax ships weights for its device kind (the
   H100), the analytical roofline scaled to the GPU for the rest.
@@ -30,7 +35,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from disco_jax.cost import AllReduceCost, Estimator
-from disco_jax.eval import gpus
+from disco_jax.eval import gpus, nccl
 from disco_jax.eval.gpus import A100_SXM, GTX_1080_TI, H100_SXM, DeviceSpec, Quantity, RooflineEstimator
 
 NCCL_TUNING = "NCCL src/graph/tuning.cc (v2.7), baseLat/hwLat tables, ring algorithm"
@@ -130,7 +135,8 @@ class ClusterAllReduce(AllReduceCost):
 
     def to_json(self) -> dict:
         return {
-            "model": "ring (one node) / hierarchical (several nodes), min over NCCL LL and Simple",
+            "model": "datasheet: ring (one node) / hierarchical (several nodes), min over NCCL LL and Simple",
+            "source": "datasheet",
             **dataclasses.asdict(self),
         }
 
@@ -148,12 +154,23 @@ class Cluster:
     # The `disco_jax.targets` GPU target its steps are captured and compiled for with XLA:GPU
     # (deviceless); None: no target XLA:GPU compiles for here, the step is XLA:CPU's module.
     target: str | None = None
+    # The fabric whose fitted collectives it takes (`nccl.collective_model`: "nvlink" for one
+    # H100 node, "ib" / "efa" / "tcpxo" between H100 nodes); None: the datasheet model.
+    collectives: str | None = None
 
     @property
     def num_devices(self) -> int:
         return self.gpus_per_node * self.nodes
 
-    def allreduce_model(self) -> ClusterAllReduce:
+    def allreduce_model(self) -> AllReduceCost:
+        """Its collectives' cost: fitted to nccl-tests tables where `collectives` names a fabric,
+        else the datasheet model (`datasheet_allreduce`)."""
+        if self.collectives is not None:
+            return nccl.collective_model(self.gpus_per_node, self.nodes, self.collectives)
+        return self.datasheet_allreduce()
+
+    def datasheet_allreduce(self) -> ClusterAllReduce:
+        """Ring / hierarchical all-reduce from the links' datasheet figures and NCCL's latency model."""
         steps_intra = 2 * (self.gpus_per_node - 1)
         steps_inter = 2 * (self.nodes - 1)
         inter = self.inter
@@ -179,15 +196,22 @@ class Cluster:
         return gpus.kernel_estimator(self.device)
 
     def sources(self) -> dict:
-        """Every number behind this cluster, with its source (for the report)."""
-        out = {"cluster": self.source}
-        for prefix, obj in (("device", self.device), ("intra", self.intra), ("inter", self.inter)):
-            if obj is None:
-                continue
-            for f in dataclasses.fields(obj):
-                v = getattr(obj, f.name)
-                if isinstance(v, Quantity):
-                    out[f"{prefix}.{f.name}"] = v.to_json()
+        """Every number behind this cluster, with its source (for the report). A fitted cluster's
+        collectives: per nccl-tests table behind them, how the model does on it (`nccl.table_fit`);
+        a datasheet cluster's: its links' figures and NCCL's ring latencies."""
+        out = {"cluster": self.source, **_quantities("device", self.device)}
+        if self.collectives is not None:
+            for t in self.allreduce_model().tables():
+                fit = nccl.table_fit(t)
+                out[f"fit.{t.file}"] = Quantity(
+                    round(100 * fit["median_abs_rel_error"], 1),
+                    f"% median |error| over {fit['sizes']} sizes ({t.role}; model {fit['model']})",
+                    f"nccl-tests table: {t.source()}",
+                ).to_json()
+            return out
+        out.update(_quantities("intra", self.intra))
+        if self.inter is not None:
+            out.update(_quantities("inter", self.inter))
         out["ring.base_latency_ll"] = RING_BASE_LATENCY_LL.to_json()
         out["ring.base_latency_simple"] = RING_BASE_LATENCY_SIMPLE.to_json()
         out["ring.ll_bandwidth_fraction"] = LL_BANDWIDTH_FRACTION.to_json()
@@ -201,9 +225,20 @@ class Cluster:
             "nodes": self.nodes,
             "num_devices": self.num_devices,
             "target": self.target,
+            "collectives": f"fitted to nccl-tests tables ({self.collectives})" if self.collectives else "datasheet",
             "allreduce": self.allreduce_model().to_json(),
             "sources": self.sources(),
         }
+
+
+def _quantities(prefix: str, obj) -> dict:
+    """`obj`'s `Quantity` fields as JSON, keyed ``prefix.field``."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, Quantity):
+            out[f"{prefix}.{f.name}"] = value.to_json()
+    return out
 
 
 # --------------------------------------------------------------------------- the data
@@ -287,8 +322,10 @@ H100_NVLINK_8 = Cluster(
     nodes=1,
     intra=NVLINK4,
     inter=None,
-    source="NVIDIA DGX H100 system (8 H100 SXM5, 4th-gen NVSwitch)",
+    source="NVIDIA DGX H100 system (8 H100 SXM5, 4th-gen NVSwitch); collectives fitted to one-node nccl-tests "
+    "tables (docs/collectives.md)",
     target="h100-sxm",
+    collectives="nvlink",
 )
 
 H100_IB_4X8 = Cluster(
@@ -299,15 +336,21 @@ H100_IB_4X8 = Cluster(
     nodes=4,
     intra=NVLINK4,
     inter=INFINIBAND_NDR_PER_GPU,
-    source="NVIDIA DGX H100 SuperPOD building block (8 GPUs and 8 ConnectX-7 NDR NICs per node)",
+    source="NVIDIA DGX H100 SuperPOD building block (8 GPUs and 8 ConnectX-7 NDR NICs per node); collectives "
+    "fitted to one-node and two-node InfiniBand nccl-tests tables, carried to 4 nodes (docs/collectives.md)",
     target="h100-sxm",
+    collectives="ib",
 )
 
 CLUSTERS: dict[str, Cluster] = {c.name: c for c in (CLUSTER_A, H100_NVLINK_8, H100_IB_4X8)}
 
 
-# GPU target (`disco_jax.targets`) -> the GPU and its node's interconnect, for `node_of`.
-TARGET_NODES: dict[str, tuple[DeviceSpec, Link]] = {"h100-sxm": (H100_SXM, NVLINK4), "a100-sxm": (A100_SXM, NVLINK3)}
+# GPU target (`disco_jax.targets`) -> the GPU, its node's interconnect and the fitted collectives
+# of such a node (None: datasheet), for `node_of`.
+TARGET_NODES: dict[str, tuple[DeviceSpec, Link, str | None]] = {
+    "h100-sxm": (H100_SXM, NVLINK4, "nvlink"),
+    "a100-sxm": (A100_SXM, NVLINK3, None),
+}
 
 
 def node_of(target: str, devices: int) -> Cluster:
@@ -317,7 +360,7 @@ def node_of(target: str, devices: int) -> Cluster:
         raise ValueError(f"no cluster model for GPU target {target!r}; known: {', '.join(sorted(TARGET_NODES))}")
     if not isinstance(devices, int) or not 1 <= devices <= 8:
         raise ValueError(f"one node holds 1 to 8 GPUs, got {devices!r}; pass a multi-node Cluster instead")
-    device, link = TARGET_NODES[target]
+    device, link, collectives = TARGET_NODES[target]
     return Cluster(
         name=f"{devices}x{target}",
         description=f"one node: {devices} x {device.name} over {link.name}",
@@ -326,8 +369,10 @@ def node_of(target: str, devices: int) -> Cluster:
         nodes=1,
         intra=link,
         inter=None,
-        source=f"{device.name} and {link.name} datasheet figures (see each number)",
+        source=f"{device.name} and {link.name} datasheet figures (see each number)"
+        + ("; collectives fitted to one-node nccl-tests tables" if collectives else ""),
         target=target,
+        collectives=collectives,
     )
 
 

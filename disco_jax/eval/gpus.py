@@ -2,15 +2,29 @@
 kernels cost.
 
 A `DeviceSpec` holds the peak rates the analytical kernel model needs, each a `Quantity` with its
-source (``assumption=True`` marks our choices: efficiencies, launch overhead), and the device kind
-JAX reports on that GPU. `kernel_estimator(device)` is what a cluster of it charges per kernel:
+source (``assumption=True`` marks our choices), and the device kind JAX reports on that GPU.
+Where kernels were timed on the GPU (`disco_jax/profiles/<kind>/kernel_samples.jsonl`: the H100),
+its per-kernel launch cost and achieved memory bandwidth are fitted to them
+(`fit_device_constants`, stored in `device_constants.json` beside the samples by
+`scripts/fit_device_constants.py` and read into the spec, `DeviceSpec.with_fitted`); the other
+GPUs' are assumed. No GEMM or convolution was timed, so the dot efficiency stays assumed.
+`kernel_estimator(device)` is what a cluster of it charges per kernel:
 
 * where disco-jax ships estimator weights for the device kind (`disco_jax/profiles/<kind>/`:
-  kernels timed on that GPU; today the H100), the plugins' estimate (the GNN's time on the device)
-  plus the launch overhead, for the kernels they answer (``gnn+launch``);
-* `RooflineEstimator` (``analytical-scaled``) for the rest (opaque ops: gemms, convolutions) and
-  for GPUs without weights: ``launch + max(bytes / (memory efficiency x HBM bandwidth),
-  elementwise work / fp32 peak + dot and convolution flops / (dot efficiency x dot peak))``.
+  kernels timed on that GPU; today the H100), the plugins' estimate (the GNN's time on the
+  device) for the kernels they answer: its training times hold each kernel's fixed cost, which
+  is what the fitted launch cost is, so nothing is added;
+* `RooflineEstimator` (``analytical-scaled``) for the rest (opaque ops: gemms, convolutions; and
+  fusions beyond the GNN's training range, such as XLA:GPU's horizontally fused optimizer updates
+  (several parameters' Adam updates in one kernel of tens to hundreds of ops), which are
+  memory-bound: the fitted bandwidth costs them) and for GPUs
+  without weights: ``launch + max(bytes / (memory efficiency x HBM bandwidth), elementwise work
+  / fp32 peak + dot and convolution flops / (dot efficiency x dot peak))``, the dot peak of the
+  operands' type: 16-bit floats (bfloat16, float16) at the tensor cores' 16-bit rate, others at
+  the TF32 rate.
+
+Not charged: any gap between two kernels on a stream beyond their own time (host launch,
+dispatch), which timing kernels one by one does not measure.
 
 `scripts/estimator_report.py` compares the two on the kernels measured on the GPU (docs/gpu.md).
 """
@@ -19,15 +33,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+import json
+from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 from disco_jax import Graph
-from disco_jax._profile_store import sanitize_device_kind
+from disco_jax._profile_store import SHIPPED_PROFILE_DIR, sanitize_device_kind
 from disco_jax.cost import (
+    ELEMENTWISE,
     TRANSCENDENTAL_FLOPS,
     Estimator,
     KernelWork,
-    OverheadEstimator,
     chain,
     kernel_work,
     plugin_estimators,
@@ -65,6 +82,16 @@ class DeviceSpec:
         assumption=True,
     )
     device_kind: str | None = None  # what JAX reports on this GPU: the key of its estimator weights
+    dot16_flops: Quantity | None = None  # dots and convolutions of 16-bit floats; None: at dot_flops
+
+    def with_fitted(self) -> DeviceSpec:
+        """The spec with the constants fitted to its GPU's kernel samples where they exist
+        (`device_constants.json` beside the shipped samples, `fit_device_constants`)."""
+        path = SHIPPED_PROFILE_DIR / sanitize_device_kind(self.device_kind or "") / CONSTANTS_FILE
+        if not self.device_kind or not path.exists():
+            return self
+        stored = json.loads(path.read_text())["constants"]
+        return dataclasses.replace(self, **{k: Quantity(v["value"], v["unit"], v["source"]) for k, v in stored.items()})
 
 
 def device_for_kind(device_kind: str) -> DeviceSpec | None:
@@ -79,7 +106,7 @@ def kernel_estimator(device: DeviceSpec) -> Estimator:
     plugins = _plugins(device.device_kind) if device.device_kind else ()
     if not plugins:
         return roofline
-    return chain(*(OverheadEstimator(p, device.launch_us.value) for p in plugins), roofline)
+    return chain(*plugins, roofline)
 
 
 @functools.cache
@@ -114,10 +141,18 @@ class RooflineEstimator:
         alone on the GPU measures: `scripts/estimator_report.py` compares the two)."""
         d = self.device
         memory_s = work.bytes / (d.memory_bandwidth.value * d.memory_efficiency.value)
-        compute_s = (
-            work.elementwise + d.transcendental_cost.value * work.transcendental
-        ) / d.fp32_flops.value + work.dot / (d.dot_flops.value * d.dot_efficiency.value)
+        dot16 = (d.dot16_flops or d.dot_flops).value
+        dot_s = ((work.dot - work.dot_16bit) / d.dot_flops.value + work.dot_16bit / dot16) / d.dot_efficiency.value
+        compute_s = (work.elementwise + d.transcendental_cost.value * work.transcendental) / d.fp32_flops.value + dot_s
         return 1e6 * max(memory_s, compute_s)
+
+    def assumptions(self, graph: Graph, members: frozenset[int]) -> list[str]:
+        """The device's assumed constants (`Quantity.assumption`) a kernel's time rests on."""
+        work = kernel_work(graph, members)
+        used = ["launch_us", "memory_efficiency"]
+        used += ["dot_efficiency"] if work.dot else []
+        used += ["transcendental_cost"] if work.transcendental else []
+        return [name for name in used if getattr(self.device, name).assumption]
 
     def estimate(self, graph: Graph, kernels: Sequence[frozenset[int]]) -> list[float | None]:
         return [self.kernel_time_us(graph, k) for k in kernels]
@@ -127,8 +162,70 @@ class RooflineEstimator:
             "name": self.name,
             "device": self.device.name,
             "formula": "launch + max(bytes / (eff_mem * HBM), (elementwise + 8 * transcendental) / fp32 peak "
-            "+ dot flops / (eff_dot * dot peak))",
+            "+ dot flops / (eff_dot * dot peak of the operands' type))",
+            "constants": {
+                f.name: getattr(self.device, f.name).to_json()
+                for f in dataclasses.fields(self.device)
+                if isinstance(getattr(self.device, f.name), Quantity)
+            },
         }
+
+
+# --------------------------------------------------------------------------- fitted constants
+
+CONSTANTS_FILE = "device_constants.json"
+LAUNCH_FIT_MAX_BYTES = 1 << 20  # the kernels whose time is mostly their fixed cost
+BANDWIDTH_FIT_MIN_BYTES = 64 << 20  # the kernels whose time is mostly streaming memory
+# Ops that stream their operands (no reduction, no transposition): kernels of only these are the
+# memory-bound ones XLA's elementwise fusions and horizontally fused updates are made of.
+STREAMING = ELEMENTWISE | frozenset("broadcast reshape slice concatenate pad reverse iota bitcast".split())
+
+
+def fit_device_constants(samples: Iterable[dict], memory_bandwidth: float, file: str = "kernel_samples.jsonl") -> dict:
+    """`launch_us` and `memory_efficiency` fitted to kernels timed alone on a GPU (records of
+    `kernel_samples.jsonl`: `time_us`, `read_bytes`, `written_bytes`, `kernel.nodes[].op`), as
+    `Quantity` fields by name (value, unit, source, and the fit):
+
+    * launch_us: the intercept of a least-squares line of time against bytes moved, over the
+      kernels that move at most `LAUNCH_FIT_MAX_BYTES`;
+    * memory_efficiency: the achieved bandwidth B, the median of bytes / (time - launch_us) over
+      the kernels of only `STREAMING` ops that move at least `BANDWIDTH_FIT_MIN_BYTES` (robust:
+      a least-squares slope follows the few kernels whose byte counts are off), over
+      `memory_bandwidth` (the datasheet's); with the relative error of launch + bytes / B there."""
+    rows = [(float(r["read_bytes"] + r["written_bytes"]), float(r["time_us"]), r) for r in samples]
+    small = np.array([(b, t) for b, t, _ in rows if b <= LAUNCH_FIT_MAX_BYTES])
+    (slope, launch), *_ = np.linalg.lstsq(np.stack([small[:, 0], np.ones(len(small))], 1), small[:, 1], rcond=None)
+    large = np.array(
+        [
+            (b, t)
+            for b, t, r in rows
+            if b >= BANDWIDTH_FIT_MIN_BYTES and all(n["op"] in STREAMING for n in r["kernel"]["nodes"])
+        ]
+    )
+    bandwidth = 1e6 * float(np.median(large[:, 0] / (large[:, 1] - launch)))  # bytes/s (times in us)
+    errors = np.abs(launch + 1e6 * large[:, 0] / bandwidth - large[:, 1]) / large[:, 1]
+    return {
+        "launch_us": {
+            "value": float(launch),
+            "unit": "us",
+            "source": f"fitted to {file}, {len(small)} kernels: intercept of time against bytes moved over the "
+            f"kernels moving at most {LAUNCH_FIT_MAX_BYTES >> 20} MiB (the fixed cost of one kernel on the device)",
+            "fit": {"kernels": len(small), "intercept_us": float(launch), "us_per_byte": float(slope)},
+        },
+        "memory_efficiency": {
+            "value": bandwidth / memory_bandwidth,
+            "unit": "fraction",
+            "source": f"fitted to {file}, {len(large)} kernels: achieved bandwidth {bandwidth / 1e12:.3f} TB/s, the "
+            f"median of bytes / (time - launch) over kernels of streaming ops moving at least "
+            f"{BANDWIDTH_FIT_MIN_BYTES >> 20} MiB, over the datasheet's {memory_bandwidth / 1e12:.2f} TB/s",
+            "fit": {
+                "kernels": len(large),
+                "bandwidth_bytes_per_s": bandwidth,
+                "median_relative_error": float(np.median(errors)),
+                "p90_relative_error": float(np.percentile(errors, 90)),
+            },
+        },
+    }
 
 
 # --------------------------------------------------------------------------- the data
@@ -163,11 +260,15 @@ H100_SXM = DeviceSpec(
         "dots may use TF32 on recent GPUs",
     ),
     memory_bandwidth=Quantity(3.35e12, "B/s", "NVIDIA H100 datasheet: HBM3 3.35 TB/s (SXM)"),
+    # Launch and memory efficiency as assumed without samples; fitted to the H100's (`with_fitted`).
     launch_us=Quantity(5.0, "us", _ASSUMED_LAUNCH, assumption=True),
     dot_efficiency=Quantity(0.5, "fraction", _ASSUMED_DOT_EFFICIENCY, assumption=True),
     memory_efficiency=Quantity(0.8, "fraction", _ASSUMED_MEMORY_EFFICIENCY, assumption=True),
     device_kind="NVIDIA H100 80GB HBM3",  # jax.devices()[0].device_kind on one (docs/gpu.md)
-)
+    dot16_flops=Quantity(
+        989.4e12, "FLOP/s", "NVIDIA H100 datasheet: BF16 / FP16 Tensor Core 1,979 TFLOPS with sparsity, 989 dense (SXM)"
+    ),
+).with_fitted()
 
 A100_SXM = DeviceSpec(
     name="NVIDIA A100 SXM4 80GB",
@@ -182,12 +283,14 @@ A100_SXM = DeviceSpec(
     launch_us=Quantity(5.0, "us", _ASSUMED_LAUNCH, assumption=True),
     dot_efficiency=Quantity(0.5, "fraction", _ASSUMED_DOT_EFFICIENCY, assumption=True),
     memory_efficiency=Quantity(0.8, "fraction", _ASSUMED_MEMORY_EFFICIENCY, assumption=True),
+    dot16_flops=Quantity(312e12, "FLOP/s", "NVIDIA A100 datasheet: BF16 / FP16 Tensor Core 312 TFLOPS dense"),
 )
 
 DEVICES = (GTX_1080_TI, H100_SXM, A100_SXM)
 
 __all__ = [
     "A100_SXM",
+    "CONSTANTS_FILE",
     "DEVICES",
     "GTX_1080_TI",
     "H100_SXM",
@@ -195,6 +298,7 @@ __all__ = [
     "Quantity",
     "RooflineEstimator",
     "device_for_kind",
+    "fit_device_constants",
     "kernel_estimator",
     "opaque_op_work",
 ]

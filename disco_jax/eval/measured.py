@@ -6,10 +6,18 @@ Measured platforms (`rows.MEASURED_PLATFORMS`, name -> processes x devices per p
 * ``gloo-2x1``: 2 processes x 1 CPU device, collectives over gloo on loopback (the job is started
   by ``disco-jax launch``): communication between processes, as on a real cluster.
 
-Each baseline is compiled (XLA compile options, or our rewrite for DDP / Horovod), checked on its
-compiled HLO and its outputs, and timed in interleaved pairs against JAX_default; disco-jax is
-`optimize_distributed(search=True)` (profile, calibrate, search, measured candidates, the
-acceptance rule), timed the same way afterwards. Every configuration is also simulated with the
+Every configuration is timed the same way: in interleaved pairs against one *reference*, XLA's
+default executable of the step compiled a second time (`Captured.default_copy`). JAX_default is a
+configuration like the others (the capture's executable), so its ratio to the reference is the
+noise floor of the row (1.0 up to noise), with its spread. Each baseline is compiled (XLA compile
+options, or our rewrite for DDP / Horovod) and checked on its compiled HLO and its outputs;
+disco-jax is `optimize_distributed(search=True)` (profile, calibrate, search, measured
+candidates, the acceptance rule), and what is timed afterwards is the executable the decorated
+step runs (`OptimizedStep.executable`), like the baselines'. The decorator's own per-call cost is
+timed apart: the decorated call against that executable, interleaved (`overhead`). The row's
+times are each configuration's median ratio times the reference's median time; the best baseline
+is the fastest on that scale, and the speed-up's interval compares the two configurations'
+per-pair ratios (`rows.ratio_between`). Every configuration is also simulated with the
 calibrated simulator of the search phase, which gives the simulated-vs-measured table (DisCo's
 Table 2).
 
@@ -24,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,9 +41,21 @@ import optax
 from disco_jax import ProfileDatabase, Strategy, _distributed, _validate, backends, optimize_distributed, zoo
 from disco_jax._compile import Captured, capture, compile_strategy, compiled_stats
 from disco_jax._console import Ui
+from disco_jax._output_check import Float64Run
 from disco_jax._profiling import calibrate, profile
 from disco_jax.eval import baselines
-from disco_jax.eval.rows import DISCO, log, measured_json, outputs_json, sim_json, summarize
+from disco_jax.eval.rows import (
+    DISCO,
+    log,
+    measured_json,
+    measured_summary,
+    outputs_json,
+    overhead_json,
+    sim_json,
+)
+from disco_jax.sharding import update
+
+REFERENCE = "a second compile of XLA's default executable"
 
 
 class Job:
@@ -44,9 +65,10 @@ class Job:
         self.scope = _distributed.new_scope(f"bench/{name}") if _distributed.is_multiprocess() else None
         self.count = itertools.count()
 
-    def time(self, default_runner, runner, pairs: int) -> _validate.Timing:
-        """Interleaved pairs against JAX_default; with several processes, each pair at its slowest."""
-        timing = _validate.time_interleaved(default_runner, runner, pairs=pairs)
+    def time(self, reference: Callable, runner: Callable, pairs: int) -> _validate.Timing:
+        """`runner` in interleaved pairs against `reference`; with several processes, each pair at
+        its slowest."""
+        timing = _validate.time_interleaved(reference, runner, pairs=pairs)
         if self.scope is None:
             return timing
         ratios = _distributed.slowest_pairs(f"{self.scope}/timing/{next(self.count)}")(timing.ratios)
@@ -60,14 +82,11 @@ class Job:
         found = _distributed.broadcast_json(f"{self.scope}/baseline/{b.name}", b.strategy.to_json(graph))
         return dataclasses.replace(b, strategy=Strategy.from_json(graph, found))
 
-    def compare(self, reference: Any, outputs: Any, floor: list[float]) -> _validate.Comparison:
-        """Outputs against JAX_default's (`reference`: this process's shards), every process's verdict merged."""
-        comparison = _validate.compare_outputs(reference, _distributed.addressable(outputs), bitwise=False, floor=floor)
-        if self.scope is None:
-            return comparison
-        return _validate.Comparison.merge(
-            _distributed.gather_json(f"{self.scope}/outputs/{next(self.count)}", dataclasses.asdict(comparison))
-        )
+    def compare(self, captured: Captured, outputs: Any) -> _validate.Comparison:
+        """Outputs against JAX_default's by the step's output check (`captured.output_check`: the
+        float64 run of the step where it runs), every process's verdict merged."""
+        merge_key = None if self.scope is None else f"{self.scope}/outputs/{next(self.count)}"
+        return captured.output_check.compare(outputs, merge_key=merge_key)
 
 
 def compile_baseline(captured: Captured, b: baselines.Baseline) -> tuple:
@@ -76,6 +95,17 @@ def compile_baseline(captured: Captured, b: baselines.Baseline) -> tuple:
     if not b.compiler_options:
         return captured.default_compiled, "default"
     return captured.lowered.compile(compiler_options=b.compiler_options), "compile options"
+
+
+def plan_executable(optimized, args: tuple) -> tuple[Any, tuple]:
+    """What a decorated step runs on `args` from its second call on, and the arguments it takes:
+    the compiled executable of its program (`OptimizedStep.executable`); for a sharded weight
+    update the steady executable, on the state resharded as the first call reshards it once."""
+    run = optimized.executable(*args)
+    if isinstance(run, update.Resharding):
+        resharded, _ = run.reshard(args, {})
+        return run.steady, resharded
+    return run, args
 
 
 def measured_row(
@@ -90,7 +120,8 @@ def measured_row(
 ) -> dict | None:
     """The measured row of a zoo model (`config`, at the spec's global batch unless given) on
     every device of the job, on the default backend's devices: every baseline compiled, checked,
-    timed against JAX_default and simulated; disco-jax by `optimize_distributed`'s search phase.
+    timed against the reference and simulated; disco-jax by `optimize_distributed`'s search phase,
+    its executable timed against the reference and the decorated call against its executable.
     Process 0 returns the row, the others None."""
     spec = zoo.get_model(name, config)
     step, state, batch = zoo.make_train_step(
@@ -103,6 +134,7 @@ def measured_row(
     if backend is None:
         raise ValueError(f"disco-jax has no backend for {jax.default_backend()!r}")
     captured = capture(step.lower(*args), backend, args, {})
+    captured.exact = Float64Run(step, args, {})
     graph = captured.graph
     capture_s = time.perf_counter() - started
     validation_pairs = max(8, pairs // 2)
@@ -115,22 +147,20 @@ def measured_row(
     candidates = baselines.all_baselines(
         graph, kernel_time_us=lambda ks: [t * scale for t in cost_model.estimator.estimate(graph, ks)]
     )
-    local = _distributed.addressable
-    reference = local(default_runner())
-    floor = _validate.sensitivity(reference, local(step(*_validate.nudge(args))))
     default_counts = compiled_stats(captured.default_compiled.as_text())
+    reference_runner = captured.runner(captured.default_copy())
     strategies: dict[str, dict] = {}
-    default_samples: list[float] = []
+    reference_samples: list[float] = []
     for b in candidates:
         b = job.agree(b, graph)
         log(f"{name}: {b.name} ({b.enacted_by})")
         compiled, status = compile_baseline(captured, b)
         runner = captured.runner(compiled)
-        # Bitwise equality is recorded; the check is the tolerance of `_validate` (fusion changes,
-        # and our rewrite of some modules, move float results by a few ulps).
-        comparison = job.compare(reference, runner(), floor)
-        timing = job.time(default_runner, runner, pairs)
-        default_samples.append(timing.default_us)
+        # Bitwise equality is recorded; the check is the output check's (fusion changes, and our
+        # rewrite of some modules, move float results by a few ulps).
+        comparison = job.compare(captured, runner())
+        timing = job.time(reference_runner, runner, pairs)
+        reference_samples.append(timing.default_us)
         sim = cost_model.simulate(graph, b.strategy)
         strategies[b.name] = {
             "simulated": sim_json(sim),
@@ -152,12 +182,15 @@ def measured_row(
     out = jax.block_until_ready(optimized(*args))
     report = optimized.last_report
     applied = bool(report.applied)
-    disco_hlo = compiled_stats(optimized.executable(*args).as_text()) if applied else default_counts
+    executable, plan_args = plan_executable(optimized, args)
     strategy = Strategy.from_json(graph, report.plan["strategy"]) if applied else baselines.jax_default(graph).strategy
-    comparison = job.compare(reference, out, floor)
-    log(f"{name}: disco-jax {'plan applied' if applied else 'XLA default kept'}; timing it against JAX_default")
-    timing = job.time(default_runner, lambda: optimized(*args), pairs)
-    default_samples.append(timing.default_us)
+    comparison = job.compare(captured, out)
+    log(f"{name}: disco-jax {'plan applied' if applied else 'XLA default kept'}; timing its executable")
+    plan_runner = captured.runner(executable, plan_args)
+    timing = job.time(reference_runner, plan_runner, pairs)
+    reference_samples.append(timing.default_us)
+    log(f"{name}: the decorator's per-call overhead (decorated call vs its executable)")
+    overhead = job.time(plan_runner, captured.runner(optimized, plan_args), pairs)
     if jax.process_index() != 0:
         return None
     sim = cost_model.simulate(graph, strategy)
@@ -168,28 +201,21 @@ def measured_row(
         "enacted_by": "optimize_distributed",
         "applied": applied,
         "acceptance": {k: (report.measured or {}).get(k) for k in ("ratio", "ratio_ci95", "rule", "pairs")},
-        "hlo": disco_hlo,
+        "hlo": compiled_stats(executable.as_text()),
         "buckets": len(strategy.buckets),
         "valid": sim is not None,
         "simulated_by_search": (report.simulated or {}).get("plan"),
+        "weight_update": (report.weight_update or {}).get("mode"),
         "measured": measured_json(timing),
+        "overhead": overhead_json(overhead),
         "outputs": outputs_json(comparison),
     }
-    # One time scale for the row: each configuration's median ratio to JAX_default times the
-    # median JAX_default time over all pairings (ratios of interleaved pairs are what is robust).
-    default_us = sorted(default_samples)[len(default_samples) // 2]
-    times = {
-        k: v["measured"]["ratio"] * default_us if k != "JAX_default" else default_us for k, v in strategies.items()
-    }
-    # FO on the measured time scale: the simulated bound times measured / simulated JAX_default.
-    fo_simulated = min(v["simulated"]["full_overlap_us"] for v in strategies.values() if v["simulated"])
-    fo = fo_simulated * default_us / strategies["JAX_default"]["simulated"]["iteration_us"]
+    reference_us = sorted(reference_samples)[len(reference_samples) // 2]
     return {
         "strategies": strategies,
-        "time_us": times,
         "time_kind": "measured",
-        **summarize(times, fo),
-        "fo_simulated_us": fo_simulated,
+        "reference": {"executable": REFERENCE, "us": reference_us, "pairs": pairs},
+        **measured_summary(strategies, reference_us),
         "search": {
             k: search.get(k)
             for k in ("evaluated", "invalid", "improvements", "seconds", "stop_reason", "candidates_per_second")

@@ -1,26 +1,23 @@
 """The benchmark report: ``README.md`` and the figures of a report folder, from its rows.
 
 The report's prose is `report_template.md` (package data, beside this file): named sections, each
-a `string.Template`. This module computes the numbers and tables and fills them in; which sections
+a `string.Template` (`report_text.fill`, with the number formats). This module computes the numbers
+and tables and fills them in, the measured platforms' parts in `report_measured`; which sections
 appear depends on the rows (e.g. the simulator-accuracy section needs a measured platform).
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import math
 import os
-import re
 import statistics
-import string
 import time
-from importlib import resources
 from pathlib import Path
 
 from disco_jax._files import write_json_atomic
-from disco_jax.backends import CPU
-from disco_jax.eval import baselines, clusters, headroom
+from disco_jax.backends import CPU, GPU, Backend
+from disco_jax.eval import baselines, clusters, headroom, report_measured
+from disco_jax.eval import report_text as fmt
 from disco_jax.eval.figures import write_figures
 from disco_jax.eval.rows import (
     BASELINE_ORDER,
@@ -31,8 +28,6 @@ from disco_jax.eval.rows import (
     platform_order,
 )
 
-TEMPLATE = "report_template.md"
-_SECTION = re.compile(r"^<!-- (\w+) -->$", re.MULTILINE)
 SHORT_NAMES = {
     "JAX_no_fusion": "no_fusion",
     "JAX_op_fusion": "op_fusion",
@@ -42,18 +37,6 @@ SHORT_NAMES = {
     "Horovod": "Horovod",
     DISCO: "**disco-jax**",
 }
-
-
-@functools.cache
-def sections() -> dict[str, string.Template]:
-    """The template's sections by name."""
-    text = resources.files("disco_jax.eval").joinpath(TEMPLATE).read_text(encoding="utf-8")
-    parts = _SECTION.split(text)  # [preamble, name, body, name, body, ...]
-    return {name: string.Template(body.strip("\n")) for name, body in zip(parts[1::2], parts[2::2])}
-
-
-def _t(name: str, **values) -> str:
-    return sections()[name].substitute(values)
 
 
 def write_report(out: str | os.PathLike, *, style: str | None = None, run_info: dict | None = None) -> Path:
@@ -78,40 +61,6 @@ def write_report(out: str | os.PathLike, *, style: str | None = None, run_info: 
     return readme
 
 
-# --------------------------------------------------------------------------- number formats
-
-
-def _ms(us: float | None) -> str:
-    if us is None:
-        return "n/a"
-    ms = us / 1e3
-    return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
-
-
-def _gb(nbytes: int) -> str:
-    return f"{nbytes / 1e9:.2f} GB"
-
-
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:+.1%}"
-
-
-def _frac(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.0%}"
-
-
-def _geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
-
-
-def _table_row(cells: list) -> str:
-    return "| " + " | ".join(str(c) for c in cells) + " |"
-
-
-def _iqr(m: dict, digits: int) -> str:
-    return f"{m['ratio']:.{digits}f} [{m['ratio_iqr'][0]:.{digits}f}-{m['ratio_iqr'][1]:.{digits}f}]"
-
-
 # --------------------------------------------------------------------------- the report
 
 
@@ -121,13 +70,13 @@ def report_markdown(rows: list[dict], figures: dict[str, str], run_info: dict) -
     by_key = {(r["platform"], r["model"]): r for r in rows}
     by_platform = {p: [by_key[(p, m)] for m in models if (p, m) in by_key] for p in platforms}
     by_platform = {p: prow for p, prow in by_platform.items() if prow}
-    blocks = [_t("header")]
+    blocks = [fmt.fill("header")]
     runs = run_info.get("runs") or []
     if runs:
         config = run_info.get("config") or {}
         total = sum((r.get("elapsed_s") or 0) for r in runs)
         blocks.append(
-            _t(
+            fmt.fill(
                 "run_summary",
                 rows=len(rows),
                 minutes=f"{total / 60:.0f}",
@@ -139,27 +88,27 @@ def report_markdown(rows: list[dict], figures: dict[str, str], run_info: dict) -
             )
         )
     blocks += _headline(by_platform)
-    blocks.append(_t("tables"))
+    blocks.append(fmt.fill("tables"))
     for prow in by_platform.values():
         blocks += _platform_tables(prow)
-    blocks.append(_t("figures"))
+    blocks.append(fmt.fill("figures"))
     if "fig6" in figures:
-        blocks.append(_t("fig6", file=figures["fig6"]))
+        blocks.append(fmt.fill("fig6", file=figures["fig6"]))
     for platform in by_platform:
         if f"fig7_{platform}" in figures:
-            blocks.append(_t("fig7", platform=platform, file=figures[f"fig7_{platform}"]))
+            blocks.append(fmt.fill("fig7", platform=platform, file=figures[f"fig7_{platform}"]))
     measured = {p: prow for p, prow in by_platform.items() if prow[0]["time_kind"] == "measured"}
     if measured:
-        blocks.append(_t("accuracy"))
+        blocks.append(fmt.fill("accuracy"))
         for prow in measured.values():
-            blocks += _accuracy(prow, figures)
+            blocks += report_measured.accuracy(prow, figures)
     blocks += _paper_models(rows, models)
     blocks += _baselines_and_clusters()
-    blocks.append(_t("caveats"))
+    blocks.append(fmt.fill("caveats"))
     failures = run_info.get("failures") or []
     if failures:
         blocks.append(
-            _t(
+            fmt.fill(
                 "failures",
                 failures="\n".join(f"- {model}: exit code {code}, log `{log}`" for model, code, log in failures),
             )
@@ -174,23 +123,25 @@ def _headline(by_platform: dict[str, list[dict]]) -> list[str]:
         captured = sorted(r["headroom_captured"] for r in prow if r["headroom_captured"] is not None)
         best = max(prow, key=lambda r: r["speedup"])
         worst = min(prow, key=lambda r: r["speedup"])
-        fo = _geomean([r["best_baseline_us"] / r["fo_us"] for r in prow if r["fo_us"] > 0]) - 1
+        fo = fmt.geomean([r["best_baseline_us"] / r["fo_us"] for r in prow if r["fo_us"] > 0]) - 1
         items.append(
-            _t(
+            fmt.fill(
                 "headline_platform",
                 platform=platform,
                 kind=prow[0]["time_kind"],
                 devices=prow[0]["num_devices"],
                 models=len(prow),
-                geomean=_pct(_geomean(ratios) - 1),
-                best=_pct(best["speedup"]),
+                geomean=fmt.pct(fmt.geomean(ratios) - 1),
+                best=fmt.speedup(best),
                 best_model=best["model"],
-                worst=_pct(worst["speedup"]),
+                worst=fmt.speedup(worst),
                 worst_model=worst["model"],
-                captured=_frac(statistics.median(captured) if captured else None),
-                fo=_pct(fo),
+                captured=fmt.frac(statistics.median(captured) if captured else None),
+                fo=fmt.pct(fo),
                 bound=_bound_headline(prow),
-                plans=_plans(prow) if prow[0]["time_kind"] == "measured" else "",
+                plans=report_measured.plans_headline(prow) + report_measured.fair_headline(prow)
+                if prow[0]["time_kind"] == "measured"
+                else "",
             )
         )
         losses += [r for r in prow if r["speedup"] < 0]
@@ -199,26 +150,32 @@ def _headline(by_platform: dict[str, list[dict]]) -> list[str]:
         extra = ""
         if r["time_kind"] == "measured":
             d = r["strategies"][DISCO]
-            extra = _t(
+            extra = fmt.fill(
                 "loss_measured",
-                disco_ratio=_iqr(d["measured"], 3),
+                reference=fmt.reference(r),
+                disco_ratio=fmt.iqr(d["measured"], 3),
                 best=r["best_baseline"],
-                best_ratio=_iqr(r["strategies"][r["best_baseline"]]["measured"], 3),
+                best_ratio=fmt.iqr(r["strategies"][r["best_baseline"]]["measured"], 3),
                 description=d["description"],
             )
         loss_items.append(
-            _t(
+            fmt.fill(
                 "loss",
                 model=r["model"],
                 platform=r["platform"],
-                disco_ms=_ms(r["disco_us"]),
+                disco_ms=fmt.ms(r["disco_us"]),
                 best=r["best_baseline"],
-                best_ms=_ms(r["best_baseline_us"]),
-                speedup=_pct(r["speedup"]),
+                best_ms=fmt.ms(r["best_baseline_us"]),
+                speedup=fmt.speedup(r),
                 measured=extra,
             )
         )
-    return [_t("headline"), "\n".join(items), _t("losses"), "\n".join(loss_items) if loss_items else _t("no_losses")]
+    return [
+        fmt.fill("headline"),
+        "\n".join(items),
+        fmt.fill("losses"),
+        "\n".join(loss_items) if loss_items else fmt.fill("no_losses"),
+    ]
 
 
 def _bound_headline(prow: list[dict]) -> str:
@@ -226,31 +183,15 @@ def _bound_headline(prow: list[dict]) -> str:
     if not allows:
         return ""
     gap = {r["model"]: r["disco_us"] / r["dependency_bound_us"] - 1 for r in prow if r["model"] in allows}
-    limited = ", ".join(f"{m} {_frac(a)}" for m, a in allows.items() if a < headroom.TARGET)
-    target = _frac(headroom.TARGET)
-    return _t(
+    limited = ", ".join(f"{m} {fmt.frac(a)}" for m, a in allows.items() if a < headroom.TARGET)
+    target = fmt.frac(headroom.TARGET)
+    return fmt.fill(
         "headline_bound",
-        allowed=_frac(statistics.median(allows.values())),
+        allowed=fmt.frac(statistics.median(allows.values())),
         limited=f"below {target} on {limited}" if limited else f"{target} or more on every row",
-        gap=_pct(statistics.median(gap.values())),
-        ordered=", ".join(f"{m} {_pct(g)}" for m, g in gap.items() if g > 0.05) or "none",
+        gap=fmt.pct(statistics.median(gap.values())),
+        ordered=", ".join(f"{m} {fmt.pct(g)}" for m, g in gap.items() if g > 0.05) or "none",
         limits=headroom.limits_text(prow),
-    )
-
-
-def _plans(prow: list[dict]) -> str:
-    """What the product did on a measured platform: plans applied and rejected by the acceptance
-    rule, and applied plans that measured slower than JAX_default in the row's own timing."""
-    applied = [r for r in prow if r["strategies"][DISCO].get("applied")]
-    slower = [r for r in applied if r["strategies"][DISCO]["measured"]["ratio"] > 1.0]
-    significant = [r for r in slower if (r["strategies"][DISCO]["measured"].get("ratio_ci95") or [0.0])[0] > 1.0]
-    return _t(
-        "headline_plans",
-        applied=len(applied),
-        rejected=len(prow) - len(applied),
-        slower=len(slower),
-        slower_models="".join(f"; {r['model']} {_iqr(r['strategies'][DISCO]['measured'], 3)}" for r in slower),
-        significant=len(significant),
     )
 
 
@@ -260,9 +201,15 @@ def _platform_tables(prow: list[dict]) -> list[str]:
     align = "|".join(["---:"] * len(STRATEGY_ORDER))
     measured = r0["time_kind"] == "measured"
     if measured:
-        heading = _t("platform_measured", platform=r0["platform"], devices=r0["num_devices"], kernels=r0["kernels"])
+        heading = fmt.fill(
+            "platform_measured",
+            platform=r0["platform"],
+            devices=r0["num_devices"],
+            reference=fmt.reference(r0),
+            kernels=r0["kernels"],
+        )
     else:
-        heading = _t(
+        heading = fmt.fill(
             "platform_simulated",
             platform=r0["platform"],
             devices=r0["num_devices"],
@@ -278,119 +225,53 @@ def _platform_tables(prow: list[dict]) -> list[str]:
     for r in prow:
         search_s = r.get("search_s")
         lines.append(
-            _table_row(
+            fmt.table_row(
                 [
                     r["model"],
                     *[
-                        (f"**{_ms(r['time_us'].get(s))}**" if s == DISCO else _ms(r["time_us"].get(s)))
+                        (f"**{fmt.ms(r['time_us'].get(s))}**" if s == DISCO else fmt.ms(r["time_us"].get(s)))
                         for s in STRATEGY_ORDER
                     ],
                     r["best_baseline"],
-                    _pct(r["speedup"]),
-                    _ms(r["fo_us"]),
-                    _pct(r.get("fo_speedup")),
-                    _frac(r["headroom_captured"]),
-                    _ms(r.get("dependency_bound_us")),
-                    _frac(headroom.bound_allows(r)),
+                    fmt.speedup(r),
+                    fmt.ms(r["fo_us"]),
+                    fmt.pct(r.get("fo_speedup")),
+                    fmt.frac(r["headroom_captured"]),
+                    fmt.ms(r.get("dependency_bound_us")),
+                    fmt.frac(headroom.bound_allows(r)),
                     "n/a" if search_s is None else f"{search_s:.1f}",
                     r["kernels"],
                 ]
             )
         )
-    blocks = [heading, _t("platform_table", strategies=strategies, strategy_align=align, rows="\n".join(lines))]
+    blocks = [heading, fmt.fill("platform_table", strategies=strategies, strategy_align=align, rows="\n".join(lines))]
     sharded = [
         f"{r['model']} {u['sharded_gradients']} of {u['shardable_gradients']} gradients "
-        f"({_gb(u['state_bytes_per_device']['replicated'])} → {_gb(u['state_bytes_per_device'][DISCO])})"
+        f"({fmt.gb(u['state_bytes_per_device']['replicated'])} → {fmt.gb(u['state_bytes_per_device'][DISCO])})"
         for r in prow
         if (u := r.get("weight_update")) and u["sharded_gradients"]
     ]
     if not measured and any(r.get("weight_update") for r in prow):
-        blocks.append(_t("sharded_updates", rows="; ".join(sharded) or "none"))
+        blocks.append(fmt.fill("sharded_updates", rows="; ".join(sharded) or "none"))
     if measured:
         details = [
-            _table_row([r["model"], *[_measured_cell(r["strategies"].get(s) or {}) for s in STRATEGY_ORDER]])
+            fmt.table_row(
+                [r["model"], *[report_measured.measured_cell(r["strategies"].get(s) or {}) for s in STRATEGY_ORDER]]
+            )
             for r in prow
         ]
         blocks.append(
-            _t(
+            fmt.fill(
                 "measured_details",
+                reference=fmt.reference(r0),
                 strategies=strategies,
                 strategy_align=align,
                 rows="\n".join(details),
                 disco_per_model="; ".join(f"{r['model']}: {r['strategies'][DISCO]['description']}" for r in prow),
             )
         )
-    return blocks
-
-
-def _measured_cell(st: dict) -> str:
-    m, h, o = st.get("measured"), st.get("hlo") or {}, st.get("outputs") or {}
-    if not m:
-        return "n/a"
-    ok = "=" if o.get("bitwise_equal") else ("≈" if o.get("within_tolerance") else "✗")
-    return (
-        f"{_iqr(m, 2)} AR {h.get('all-reduce', '?')}/{h.get('all-reduce-operands', '?')} "
-        f"F {h.get('multi_op_loop_fusions', '?')} {ok}"
-    )
-
-
-def _accuracy(measured: list[dict], figures: dict[str, str]) -> list[str]:
-    """DisCo's Table 2: simulated against measured step times on one measured platform."""
-    lines, all_errors, all_ratio_errors = [], [], []
-    for r in measured:
-        errs, ratio_errs = {}, {}
-        sim_default = r["strategies"]["JAX_default"]["simulated"]["iteration_us"]
-        for s in STRATEGY_ORDER:
-            st = r["strategies"].get(s) or {}
-            if st.get("simulated") and st.get("measured"):
-                errs[s] = abs(st["simulated"]["iteration_us"] - r["time_us"][s]) / r["time_us"][s]
-                if s != "JAX_default":  # drift-free: what the search compares is the ratio
-                    measured_ratio = r["time_us"][s] / r["time_us"]["JAX_default"]
-                    ratio_errs[s] = abs(st["simulated"]["iteration_us"] / sim_default - measured_ratio) / measured_ratio
-        all_errors.extend(errs.values())
-        all_ratio_errors.extend(ratio_errs.values())
-        d, x = r["strategies"][DISCO], r["strategies"]["JAX_default"]
-        at_calibration = (r.get("calibration") or {}).get("measured_default_us")
-        lines.append(
-            _table_row(
-                [
-                    r["model"],
-                    _ms(at_calibration),
-                    _ms(r["time_us"]["JAX_default"]),
-                    _ms(x["simulated"]["iteration_us"]),
-                    f"{errs.get('JAX_default', float('nan')):.1%}",
-                    _ms(r["time_us"][DISCO]),
-                    _ms(d["simulated"]["iteration_us"]),
-                    f"{errs.get(DISCO, float('nan')):.1%}",
-                    f"{sum(errs.values()) / max(1, len(errs)):.1%}",
-                    f"{sum(ratio_errs.values()) / max(1, len(ratio_errs)):.1%}",
-                ]
-            )
-        )
-    platform = measured[0]["platform"]
-    blocks = [
-        _t(
-            "accuracy_platform",
-            platform=platform,
-            devices=measured[0]["num_devices"],
-            configurations=len(STRATEGY_ORDER),
-            rows="\n".join(lines),
-        )
-    ]
-    if all_errors:
-        srt, rsrt = sorted(all_errors), sorted(all_ratio_errors)
-        blocks.append(
-            _t(
-                "accuracy_summary",
-                pairs=len(srt),
-                median=f"{srt[len(srt) // 2]:.1%}",
-                p90=f"{srt[int(0.9 * (len(srt) - 1))]:.1%}",
-                ratio_median=f"{rsrt[len(rsrt) // 2]:.1%}",
-                ratio_p90=f"{rsrt[int(0.9 * (len(rsrt) - 1))]:.1%}",
-            )
-        )
-    if f"table2_{platform}" in figures:
-        blocks.append(_t("table2", file=figures[f"table2_{platform}"]))
+        if all(r.get("reference") for r in prow):
+            blocks.append(report_measured.fair_details(prow))
     return blocks
 
 
@@ -409,7 +290,7 @@ def _paper_models(rows: list[dict], models: list[str]) -> list[str]:
             continue
         g = r.get("graph") or {}
         lines.append(
-            _table_row(
+            fmt.table_row(
                 [
                     m,
                     f"{r.get('parameters', 0) / 1e6:.1f} M",
@@ -422,7 +303,7 @@ def _paper_models(rows: list[dict], models: list[str]) -> list[str]:
                 ]
             )
         )
-    blocks = [_t("paper_models", rows="\n".join(lines))]
+    blocks = [fmt.fill("paper_models", rows="\n".join(lines))]
     heavy = [
         (m, paper[m]["graph"]["gradient_bytes"] / (4 * paper[m]["parameters"]))
         for m in models
@@ -430,29 +311,32 @@ def _paper_models(rows: list[dict], models: list[str]) -> list[str]:
     ]
     heavy = [(m, x) for m, x in heavy if x > 1.5]
     if heavy:
-        blocks.append(_t("heavy_gradients", models=", ".join(f"{m} ({x:.1f}x)" for m, x in heavy)))
+        blocks.append(fmt.fill("heavy_gradients", models=", ".join(f"{m} ({x:.1f}x)" for m, x in heavy)))
     return blocks
 
 
-def _enacted_by(name: str) -> str:
-    """How the measured platform enacts a baseline: its compile options, or our rewrite."""
-    options = CPU.baseline_options.get(name)
+def _enacted_by(name: str, backend: Backend = CPU) -> str:
+    """How `backend` enacts a baseline: its compile options, or our rewrite."""
+    options = backend.baseline_options.get(name)
     if options is None:
-        return _t("enacted_by_rewrite")
+        return fmt.fill("enacted_by_rewrite")
     if not options:
-        return _t("enacted_by_defaults")
-    return _t("enacted_by_options", options=",".join(f"{k}={v}" for k, v in options.items()))
+        return fmt.fill("enacted_by_defaults")
+    return fmt.fill("enacted_by_options", options="; ".join(f"{k}={v}" for k, v in options.items()))
 
 
 def _baselines_and_clusters() -> list[str]:
     blocks = [
-        _t(
+        fmt.fill(
             "baselines",
-            rows="\n".join(_table_row([name, _enacted_by(name), baselines.SOURCES[name]]) for name in BASELINE_ORDER),
+            rows="\n".join(
+                fmt.table_row([name, _enacted_by(name), _enacted_by(name, GPU), baselines.SOURCES[name]])
+                for name in BASELINE_ORDER
+            ),
         )
     ]
     cluster_rows = [
-        _table_row(
+        fmt.table_row(
             [
                 c.name,
                 f"{c.num_devices} ({c.nodes} x {c.gpus_per_node})",
@@ -464,20 +348,20 @@ def _baselines_and_clusters() -> list[str]:
         )
         for c in clusters.CLUSTERS.values()
     ]
-    blocks.append(_t("clusters", rows="\n".join(cluster_rows)))
+    blocks.append(fmt.fill("clusters", rows="\n".join(cluster_rows)))
     for c in clusters.CLUSTERS.values():
         numbers = [
-            _t(
+            fmt.fill(
                 "cluster_number",
                 key=key,
                 value=f"{q['value']:g}",
                 unit=q["unit"],
                 source=q["source"],
-                assumption=_t("assumption") if q.get("assumption") else "",
+                assumption=fmt.fill("assumption") if q.get("assumption") else "",
             )
             for key, q in c.sources().items()
             if isinstance(q, dict)
         ]
-        blocks.append(_t("cluster_sources", cluster=c.name, source=c.source, numbers="\n".join(numbers)))
-    blocks.append(_t("clusters_end"))
+        blocks.append(fmt.fill("cluster_sources", cluster=c.name, source=c.source, numbers="\n".join(numbers)))
+    blocks.append(fmt.fill("clusters_end"))
     return blocks

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -39,9 +40,10 @@ from disco_jax import (
     targets,
     zoo,
 )
-from disco_jax._compile import capture, capture_graph, compile_strategy, compiled_stats
+from disco_jax._compile import Programs, capture, capture_graph
 from disco_jax._search import KEEP
 from disco_jax._strategy import sharding_all, with_sharding, xla_default
+from disco_jax._validate import median_interval
 from disco_jax.cost import sharded
 from disco_jax.eval import baselines, clusters
 from disco_jax.sharding import choice, update
@@ -136,6 +138,14 @@ def headroom_share(t_best: float, fo_us: float, time_us: float) -> float | None:
     return (t_best - time_us) / headroom if headroom > 1e-3 * t_best else None
 
 
+def full_overlap_us(strategies: dict[str, dict]) -> float:
+    """FO: the lowest full-overlap bound (max(compute, comm)) of the baselines' simulated steps,
+    never disco-jax's own (its plan would otherwise set the bound it is measured against)."""
+    return min(
+        v["simulated"]["full_overlap_us"] for k, v in strategies.items() if k in BASELINE_ORDER and v["simulated"]
+    )
+
+
 def summarize(times_us: dict[str, float], fo_us: float) -> dict:
     """Best baseline, speed-up of disco-jax over it, and the FO headroom it captured."""
     candidates = {k: v for k, v in times_us.items() if k != DISCO and v is not None}
@@ -152,27 +162,87 @@ def summarize(times_us: dict[str, float], fo_us: float) -> dict:
     }
 
 
+def measured_summary(strategies: dict[str, dict], reference_us: float) -> dict:
+    """A measured row's figures from its configurations (`measured`: their ratios to the row's
+    reference, `measured_json`; `simulated`): one time scale for the row, each configuration's
+    median ratio times the reference's median time (ratios of interleaved pairs are what is
+    robust); FO on that scale (the simulated bound times measured / simulated JAX_default);
+    `summarize`'s figures; and the speed-up's 95% interval (`ratio_between` the best baseline and
+    disco-jax), None where the row holds no per-pair ratios."""
+    times = {k: v["measured"]["ratio"] * reference_us for k, v in strategies.items()}
+    fo_simulated = full_overlap_us(strategies)
+    fo = fo_simulated * times["JAX_default"] / strategies["JAX_default"]["simulated"]["iteration_us"]
+    summary = summarize(times, fo)
+    interval = ratio_between(strategies[summary["best_baseline"]]["measured"], strategies[DISCO]["measured"])
+    return {
+        "time_us": times,
+        **summary,
+        "speedup_ci95": None if interval is None else [x - 1.0 for x in interval],
+        "fo_simulated_us": fo_simulated,
+    }
+
+
 def sim_json(step) -> dict | None:
     return None if step is None else step.to_json()
 
 
 def measured_json(timing) -> dict:
+    """A configuration timed against the row's reference (`_validate.Timing`: the reference is its
+    `default` side): its median time, the median per-pair ratio with its spread, interval and
+    every pair's ratio (which `ratio_between` compares configurations by)."""
     return {
         "us": timing.plan_us,
-        "default_us": timing.default_us,
+        "reference_us": timing.default_us,
         "ratio": timing.ratio,
         "ratio_iqr": [timing.ratio_low, timing.ratio_high],
         "ratio_ci95": list(timing.ratio_ci95),
         "pairs": timing.pairs,
+        "ratios": timing.ratios,
     }
+
+
+def overhead_json(timing) -> dict:
+    """The decorator's per-call overhead: the decorated call timed against the executable it runs
+    (`timing`'s default side), as a ratio and in microseconds per call (the ratio's excess times
+    the executable's median time)."""
+    per_call = lambda ratio: (ratio - 1.0) * timing.default_us  # noqa: E731
+    return {
+        **measured_json(timing),
+        "us_per_call": per_call(timing.ratio),
+        "us_per_call_iqr": [per_call(timing.ratio_low), per_call(timing.ratio_high)],
+        "us_per_call_ci95": [per_call(x) for x in timing.ratio_ci95],
+    }
+
+
+def ratio_between(a: dict, b: dict, confidence: float = 0.95) -> tuple[float, float] | None:
+    """Interval of median(a) / median(b) for two configurations timed against the same reference
+    (`measured_json`): each median's distribution-free interval at 1 - (1 - confidence) / 2,
+    divided crosswise, so that both hold together with at least `confidence` (Bonferroni). None
+    where either holds no per-pair ratios or too few for an interval."""
+    if not a.get("ratios") or not b.get("ratios"):
+        return None
+    each = 1.0 - (1.0 - confidence) / 2
+    (a_low, a_high), (b_low, b_high) = median_interval(a["ratios"], each), median_interval(b["ratios"], each)
+    if not all(map(math.isfinite, (a_low, a_high, b_low, b_high))) or b_low <= 0:
+        return None
+    return a_low / b_high, a_high / b_low
 
 
 def outputs_json(comparison) -> dict:
-    return {
+    """A row's record of a configuration's outputs: the verdict, which check decided (and why not
+    the float64 one), and for the float64 check the largest ratio of the plan's deviation from the
+    float64 result to what it was allowed."""
+    out = {
         "bitwise_equal": comparison.bitwise_equal,
         "within_tolerance": comparison.within_tolerance,
         "max_abs_error": comparison.max_abs_error,
+        "check": comparison.check,
+        "fallback_reason": comparison.fallback_reason,
     }
+    if comparison.plan_deviation:
+        shares = [p / a for p, a in zip(comparison.plan_deviation, comparison.allowed) if a]
+        out["worst_share_of_allowed"] = max(shares, default=0.0)
+    return out
 
 
 # --------------------------------------------------------------------------- simulated rows
@@ -187,19 +257,25 @@ def simulated_row(
     progress: Callable | None = None,
     lowered: jax.stages.Lowered | None = None,
     relower: Callable[[frozenset[int]], Graph | None] | None = None,
+    programs: Programs | None = None,
 ) -> dict:
     """One cluster row for a captured graph: baselines simulated, disco-jax searched, jointly
     over fusion, all-reduce buckets and which gradients' weight updates are sharded
     (`Strategy.sharded`, costed on this graph by `cost.sharded`).
 
     `lowered`: the step lowered for the cluster's GPU target when `graph` is XLA:GPU's module
-    (`capture_paper_model`): the baselines then take XLA:GPU's fusions and combining as it
-    compiled them (JAX_default is XLA's own program), and disco-jax's plan is enacted through the
-    GPU rewriter, compiled deviceless, and its time simulated from the module XLA:GPU produced
-    (`enacted_json`). A plan that shards updates cannot be enacted by the rewriter: `relower(gradients)`
-    gives XLA:GPU's module of the step lowered again with their state sharded, whose XLA plan is
-    then what would run; the cheapest plan without sharding is enacted beside it, and the row takes
-    the faster. Without `lowered` (XLA:CPU's module), XLA's all-reduce combining is XLA:GPU's
+    (`capture_paper_model`): every strategy is then compiled deviceless the way XLA:GPU enacts it
+    (`_compile.compile_program`: the baselines by their compile options or the GPU rewriter,
+    `baselines.compile_baselines`; disco-jax's plan by the rewriter), each strategy's `program`
+    says how and what the compiled module holds, and a baseline that cannot be enacted is left
+    without a time, saying why. The baselines take XLA:GPU's fusions and combining as it compiled
+    them (JAX_default is XLA's own program); disco-jax's time is simulated from the module XLA:GPU
+    produced from its plan (`enacted_json`). `programs`: the compiled programs of
+    `lowered` (`_compile.Programs`), shared by the rows of one target; a fresh one when None. A
+    plan that shards updates cannot be enacted by the rewriter: `relower(gradients)` gives
+    XLA:GPU's module of the step lowered again with their state sharded, whose XLA plan is then
+    what would run; the cheapest plan without sharding is enacted beside it, and the row takes the
+    faster. Without `lowered` (XLA:CPU's module), XLA's all-reduce combining is XLA:GPU's
     combiner emulated on the graph, and plans are costed as searched."""
     estimator = ChainEstimator([cluster.kernel_estimator()])
     allreduce = cluster.allreduce_model()
@@ -211,14 +287,19 @@ def simulated_row(
     candidates = baselines.all_baselines(
         graph, combine=combine, kernel_time_us=lambda ks: estimator.estimate(graph, ks)
     )
+    if lowered is not None and programs is None:
+        programs = Programs(lowered, graph)
+    compiled = baselines.compile_baselines(programs, candidates) if programs is not None else {}
     strategies: dict[str, dict] = {}
     for b in candidates:
-        sim = simulated(b.strategy)
+        program = compiled.get(b.name)
+        sim = simulated(b.strategy) if program is None or program.enacted else None
         strategies[b.name] = {
             "simulated": sim_json(sim),
             "description": b.description,
             "buckets": len(b.strategy.buckets),
             "valid": sim is not None,
+            **({} if program is None else {"program": program.to_json()}),
         }
 
     cost = CostModel(estimator, allreduce, {}).evaluator(graph)  # incremental: `cost.kernels`
@@ -246,8 +327,8 @@ def simulated_row(
         "sharded_gradients": len(result.best.sharded),
         "valid": True,
     }
-    if lowered is not None:
-        enacted = enact_best(lowered, graph, result, simulated, relower)
+    if programs is not None:
+        enacted = enact_best(programs, result, simulated, relower)
         strategies[DISCO]["enacted"] = enacted
         if enacted["simulated"] is not None:  # the program XLA:GPU compiled is what would run
             strategies[DISCO]["searched"] = strategies[DISCO]["simulated"]
@@ -255,7 +336,7 @@ def simulated_row(
     state = sum(regions.state_bytes)
     chosen = result.best.sharded if (strategies[DISCO].get("enacted") or {}).get("sharded", True) else frozenset()
     times = {k: (v["simulated"] or {}).get("iteration_us") for k, v in strategies.items()}
-    fo = min(v["simulated"]["full_overlap_us"] for v in strategies.values() if v["simulated"])
+    fo = full_overlap_us(strategies)
     return {
         "strategies": strategies,
         "time_us": times,
@@ -276,13 +357,13 @@ def simulated_row(
     }
 
 
-def enact_best(lowered, graph: Graph, result, simulated: Callable, relower: Callable | None) -> dict:
+def enact_best(programs: Programs, result, simulated: Callable, relower: Callable | None) -> dict:
     """`enacted_json` of the search's best plan; for a plan that shards updates, the step lowered
     again with that state sharded (`relower`) under XLA's plan, against the cheapest plan that
     shards nothing enacted: the faster of the two, with `sharded` saying which it is."""
     best = result.best
     if not best.sharded:
-        return {**enacted_json(lowered, graph, best, simulated), "sharded": False}
+        return {**enacted_json(programs, best, simulated), "sharded": False}
     program = relower(best.sharded) if relower is not None else None
     sim = None if program is None else simulated(xla_default(program), program)
     out = {
@@ -294,7 +375,7 @@ def enact_best(lowered, graph: Graph, result, simulated: Callable, relower: Call
     }
     # The cheapest plan kept that shards nothing, else the best one's fusions and buckets alone.
     plain = next((s for s, _ in result.top(KEEP) if not s.sharded), dataclasses.replace(best, sharded=frozenset()))
-    other = enacted_json(lowered, graph, plain, simulated)
+    other = enacted_json(programs, plain, simulated)
     time_of = lambda e: (e["simulated"] or {}).get("iteration_us", float("inf"))  # noqa: E731
     if time_of(other) < time_of(out):
         return {**other, "sharded": False, "sharded_candidate": out}
@@ -321,19 +402,20 @@ def sharded_paper_program(
     return None if lowered is None else capture_graph(lowered, backends.GPU)[0]
 
 
-def enacted_json(lowered: jax.stages.Lowered, graph: Graph, plan: Strategy, simulated: Callable) -> dict:
-    """A plan on XLA:GPU's module, enacted by the GPU rewriter and compiled deviceless: what the
-    compiled program holds (all-reduces, fusions) and its simulated time, read from the compiled
-    module with XLA's decisions (`backends.GPU.read_decisions`); `simulated` is None where that
-    reading does not give a valid strategy."""
-    compiled, status = compile_strategy(lowered, graph, plan)
-    text = compiled.as_text()
-    as_compiled = backends.GPU.read_decisions(graph, text)
+def enacted_json(programs: Programs, plan: Strategy, simulated: Callable) -> dict:
+    """A plan on XLA:GPU's module, enacted by the GPU rewriter and compiled deviceless the way
+    every strategy of the row is (`Programs.compile`): what the compiled program holds
+    (all-reduces, fusions) and its simulated time, read from the compiled module with XLA's
+    decisions (`backends.GPU.read_decisions`); `simulated` is None where the plan could not be
+    enacted or that reading does not give a valid strategy."""
+    program = programs.compile(DISCO, plan, None)
+    out = {**program.to_json(), "planned_buckets": len(plan.buckets), "compiled_buckets": None, "simulated": None}
+    if not program.enacted:
+        return out
+    as_compiled = backends.GPU.read_decisions(programs.graph, program.text)
     sim = simulated(xla_default(as_compiled), as_compiled)
     return {
-        "status": status,
-        "compiled": compiled_stats(text),
-        "planned_buckets": len(plan.buckets),
+        **out,
         "compiled_buckets": len(as_compiled.xla_buckets),
         "simulated": None if sim is None else sim.to_json(),
     }

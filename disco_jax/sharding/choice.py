@@ -13,12 +13,16 @@ again and captured (`update.relowered`), its per-device footprint read from its 
 executable, and its XLA plan simulated with the replicated step's cost model: the sharded update's
 all-gathers and reduce-scatters go on the communication channel at the measured scatter/gather line
 (`_profiling.with_scatter_gather`, stored with the all-reduce fit, so the chosen program's own
-profile finds it), its update kernels cost what the estimator says for their 1/N shapes. The
-cheapest candidate within the limit wins; a sharded winner is then run against the replicated step
-(outputs within tolerance, interleaved timing by the acceptance rule) and kept only when measured
-faster, or when the limit leaves no other choice. The decision is stored in the replicated
+profile finds it), its update kernels cost what the estimator says for their 1/N shapes. Every
+sharded candidate the simulator prefers to the replicated update (simulated faster within the
+limit; under a limit the replicated program exceeds, every one within it) is then run against
+the replicated step: outputs within tolerance, interleaved timing by the acceptance rule
+(`measure`); each candidate's record keeps its check and timing. `pick` chooses from what was
+measured: the fastest measured faster with confidence, else the replicated update, else (the
+limit leaves no other choice) the fastest measured. The decision is stored in the replicated
 program's plan (`decision_plan`), which the enact phase reads back (`recall`) to lower the same
-program again without searching.
+program again without searching; under another memory limit it applies `pick` to the recorded
+candidates again (`rechoose`), so it never switches to a candidate that was not measured.
 """
 
 from __future__ import annotations
@@ -203,49 +207,130 @@ def choose(
         candidates.append(Candidate(leaves, program, sub, update.memory(program.default_compiled, held)))
     ui.say(f"weight update: simulating {len(candidates)} candidates (replicated, sharded over {layout.axis!r})")
     for c in candidates:
-        simulated = model.simulate(c.step.graph, _strategy.xla_default(c.step.graph))
-        c.simulated_us = None if simulated is None else simulated.iteration_us
-    fits = [c for c in candidates if memory_limit is None or (footprint(c.memory) or 0) <= memory_limit]
-    forced = memory_limit is not None and replicated not in fits
-    if not fits:
-        warnings.warn(
-            f"disco-jax: no weight update fits the memory limit of {memory_limit} bytes per device; "
-            "using the one that needs least",
-            UserWarning,
-            stacklevel=6,
-        )
-        fits = [min(candidates, key=lambda c: footprint(c.memory) or 0)]
-    best = min(fits, key=lambda c: (c.simulated_us is None, c.simulated_us or 0.0))
-    if step.scope is not None:  # process 0's choice, so that every process runs the same program
-        best = candidates[_distributed.broadcast_json(f"{step.scope}/weight-update", candidates.index(best))]
-    info["candidates"] = [c.to_json(layout, held, memory_limit) for c in candidates]
-    if best is replicated:
+        c.simulated_us = simulated_us(model, c.step)
+    preferred = preferred_by_simulation(candidates, memory_limit)
+    if step.scope is not None:  # process 0's, so that every process measures the same programs
+        shared = _distributed.broadcast_json(f"{step.scope}/weight-update", [candidates.index(c) for c in preferred])
+        preferred = [candidates[i] for i in shared]
+    records = [c.to_json(layout, held, memory_limit) for c in candidates]
+    info["candidates"] = records
+    if not preferred:
         reason = "the replicated update simulates fastest" + (" within the memory limit" if memory_limit else "")
         return step, None, {**info, "mode": "replicated", "reason": reason}
-    comparison = update.check_outputs(step, best.step)
-    info["check"] = dataclasses.asdict(comparison)
-    if not comparison.within_tolerance:
-        reason = f"the sharded update's outputs differ, max abs error {comparison.max_abs_error:.3g}"
-        return step, None, {**info, "mode": "replicated", "reason": reason}
-    timing = _validate.time_until_decided(
-        step.runner(step.default_compiled),
-        best.step.runner(best.step.default_compiled),
-        looks=(pairs, 2 * pairs, 4 * pairs),
-        merge=None if step.scope is None else _distributed.slowest_pairs(f"{step.scope}/weight-update-timing"),
-    )
-    info["measured"] = timing.to_json()
-    ratio = f"measured {timing.ratio:.3f}x the replicated step time ({timing.verdict})"
-    if not timing.faster and not forced:
-        return step, None, {**info, "mode": "replicated", "reason": f"the sharded update simulates faster, {ratio}"}
-    why = "the only candidate within the memory limit" if forced else "faster with confidence"
+    for c in preferred:
+        i = candidates.index(c)
+        ui.say(f"weight update: measuring {c.label} against the replicated update (simulated {c.simulated_us} us)")
+        records[i].update(measure(step, c.step, pairs, f"candidate-{i}"))
+    index, why, forced = pick(records, memory_limit)
+    if step.scope is not None:  # the verdicts are merged already; process 0's word settles it
+        index, why, forced = _distributed.broadcast_json(f"{step.scope}/weight-update-pick", [index, why, forced])
+    if index == 0:
+        return step, None, {**info, "mode": "replicated", "reason": f"sharded candidates simulate faster; {why}"}
+    best = candidates[index]
     info.update(
         best.layout.to_json(),
         mode="sharded",
         forced=forced,
-        reason=f"{best.label}: {why}, {ratio}",
+        reason=f"{best.label}: {why}",
         program=best.step.graph.fingerprint,
     )
     return best.step, best.layout, info
+
+
+def simulated_us(model, program: Captured) -> float | None:
+    """A candidate program's step time as the replicated step's cost model simulates XLA's plan
+    of it (None where the simulation is invalid)."""
+    simulated = model.simulate(program.graph, _strategy.xla_default(program.graph))
+    return None if simulated is None else simulated.iteration_us
+
+
+def preferred_by_simulation(candidates: list[Candidate], limit: int | None) -> list[Candidate]:
+    """The sharded candidates the simulator prefers to the replicated update (`candidates[0]`), in
+    simulated order: those within the limit simulated faster than it; every one within the limit
+    when it is not within; the one that needs least when none is (with a warning)."""
+    replicated, sharded = candidates[0], candidates[1:]
+    fits = [c for c in sharded if limit is None or (footprint(c.memory) or 0) <= limit]
+    by_time = lambda c: (c.simulated_us is None, c.simulated_us or 0.0)  # noqa: E731
+    if limit is None or (footprint(replicated.memory) or 0) <= limit:
+        if replicated.simulated_us is None:
+            return []
+        return sorted(
+            (c for c in fits if c.simulated_us is not None and c.simulated_us < replicated.simulated_us), key=by_time
+        )
+    if not fits:
+        warnings.warn(
+            f"disco-jax: no weight update fits the memory limit of {limit} bytes per device; "
+            "measuring the one that needs least",
+            UserWarning,
+            stacklevel=7,
+        )
+        return [min(sharded, key=lambda c: footprint(c.memory) or 0)]
+    return sorted(fits, key=by_time)
+
+
+def measure(replicated: Captured, candidate: Captured, pairs: int, name: str) -> dict:
+    """What a candidate's record gains from measuring it against the replicated program: its
+    outputs' check (validation tolerance, `update.check_outputs`) and, where they pass, its
+    timing by the acceptance rule (`time_candidate`). Every process of a job measures; `name`
+    keeps this candidate's exchanges apart from the others'."""
+    scoped = (
+        replicated if replicated.scope is None else dataclasses.replace(replicated, scope=f"{replicated.scope}/{name}")
+    )
+    comparison = update.check_outputs(scoped, candidate)
+    record: dict[str, Any] = {"check": dataclasses.asdict(comparison)}
+    if comparison.within_tolerance:
+        merge = None if scoped.scope is None else _distributed.slowest_pairs(f"{scoped.scope}/weight-update-timing")
+        record["measured"] = time_candidate(replicated, candidate, pairs, merge).to_json()
+    return record
+
+
+def time_candidate(replicated: Captured, candidate: Captured, pairs: int, merge) -> _validate.Timing:
+    """A candidate program timed against the replicated one by the acceptance rule
+    (`_validate.time_until_decided`, looks at `pairs`, twice and four times that; `merge`: the
+    multi-process pair merge, or None)."""
+    return _validate.time_until_decided(
+        replicated.runner(replicated.default_compiled),
+        candidate.runner(candidate.default_compiled),
+        looks=(pairs, 2 * pairs, 4 * pairs),
+        merge=merge,
+    )
+
+
+def pick(records: list[dict], limit: int | None) -> tuple[int, str, bool]:
+    """The choice among recorded candidates (`Candidate.to_json`; the replicated update has no
+    leaves), the one rule of `choose` and `rechoose`: only the replicated update and sharded
+    candidates measured (outputs within tolerance, timed by the acceptance rule) are eligible, so a
+    candidate never measured is never chosen. Within `limit`: the lowest measured ratio among those
+    faster with confidence; else the replicated update; else the lowest measured ratio (the limit
+    leaves no other choice: forced). When no eligible candidate fits, the one that needs least.
+    Returns (index, why, forced)."""
+    replicated = next(i for i, c in enumerate(records) if not c["leaves"])
+    size = lambda i: records[i].get("footprint_bytes") or 0  # noqa: E731
+    ratio = lambda i: records[i]["measured"]["ratio"]  # noqa: E731
+    measured = [i for i, c in enumerate(records) if c["leaves"] and c.get("measured")]
+    within = [i for i in [replicated, *measured] if limit is None or size(i) <= limit]
+    told = lambda i: _told(records[i]["measured"])  # noqa: E731
+    faster = [i for i in within if i != replicated and records[i]["measured"]["verdict"] == "faster"]
+    if faster:
+        best = min(faster, key=ratio)
+        return best, f"faster with confidence, {told(best)}", False
+    tried = "; ".join(f"{records[i]['label']} {told(i)}" for i in measured) or "no sharded candidate was measured"
+    if replicated in within:
+        return replicated, f"none measured faster ({tried})", False
+    if within:
+        best = min(within, key=ratio)
+        return best, f"the only kind within the memory limit, {told(best)}", True
+    smallest = min([replicated, *measured], key=size)
+    return (
+        smallest,
+        f"no measured candidate fits the memory limit, the one that needs least ({tried})",
+        smallest != replicated,
+    )
+
+
+def _told(m: dict) -> str:
+    low, high = m["ratio_ci95"]
+    return f"measured {m['ratio']:.3f}x the replicated step time, interval [{low:.3f}, {high:.3f}] ({m['verdict']})"
 
 
 def _limit_check(candidate: Candidate, limit: int | None) -> dict:
@@ -300,39 +385,31 @@ def recall(
 
 def rechoose(decided: dict, limit: int | None) -> dict:
     """A stored decision made under another memory limit, made again for `limit` from the candidates
-    it recorded (footprints, simulated times), measuring nothing: the stored choice where it fits
-    and was not only forced by the old limit; else the replicated update where it fits; else the
-    fastest simulated candidate that fits, or the smallest when none does. Warns when the choice
-    changes; running once with ENABLE_SEARCH=1 chooses with measurements."""
+    it recorded, measuring nothing: `pick`, so the stored choice stays where it is still within the
+    limit and was measured (or is the replicated update) and nothing better measured fits, and the
+    choice may only move to the replicated update or to a candidate measured when the decision was
+    made, never to one that was not. Warns when the choice changes or nothing eligible fits;
+    running once with ENABLE_SEARCH=1 measures again."""
     candidates, old = decided["candidates"], decided.get("memory_limit_bytes")
-    fits = lambda c: limit is None or (c.get("footprint_bytes") or 0) <= limit  # noqa: E731
+    index, why, forced = pick(candidates, limit)
+    chosen = candidates[index]
     stored = sorted(decided.get("leaves", {})) if decided.get("mode") == "sharded" else []
-    chosen = next((c for c in candidates if c["leaves"] == stored), None)
-    if chosen is not None and fits(chosen) and not (stored and decided.get("forced")):
-        return {**decided, "memory_limit_bytes": limit, "stored_memory_limit_bytes": old}
-    fitting = [c for c in candidates if fits(c)]
-    replicated = next((c for c in fitting if not c["leaves"]), None)
-    if replicated is not None:
-        chosen = replicated
-    elif fitting:
-        chosen = min(fitting, key=lambda c: float("inf") if c.get("simulated_us") is None else c["simulated_us"])
-    else:
-        chosen = min(candidates, key=lambda c: c.get("footprint_bytes") or 0)
     reason = (
         f"{chosen['label']}: chosen again from the recorded candidates for a memory limit of {limit} bytes "
-        f"per device (the stored decision, {decided.get('mode')}, was made for {old})"
-        + ("" if fits(chosen) else "; none fits, the smallest")
+        f"per device (the stored decision, {decided.get('mode')}, was made for {old}): {why}"
     )
-    warnings.warn(
-        f"disco-jax: {reason}; run once with ENABLE_SEARCH=1 to choose with measurements",
-        _plan.PlanWarning,
-        stacklevel=7,
-    )
+    fits = limit is None or (chosen.get("footprint_bytes") or 0) <= limit
+    if chosen["leaves"] != stored or not fits:
+        warnings.warn(
+            f"disco-jax: {reason}; run once with ENABLE_SEARCH=1 to measure the candidates for this limit",
+            _plan.PlanWarning,
+            stacklevel=7,
+        )
     leaves = {path: True for path in chosen["leaves"]}
     return {
         "mode": "sharded" if leaves else "replicated",
         "leaves": leaves,
-        "forced": bool(leaves) and replicated is None,
+        "forced": forced,
         "reason": reason,
         "candidates": candidates,
         "memory_limit_bytes": limit,

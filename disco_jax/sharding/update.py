@@ -31,7 +31,7 @@ from jax.extend import core as jax_core
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from disco_jax import _distributed, _validate
+from disco_jax import _validate
 from disco_jax._compile import Captured, capture
 from disco_jax.sharding import rules
 
@@ -411,17 +411,20 @@ def sharded_step(fn, step: Captured, args: tuple, kwargs: dict, backend, check: 
         comparison = check_outputs(step, sharded)
         info["check"] = dataclasses.asdict(comparison)
         if not comparison.within_tolerance:
-            reason = f"its outputs differ from the replicated update's, max abs error {comparison.max_abs_error:.3g}"
+            reason = f"its outputs differ from the replicated update's: {comparison.summary()}"
             return step, None, not_applicable(reason, stacklevel + 1)
     return sharded, layout, info
 
 
 def relowered(fn, step: Captured, layout: Layout, args: tuple, kwargs: dict, backend) -> Captured:
-    """The program of `step` lowered again with `layout` (`relower`), captured."""
+    """The program of `step` lowered again with `layout` (`relower`), captured. It computes the
+    same call: it shares `step`'s float64 run."""
     lowered, (dynamic_args, dynamic_kwargs) = relower(
         fn, layout, args, kwargs, (step.args, step.kwargs), step.default_compiled
     )
-    return capture(lowered, backend, dynamic_args, dynamic_kwargs)
+    program = capture(lowered, backend, dynamic_args, dynamic_kwargs)
+    program.exact = step.exact
+    return program
 
 
 def held_leaves(step: Captured) -> dict[int, Any]:
@@ -435,18 +438,9 @@ def held_leaves(step: Captured) -> dict[int, Any]:
 
 
 def check_outputs(step: Captured, sharded: Captured) -> _validate.Comparison:
-    """The sharded program's outputs against the replicated one's, within the validation
-    tolerance (a reduce-scatter may sum in another order than an all-reduce: not bitwise), every
-    process's verdict merged in a multi-process job."""
-    out = sharded.runner(sharded.default_compiled)()
-    # Each process compares the regions of its own shards of the sharded program's outputs.
-    reference = _distributed.regions(step.runner(step.default_compiled)(), out)
-    nudged_args, nudged_kwargs = _validate.nudge((step.args, step.kwargs))
-    nudged = step.runner(step.default_compiled, nudged_args, nudged_kwargs)()
-    floor = _validate.sensitivity(reference, _distributed.regions(nudged, out))
-    comparison = _validate.compare_outputs(reference, _distributed.addressable(out), bitwise=False, floor=floor)
-    if step.scope is None:
-        return comparison
-    # Each process compares its own shards; all must take the same decision.
-    found = _distributed.gather_json(f"{step.scope}/weight-update-check", dataclasses.asdict(comparison))
-    return _validate.Comparison.merge(found)
+    """The sharded program's outputs against the replicated one's check (`step.output_check`: the
+    float64 run of the call where it runs, else the ulp tolerance; a reduce-scatter may sum in
+    another order than an all-reduce: not bitwise). Each process compares the regions of its own
+    shards of the sharded program's outputs; every process's verdict merged in a multi-process job."""
+    merge_key = None if step.scope is None else f"{step.scope}/weight-update-check"
+    return step.output_check.compare(sharded.runner(sharded.default_compiled)(), merge_key=merge_key)
