@@ -89,9 +89,11 @@ def phase(which: str, weight_update: str, plan_dir: str, budget_s: float, pairs:
     result = {
         "phase": which,
         "seconds": time.perf_counter() - started,
-        "weight_update": {k: wu.get(k) for k in ("mode", "reason", "measured", "forced")},
+        "weight_update": {k: wu.get(k) for k in ("mode", "reason", "forced")},
+        # Each candidate the choice measured carries its timing against the replicated step.
         "candidates": [
-            {k: c.get(k) for k in ("label", "simulated_us", "footprint_bytes")} for c in wu.get("candidates", [])
+            {k: c.get(k) for k in ("label", "simulated_us", "footprint_bytes", "measured")}
+            for c in wu.get("candidates", [])
         ],
         "plan_applied": bool(report.applied),
         "plan_reason": report.reason,
@@ -172,11 +174,10 @@ def show(r: dict) -> None:
     """Print one phase's figures."""
     wu = r["weight_update"]
     print(f"[{r['phase']}] {r['seconds']:.0f} s; weight update: {wu['mode']} ({wu['reason']})")
-    if wu.get("measured"):
-        print(f"  weight-update choice measured sharded/replicated: {interval(wu['measured'])}")
     for c in r["candidates"]:
         simulated = c["simulated_us"] or 0.0
-        print(f"  candidate {c['label']}: simulated {simulated:.0f} us, footprint {c['footprint_bytes']} B")
+        measured = f"; measured /replicated {interval(c['measured'])}" if c.get("measured") else ""
+        print(f"  candidate {c['label']}: simulated {simulated:.0f} us, footprint {c['footprint_bytes']} B{measured}")
     print(f"  fusion plan applied: {r['plan_applied']} ({r['plan_reason']}); measured {interval(r['plan_measured'])}")
     print(f"  executable's collectives: { {k: v for k, v in r['collectives'].items() if v} }")
     print(f"  rules applied: {sorted({x['rule'] for x in r['rules_applied']})}", flush=True)
