@@ -464,7 +464,11 @@ def device_measure(step: Captured, default_runner: Runner, tuning: TuningConfig)
             ratios = _distributed.slowest_pairs(f"{step.scope}/tuning/{index}/timing")(timing.ratios)
             timing = _validate.summarize([timing.default_us], [timing.plan_us], ratios)
         times = _profile.measure_kernel_times(
-            runner, (), steps=tuning.kernel_steps, warmup=1, module_name=step.module_name
+            _profiling.traced_runner(step, runner, strategy),
+            (),
+            steps=tuning.kernel_steps,
+            warmup=1,
+            module_name=step.module_name,
         )
         names = kernel_members(graph, strategy, graph.backend.rewriter.rewrite(graph, strategy))
         kernels = {names[n]: t for n, t in times.items() if n in names}

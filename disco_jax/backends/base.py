@@ -57,6 +57,10 @@ class Backend:
       sharded weight update's gradients); the simulator costs such a gradient's transfer as one.
     read_kernels: the kernels of a compiled executable's module text in schedule order, what
       `cost.compiled` costs (`backends.compiled.read_kernels`, which reads XLA:GPU's and XLA:CPU's).
+    profile_options: XLA compile options of an executable the profile phase traces, so that every
+      kernel is an event of its own in the trace (XLA:GPU: command buffers off; a command buffer,
+      a CUDA graph, is one event and hides its kernels, docs/gpu.md). The same program otherwise:
+      the user's executable keeps XLA's defaults and is what is timed.
     """
 
     platform: str
@@ -75,3 +79,4 @@ class Backend:
     emits_fusions: bool = True
     creates_reduce_scatter: bool = False
     read_kernels: Callable[[str], list[CompiledKernel]] = read_kernels
+    profile_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
