@@ -57,13 +57,29 @@ class Calibration:
         }
 
 
+def traced_runner(captured: Captured, runner: Runner, strategy: _strategy.Strategy | None = None) -> Runner:
+    """The runner the profiler traces in place of `runner` (XLA's executable, or the one of
+    `strategy`): the same program compiled again with the backend's `profile_options` where it
+    has any (XLA:GPU: command buffers off, so each kernel is a trace event of its own), else
+    `runner` itself."""
+    options = dict(captured.graph.backend.profile_options)
+    if not options:
+        return runner
+    if strategy is None:
+        compiled = captured.lowered.compile(compiler_options=options)
+    else:
+        compiled, _ = compile_strategy(captured.lowered, captured.graph, strategy, options)
+    return captured.runner(compiled, runner.args, runner.kwargs)
+
+
 def profile(
     captured: Captured, default_runner: Runner, database: _profile_store.ProfileDatabase, ui: Ui
 ) -> cost.CostModel:
     """Measure kernel times of the default executable and the all-reduce fit on these devices,
     merge them into the profile database, and build the cost model."""
     graph, devices, machine = captured.graph, captured.devices, captured.machine
-    times = _profile.measure_kernel_times(default_runner, (), module_name=captured.module_name)
+    traced = traced_runner(captured, default_runner)
+    times = _profile.measure_kernel_times(traced, (), module_name=captured.module_name)
     by_name = kernels_by_name(graph)
     table, measured = {}, {}
     for name, t in times.items():

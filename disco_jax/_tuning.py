@@ -64,9 +64,8 @@ class TuningConfig:
 class Measurement:
     """One candidate on the devices: its interleaved timing against XLA's plan, its kernels' times
     by their ops (the kernels the simulator costs), the all-reduces XLA kept (None: unknown), its
-    outputs against the step's (`Captured.output_check`; None: not checked), and whether the
-    collectives XLA kept (reduce-scatters the hook rules made too) are the ones the hook returned
-    (`_compile.keeps_plan`; None: judged by the all-reduces against the buckets)."""
+    outputs against the step's (`Captured.output_check`; None: not checked), and whether XLA kept
+    the collectives the hook returned (`_compile.keeps_plan`; None: the all-reduces decide)."""
 
     timing: _validate.Timing
     kernel_times: dict[frozenset[int], float] = dataclasses.field(default_factory=dict)
@@ -99,12 +98,10 @@ class Record:
 
     @property
     def eligible(self) -> bool:
-        """Measured, its outputs right, and XLA kept the planned collectives (else another program
-        was timed)."""
-        m = self.measurement
-        if m is None or self.wrong:
-            return False
-        return m.kept if m.kept is not None else m.allreduces in (None, len(self.strategy.buckets))
+        """Measured, its outputs right, and XLA kept the planned collectives (else another ran)."""
+        m, buckets = self.measurement, len(self.strategy.buckets)
+        planned = m is not None and (m.kept if m.kept is not None else m.allreduces in (None, buckets))
+        return planned and not self.wrong
 
     @property
     def measured_ratio(self) -> float:
@@ -469,7 +466,11 @@ def device_measure(step: Captured, default_runner: Runner, tuning: TuningConfig)
             ratios = _distributed.slowest_pairs(f"{step.scope}/tuning/{index}/timing")(timing.ratios)
             timing = _validate.summarize([timing.default_us], [timing.plan_us], ratios)
         times = _profile.measure_kernel_times(
-            runner, (), steps=tuning.kernel_steps, warmup=1, module_name=step.module_name
+            _profiling.traced_runner(step, runner, strategy),
+            (),
+            steps=tuning.kernel_steps,
+            warmup=1,
+            module_name=step.module_name,
         )
         names = kernel_members(graph, strategy, graph.backend.rewriter.rewrite(graph, strategy))
         kernels = {names[n]: t for n, t in times.items() if n in names}

@@ -29,8 +29,11 @@ def main(argv=None) -> None:
     with samples_file.open() as f:
         samples = [json.loads(line) for line in f if line.strip()]
     constants = gpus.fit_device_constants(samples, device.memory_bandwidth.value, samples_file.name)
-    out = {"device_kind": device.device_kind, "samples": samples_file.name, "constants": constants}
-    (directory / gpus.CONSTANTS_FILE).write_text(json.dumps(out, indent=1) + "\n")
+    path = directory / gpus.CONSTANTS_FILE
+    # Constants measured otherwise (the dot efficiency, scripts/gpu_programs_report.py) are kept.
+    kept = json.loads(path.read_text())["constants"] if path.exists() else {}
+    out = {"device_kind": device.device_kind, "samples": samples_file.name, "constants": {**kept, **constants}}
+    path.write_text(json.dumps(out, indent=1) + "\n")
     for name, q in constants.items():
         print(f"{name} = {q['value']:.4g} {q['unit']}: {q['source']}")
     print(f"wrote {directory / gpus.CONSTANTS_FILE}")

@@ -82,8 +82,8 @@ def test_every_kernel_and_collective_of_xla_gpu_program_is_costed_once(model, xl
 
 def test_h100_estimator_costs_fusions_by_the_gnn_within_its_range_and_the_rest_by_the_fitted_roofline(xla_gpu_zoo):
     """XLA:GPU's horizontally fused Adam updates exceed the GNN's training range (its largest
-    kernel): the roofline at the fitted bandwidth costs them; gemms are roofline with the dot
-    efficiency recorded as assumed."""
+    kernel): the roofline at the fitted bandwidth costs them; gemms are roofline at the dot
+    efficiency measured on an H100, so nothing they cost is marked assumed."""
     text = xla_gpu_zoo("transformer")[2]
     program = cost.compiled_program(text, backends.GPU)
     estimator = clusters.get_cluster("8xH100-NVLink").kernel_estimator()
@@ -94,7 +94,7 @@ def test_h100_estimator_costs_fusions_by_the_gnn_within_its_range_and_the_rest_b
     assert len(program.ops[largest.name]) > gnn.max_ops and kinds[largest.name].method == "roofline"
     assert all(len(program.ops[k.name]) <= gnn.max_ops for k in costed.kernels if k.method == "gnn")
     assert {k.method for k in costed.kernels if k.kind == "gemm"} == {"roofline"}
-    assert all("dot_efficiency" in k.assumed for k in costed.kernels if k.kind == "gemm")
+    assert not any("dot_efficiency" in k.assumed for k in costed.kernels if k.kind == "gemm")
     assert costed.costed_by["gnn"] > 0 and "none" not in costed.costed_by
 
 
@@ -223,7 +223,7 @@ def test_xla_cpu_program_costed_by_its_profiled_kernel_times():
 
 def test_h100_launch_and_bandwidth_are_fitted_to_its_kernel_samples():
     """The constants the H100 spec reads are the fit of the shipped samples, with their source;
-    no GEMM was timed, so the dot efficiency stays an assumption."""
+    the dot efficiency is the one measured on the paper configs' library calls (docs/gpu.md)."""
     directory = gpus.SHIPPED_PROFILE_DIR / "nvidia-h100-80gb-hbm3"
     with (directory / "kernel_samples.jsonl").open() as f:
         samples = [json.loads(line) for line in f]
@@ -234,4 +234,5 @@ def test_h100_launch_and_bandwidth_are_fitted_to_its_kernel_samples():
         assert spec.value == pytest.approx(q["value"]) and not spec.assumption
         assert spec.source.startswith("fitted to kernel_samples.jsonl")
     assert 0.5 < gpus.H100_SXM.launch_us.value < 3.0 and 0.7 < gpus.H100_SXM.memory_efficiency.value <= 1.0
-    assert gpus.H100_SXM.dot_efficiency.assumption
+    dot = gpus.H100_SXM.dot_efficiency
+    assert not dot.assumption and dot.source.startswith("measured on an H100") and 0.2 < dot.value < 1.0

@@ -400,3 +400,33 @@ def test_registered_plugins_come_first_then_entry_points_and_failures_are_skippe
         for name in ("probe", "broken", "nothing"):
             cost.unregister_estimator(name)
     assert "probe" not in cost.estimator_factories()
+
+
+def test_cudnn_backward_convolutions_cost_what_the_forward_one_costs():
+    # One 3x3 convolution of N=8, 32x32, 16 -> 64 features (stride 1, same padding) as XLA:GPU's
+    # three cuDNN calls: each carries the forward convolution's attributes, with its tensors
+    # in other places (the backward-filter call's output is the kernel's gradient).
+    from disco_jax import _hlo
+    from disco_jax.cost.work import instruction_work
+
+    attrs = "window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f"
+    x, k, y = "f32[8,32,32,16]{3,2,1,0}", "f32[64,3,3,16]{3,2,1,0}", "f32[8,32,32,64]{3,2,1,0}"
+    text = f"""HloModule m, is_scheduled=true
+
+ENTRY %main (p0: f32[8,32,32,16], p1: f32[64,3,3,16], p2: f32[8,32,32,64]) -> f32[8,32,32,16] {{
+  %p0 = {x} parameter(0)
+  %p1 = {k} parameter(1)
+  %p2 = {y} parameter(2)
+  %fwd = ({y}, u8[0]{{0}}) custom-call(%p0, %p1), {attrs}, custom_call_target="__cudnn$convForward"
+  %bwi = ({x}, u8[0]{{0}}) custom-call(%p2, %p1), {attrs}, custom_call_target="__cudnn$convBackwardInput"
+  %bwf = ({k}, u8[0]{{0}}) custom-call(%p0, %p2), {attrs}, custom_call_target="__cudnn$convBackwardFilter"
+  ROOT %gte = {x} get-tuple-element(%bwi), index=0
+}}
+"""
+    module = _hlo.parse_module(text)
+    insts = {i.name: i for i in module.entry.instructions}
+    specs = {n: _hlo.parse_shape(s) for n, s in (("p0", x), ("p1", k), ("p2", y))}
+    expected = 2.0 * (8 * 32 * 32 * 64) * (3 * 3 * 16)
+    for name, operands in (("fwd", ("p0", "p1")), ("bwi", ("p2", "p1")), ("bwf", ("p0", "p2"))):
+        work = instruction_work(insts[name], [list(specs[o]) for o in operands])
+        assert work.dot == expected, name

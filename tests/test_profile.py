@@ -316,3 +316,23 @@ def test_calibrate_fits_the_simulator_to_every_calibration_configuration(tmp_pat
     record = json.loads(json.dumps(calibration.to_json()))
     assert record["measured_default_us"] == calibration.points[0].measured_us
     assert len(record["points"]) == len(labels) and record["kernel_overhead_us"] >= 0
+
+
+def test_the_profile_phase_traces_an_executable_compiled_with_the_backends_profile_options():
+    # XLA:CPU has none: the executable traced is the one timed.
+    x = jnp.arange(8.0)
+    lowered = jax.jit(lambda v: jnp.sin(v) * 2).lower(x)
+    captured = _compile.capture(lowered, backends.CPU, (x,), {})
+    runner = captured.runner(captured.default_compiled)
+    assert _profiling.traced_runner(captured, runner) is runner
+    # XLA:GPU turns command buffers off for it, an option XLA parses per compile (a value that is
+    # no command buffer kind is refused, so the empty one is applied, not ignored).
+    from disco_jax import targets
+
+    assert backends.GPU.profile_options == {"xla_gpu_enable_command_buffer": ""}
+    mesh = targets.mesh("h100-sxm", 1)
+    y = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(mesh, P()))
+    gpu_lowered = jax.jit(lambda v: jnp.sin(v) * 2).lower(y)
+    assert gpu_lowered.compile(compiler_options=dict(backends.GPU.profile_options)).as_text()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="not a valid enum value"):
+        gpu_lowered.compile(compiler_options={"xla_gpu_enable_command_buffer": "NOT_A_KIND"})

@@ -63,6 +63,10 @@ class Backend:
       forms reduce-scatters and combines all-gathers itself).
     read_kernels: the kernels of a compiled executable's module text in schedule order, what
       `cost.compiled` costs (`backends.compiled.read_kernels`, which reads XLA:GPU's and XLA:CPU's).
+    profile_options: XLA compile options of an executable the profile phase traces, so that every
+      kernel is an event of its own in the trace (XLA:GPU: command buffers off; a command buffer,
+      a CUDA graph, is one event and hides its kernels, docs/gpu.md). The same program otherwise:
+      the user's executable keeps XLA's defaults and is what is timed.
     """
 
     platform: str
@@ -81,6 +85,7 @@ class Backend:
     emits_fusions: bool = True
     creates_reduce_scatter: bool = False
     read_kernels: Callable[[str], list[CompiledKernel]] = read_kernels
+    profile_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     hook_rules: frozenset[str] = frozenset()
 
     @property

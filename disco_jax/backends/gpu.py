@@ -47,6 +47,11 @@ NO_PRODUCER_FUSION = frozenset({"reduce"})
 DECISIONS_OPTIONS = {"xla_disable_hlo_passes": "all-reduce-reassociate"}
 # And XLA's all-reduce combiner off: the plan's buckets are the all-reduces that run.
 REWRITE_OPTIONS = {**DECISIONS_OPTIONS, "xla_gpu_all_reduce_combine_threshold_bytes": "0"}
+# Executables the profiler traces: no command buffers. With XLA's default (on), a run of kernels
+# becomes one CUDA graph, traced as one `command_buffer_N` event: on one H100 (jax 0.11.2) 6 of 8
+# tiny zoo steps showed a single event, the others 106-143 of 190-202 kernels; off, every kernel
+# (docs/gpu.md, "Command buffers and the trace").
+PROFILE_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 # DisCo's compile-option baselines on XLA:GPU (docs/xla-facts.md, "XLA:GPU baselines"). No op
 # fusion: the pipeline named `fusion` off (`priority-fusion`, then `multi_output_fusion`) and the
 # Triton softmax rewriter, which fuses reductions and their elementwise neighbours before it; every
@@ -278,4 +283,5 @@ GPU = Backend(
     decorator_ready=True,
     emits_fusions=False,
     creates_reduce_scatter=True,
+    profile_options=PROFILE_OPTIONS,
 )

@@ -134,17 +134,29 @@ def _matrix_op(inst: _hlo.Instruction) -> str | None:
     return "dot" if '"lhs_contracting_dimensions"' in (inst.attr("backend_config") or "") else None
 
 
-def _conv_flops(inst: _hlo.Instruction, rhs: _hlo.TensorSpec | None) -> float:
-    """2 x output elements x (kernel elements / output features), the output feature dimension
-    read from `dim_labels` (its kernel part, 'o')."""
-    if rhs is None or not rhs.dims:
+def _conv_flops(inst: _hlo.Instruction, lhs: _hlo.TensorSpec | None, rhs: _hlo.TensorSpec | None) -> float:
+    """2 x the forward convolution's output elements x (kernel elements / output features), the
+    kernel's output feature dimension read from `dim_labels` (its kernel part, 'o'). A cuDNN
+    backward call carries the forward convolution's attributes with its tensors in other places
+    (XLA's `CudnnConvKind`): backward-input takes (output gradient, kernel) and makes the input
+    gradient; backward-filter takes (input, output gradient) and makes the kernel gradient. Each
+    costs what the forward convolution costs."""
+    target = (inst.attr("custom_call_target") or "").strip('"')
+    output = inst.outputs[0] if inst.outputs else None
+    if target.endswith("convBackwardFilter"):
+        forward_output, kernel = rhs, output
+    elif target.endswith("convBackwardInput"):
+        forward_output, kernel = lhs, rhs
+    else:
+        forward_output, kernel = output, rhs
+    if forward_output is None or kernel is None or not kernel.dims:
         return 0.0
     m = re.match(r"[^_]*_([^-]*)->", inst.attr("dim_labels", "") or "")
-    if m and "o" in m.group(1) and len(m.group(1)) == len(rhs.dims):
-        out_features = rhs.dims[m.group(1).index("o")]
+    if m and "o" in m.group(1) and len(m.group(1)) == len(kernel.dims):
+        out_features = kernel.dims[m.group(1).index("o")]
     else:
-        out_features = rhs.dims[-1]
-    return 2.0 * inst.outputs[0].elements * rhs.elements / max(1, out_features)
+        out_features = kernel.dims[-1]
+    return 2.0 * forward_output.elements * kernel.elements / max(1, out_features)
 
 
 def instruction_work(inst: _hlo.Instruction, operands: Sequence[list[_hlo.TensorSpec] | None]) -> Work:
@@ -155,7 +167,7 @@ def instruction_work(inst: _hlo.Instruction, operands: Sequence[list[_hlo.Tensor
     matrix = _matrix_op(inst)
     if matrix is not None:
         if matrix == "convolution":
-            flops = _conv_flops(inst, second)
+            flops = _conv_flops(inst, first, second)
         else:
             flops = 0.0 if first is None else 2.0 * inst.outputs[0].elements * _contracted(inst, first)
         narrow = first is not None and second is not None and {first.dtype, second.dtype} <= HALF_FLOATS
