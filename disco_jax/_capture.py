@@ -172,15 +172,19 @@ def capture_stages(
     compiler_options: dict | None = None,
     *,
     platform: str | None = None,
+    rewrites: dict[str, Callable[[str], str | None]] | None = None,
 ) -> tuple[dict[str, str], Any]:
     """The module text at each of `stages` (the last one XLA handed over at each), and the
-    compiled (unmodified) executable, from one compile. Raises RuntimeError when a stage never
-    saw the module."""
+    compiled executable, from one compile: unmodified, but for `rewrites` (per stage, a
+    function of the recorded text whose result, when not None, XLA compiles on with). Raises
+    RuntimeError when a stage never saw the module."""
     texts: dict[str, str] = {}
 
-    def recorder(stage: str) -> Callable[[str], None]:
-        def record(text: str) -> None:
+    def recorder(stage: str) -> Callable[[str], str | None]:
+        def record(text: str) -> str | None:
             texts[stage] = text
+            rewrite = (rewrites or {}).get(stage)
+            return None if rewrite is None else rewrite(text)
 
         return record
 

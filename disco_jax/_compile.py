@@ -4,6 +4,10 @@ These are the pipeline's hands (and the evaluation harness's, through the same p
 
 * `compile_strategy` compiles the step with a strategy written into its module at the backend's
   hook stage (`graph.backend.rewriter`);
+* every compile of a step, XLA's own plan (`capture_graph`) and each strategy's, gets the proven
+  sharding rules the backend applies at the hook (`Backend.hook_rules`, `sharding.apply`): what
+  was applied where is `Graph.rules_applied` for XLA's plan and `rules_applied(graph, strategy)`
+  for a strategy's, and `keeps_plan` checks that XLA compiled the collectives the hook returned;
 * `Runner` calls a compiled step repeatedly with fresh copies of the inputs it donates;
 * `compiled_stats` counts what a compiled module holds (the truth of a plan: all-reduces and
   fusions as XLA emitted them);
@@ -21,6 +25,7 @@ import functools
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -30,6 +35,7 @@ from disco_jax._graph import Graph, build_graph
 from disco_jax._plan import MachineKey
 from disco_jax._strategy import Strategy
 from disco_jax.backends import Backend
+from disco_jax.sharding import apply
 
 
 def donated(lowered: jax.stages.Lowered) -> list[bool]:
@@ -69,15 +75,17 @@ _TRIVIAL = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bi
 
 def compiled_stats(text: str) -> dict[str, int]:
     """What a compiled module's entry computation holds: all-reduces (and how many tensors they
-    carry), fusions of any kind, loop fusions, loop fusions of more than one compute instruction
-    (op fusion proper: with the `fusion` pass off, XLA:CPU still wraps single ops in
-    one-instruction kLoop fusions), library-call custom fusions, and custom fusions that compute
-    more than their one op (XLA:GPU: a gemm with a fused elementwise prologue or epilogue, a
-    Triton softmax fusion)."""
+    carry), reduce-scatters, all-gathers, fusions of any kind, loop fusions, loop fusions of more
+    than one compute instruction (op fusion proper: with the `fusion` pass off, XLA:CPU still
+    wraps single ops in one-instruction kLoop fusions), library-call custom fusions, and custom
+    fusions that compute more than their one op (XLA:GPU: a gemm with a fused elementwise
+    prologue or epilogue, a Triton softmax fusion)."""
     module = _hlo.parse_module(text)
     stats = {
         "all-reduce": 0,
         "all-reduce-operands": 0,
+        "reduce-scatter": 0,
+        "all-gather": 0,
         "fusion": 0,
         "loop_fusions": 0,
         "multi_op_loop_fusions": 0,
@@ -88,6 +96,8 @@ def compiled_stats(text: str) -> dict[str, int]:
         if inst.opcode in ("all-reduce", "all-reduce-start"):
             stats["all-reduce"] += 1
             stats["all-reduce-operands"] += len(inst.operands)
+        elif inst.opcode.removesuffix("-start") in ("reduce-scatter", "all-gather"):
+            stats[inst.opcode.removesuffix("-start")] += 1
         elif inst.opcode == "fusion":
             stats["fusion"] += 1
             comp = module.computation((inst.attr("calls") or "").lstrip("%"))
@@ -104,18 +114,81 @@ def plan_tag(fingerprint: str, strategy_json: dict) -> str:
     return f"{fingerprint}:{digest}"
 
 
+def with_hook_rules(backend: Backend, text: str) -> apply.Applied:
+    """`text` with the sharding rules `backend` applies at the hook (`Backend.hook_rules`)."""
+    return apply.apply_rules(text, backend.hook_rules) if backend.hook_rules else apply.Applied(text)
+
+
+def hook_rules_handler(backend: Backend, applied: list[apply.Applied]) -> Callable[[str], str | None]:
+    """The hook handler that compiles XLA's own plan with `backend`'s hook rules: the module
+    rewritten where a rule applied (None: unchanged); each result is appended to `applied`."""
+
+    def handler(text: str) -> str | None:
+        applied.append(with_hook_rules(backend, text))
+        return applied[-1].text if applied[-1].applications else None
+
+    return handler
+
+
+# Per plan tag (`plan_tag`): the rules applied to the module `compile_strategy` returned at the
+# hook, and the all-reduces and reduce-scatters that module holds (the latest few hundred plans;
+# an older one is rewritten again when asked for).
+_HOOK_RESULTS: dict[str, tuple[tuple[dict, ...], dict[str, int]]] = {}
+_HOOK_RESULTS_KEPT = 256
+
+
+def _rewritten(graph: Graph, strategy: Strategy, tag: str) -> str:
+    """The module text the hook returns for `strategy`: its rewrite, with the hook rules."""
+    applied = with_hook_rules(graph.backend, graph.backend.rewriter.rewrite(graph, strategy))
+    counts = {"all-reduce": len(strategy.buckets), "reduce-scatter": 0}  # the rewrite's, no rule applied
+    if applied.applications:
+        counts = {"all-reduce": 0, "reduce-scatter": 0}
+        for inst in _hlo.parse_module(applied.text).entry.instructions:
+            if inst.opcode in counts:
+                counts[inst.opcode] += 1
+    _HOOK_RESULTS[tag] = (applied.applications, counts)
+    while len(_HOOK_RESULTS) > _HOOK_RESULTS_KEPT:
+        del _HOOK_RESULTS[next(iter(_HOOK_RESULTS))]
+    return applied.text
+
+
+def _hook_result(graph: Graph, strategy: Strategy) -> tuple[tuple[dict, ...], dict[str, int]]:
+    tag = plan_tag(graph.fingerprint, strategy.to_json(graph))
+    if tag not in _HOOK_RESULTS:
+        _rewritten(graph, strategy, tag)
+    return _HOOK_RESULTS[tag]
+
+
+def rules_applied(graph: Graph, strategy: Strategy) -> list[dict]:
+    """The sharding rules applied at the hook to `strategy`'s module: per application its rule,
+    the instructions it matched (`at`) and the instruction it made (`result`)."""
+    return list(_hook_result(graph, strategy)[0])
+
+
+def keeps_plan(counts: dict[str, int], graph: Graph, strategy: Strategy) -> bool:
+    """Whether a compiled strategy (`compiled_stats` of it) holds the all-reduces the hook
+    returned (one per bucket, less those the hook rules turned into reduce-scatters) and, where
+    the pipeline applies rules itself, its reduce-scatters."""
+    planned = _hook_result(graph, strategy)[1]
+    if counts["all-reduce"] != planned["all-reduce"]:
+        return False
+    return not graph.backend.hook_rules or counts.get("reduce-scatter", 0) == planned["reduce-scatter"]
+
+
 def compile_strategy(
     lowered: jax.stages.Lowered, graph: Graph, strategy: Strategy, compiler_options: dict | None = None
 ) -> tuple[Any, str]:
-    """Compile the step with `strategy` rewritten into its module at the hook. `compiler_options`
-    (e.g. `backends.gpu.collective_options(...)`) go on top of the backend's `rewrite_options`.
+    """Compile the step with `strategy` rewritten into its module at the hook (and the backend's
+    hook rules applied to it). `compiler_options` (e.g. `backends.gpu.collective_options(...)`)
+    go on top of the backend's `rewrite_options`.
 
     Returns (compiled, status): 'rewritten'; 'cached' when JAX served the executable compiled
     earlier for the same plan, in this process or from the persistent compilation cache (the
     cache key carries the plan's digest); or
     'fingerprint-mismatch' when the module at the hook is not the one the plan was made for
     (it is then compiled unmodified)."""
-    text = graph.backend.rewriter.rewrite(graph, strategy)
+    tag = plan_tag(graph.fingerprint, strategy.to_json(graph))
+    text = _rewritten(graph, strategy, tag)
     status = ["cached"]
 
     def handler(module_text: str) -> str | None:
@@ -126,7 +199,6 @@ def compile_strategy(
         return text
 
     options = {**graph.backend.rewrite_options, **(compiler_options or {})}
-    tag = plan_tag(graph.fingerprint, strategy.to_json(graph))
     if compiler_options:
         tag += ":" + hashlib.sha256(json.dumps(compiler_options, sort_keys=True).encode()).hexdigest()[:16]
     compiled = _capture.compile_with_hook(
@@ -286,9 +358,20 @@ class Captured:
     def default_copy(self) -> Any:
         """XLA's own executable of this program compiled a second time: the same program and
         options as `default_compiled` (only the debug option that keys JAX's caches differs,
-        `_capture.CACHE_KEY_OPTION`), a separate executable that others are timed against."""
+        `_capture.CACHE_KEY_OPTION`), a separate executable that others are timed against. Where
+        the backend applies hook rules, they are applied to the copy as to `default_compiled`
+        (compiled afresh then: a cached executable would skip the hook)."""
+        backend = self.graph.backend
+        if backend.hook_rules:
+            return _capture.compile_with_hook(
+                self.lowered,
+                hook_rules_handler(backend, []),
+                compiler_options=dict(backend.decisions_options),
+                platform=backend.platform,
+                stage=backend.hook_stage,
+            )
         tag = _capture.cache_key_value(f"copy/{self.graph.fingerprint}")
-        options = {**self.graph.backend.decisions_options, _capture.CACHE_KEY_OPTION: tag}
+        options = {**backend.decisions_options, _capture.CACHE_KEY_OPTION: tag}
         return self.lowered.compile(compiler_options=options)
 
     def runner(self, compiled: Any, args: tuple | None = None, kwargs: dict | None = None) -> Runner:
@@ -306,18 +389,28 @@ def capture_graph(
     graph also carries those decisions, read at the backend's `decisions_stage` of the same
     compile. Needs no device: a step lowered for compile-only devices (`disco_jax.targets`)
     captures the same way. The compile runs with the backend's `decisions_options` (XLA's plan as
-    the graph can express it); the executable is XLA's under them."""
+    the graph can express it); the executable is XLA's under them, with the backend's hook rules
+    applied (`Graph.rules_applied` says where)."""
     stages = (backend.hook_stage,) + ((backend.decisions_stage,) if backend.decisions_stage else ())
     options = {**backend.decisions_options, **(compiler_options or {})} or None
-    texts, compiled = _capture.capture_stages(lowered, stages, options, platform=backend.platform)
+    applied: list[apply.Applied] = []
+    texts, compiled = _capture.capture_stages(
+        lowered,
+        stages,
+        options,
+        platform=backend.platform,
+        rewrites={backend.hook_stage: hook_rules_handler(backend, applied)},
+    )
     graph = build_graph(texts[backend.hook_stage], backend)
+    graph.rules_applied = applied[-1].applications if applied else ()
     if backend.decisions_stage and backend.read_decisions is not None:
         graph = backend.read_decisions(graph, texts[backend.decisions_stage])
     return graph, compiled
 
 
 def capture(lowered: jax.stages.Lowered, backend: Backend, args: tuple, kwargs: dict) -> Captured:
-    """Capture `lowered` at `backend`'s hook stage and compile it unmodified (one compile).
+    """Capture `lowered` at `backend`'s hook stage and compile it with XLA's plan (one compile;
+    the backend's hook rules applied, as to every program of the step).
     `args`/`kwargs`: the call's dynamic arguments."""
     graph, default_compiled = capture_graph(lowered, backend)
     if backend.decisions_options:  # the unmodified step is XLA's own, all its passes on

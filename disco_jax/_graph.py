@@ -94,9 +94,9 @@ class Graph:
     outputs: list[int]  # op ids of the module's output (several when ROOT was a multi-output fusion)
     fingerprint: str
     backend: Backend  # the compiler whose module this is
-    # XLA's kernels in its schedule order, when read from a scheduled module (XLA:GPU:
-    # `disco_jax.backends.gpu_schedule.ScheduledKernel`s); empty when the capture is unscheduled.
+    # XLA's kernels in schedule order (XLA:GPU: `gpu_schedule.ScheduledKernel`s); () when unscheduled.
     xla_schedule: tuple = ()
+    rules_applied: tuple = ()  # rules applied at the hook compiling it with XLA's plan (`_compile`)
     # Caches of the queries below that take an argument (the others are cached properties).
     _signatures: dict[frozenset[int], str] = _cache()
     _consumers: dict[int, tuple[int, ...]] = _cache()

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 
 from disco_jax import _distributed, _files, _plan, _profile_store, _search, _strategy, _tuning, _validate, backends
-from disco_jax._compile import Captured, Runner, capture, compile_strategy, compiled_stats
+from disco_jax._compile import Captured, Runner, capture, compile_strategy, compiled_stats, keeps_plan, rules_applied
 from disco_jax._console import Ui
 from disco_jax._output_check import Float64Run
 from disco_jax._profiling import calibrate, profile
@@ -106,6 +106,7 @@ class StepReport:
     process_index: int | None = None
     plan_from_process: int | None = None
     weight_update: dict | None = None  # mode, sharded leaves, per-device memory (`sharding.update`)
+    rules_applied: list | None = None  # sharding rules applied at the hook to the executable that runs
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -191,6 +192,7 @@ def _phase(step: Captured, options: Options, search: bool, report: StepReport, u
     graph = step.graph
     report.fingerprint, report.module, report.graph = graph.fingerprint, graph.module.name, graph.summary()
     report.default_counts = compiled_stats(step.default_compiled.as_text())
+    report.rules_applied = list(graph.rules_applied)
     if costs is None:
         agree(step, report)
     if not graph.gradients and not graph.fusible_ops:  # one device still has fusion to decide
@@ -287,11 +289,13 @@ def search_phase(step: Captured, options: Options, report: StepReport, ui: Ui, c
         measured=verdict.measured,
         search=search_info,
         weight_update=report.weight_update or {},
+        rules_applied=list(graph.rules_applied) if verdict.use_default else rules_applied(graph, best),
     )
     if step.scope is not None:  # process 0 measured and decided for everyone
         plan = _plan.Plan.from_json(_distributed.broadcast_json(f"{step.scope}/plan", plan.to_json()))
     report.simulated, report.measured, report.search = plan.simulated, plan.measured, plan.search
     report.plan, report.reason, report.applied = plan.to_json(), plan.reason, not plan.use_default
+    report.rules_applied = plan.rules_applied
     if leader:
         report.plan_path = store(plan, {"default": sim_default.events, "plan": sim_best.events}, options.plan_dir)
         ui.summary(graph.module.name, plan, report.default_counts, report.plan_counts, report.plan_path)
@@ -350,8 +354,8 @@ def validate(
             measured,
             counts,
         )
-    if counts["all-reduce"] != len(best.buckets):
-        return Verdict(True, "rejected: XLA did not keep the planned all-reduces", measured, counts)
+    if not keeps_plan(counts, graph, best):
+        return Verdict(True, "rejected: XLA did not keep the planned collectives", measured, counts)
     low, high = timing.ratio_ci95
     return Verdict(
         False,
@@ -440,10 +444,10 @@ def apply(step: Captured, plan: _plan.Plan, options: Options, report: StepReport
         return step.default_compiled
     counts = compiled_stats(compiled.as_text())
     report.compile_status, report.plan_counts = status, counts
-    if status == "fingerprint-mismatch" or counts["all-reduce"] != len(strategy.buckets):
+    if status == "fingerprint-mismatch" or not keeps_plan(counts, graph, strategy):
         warnings.warn(
-            f"disco-jax: the compiled step has {counts['all-reduce']} all-reduces, the plan "
-            f"{len(strategy.buckets)}; running the unmodified step",
+            f"disco-jax: the compiled step has {counts['all-reduce']} all-reduces and {counts['reduce-scatter']} "
+            f"reduce-scatters, not the plan's ({len(strategy.buckets)} buckets); running the unmodified step",
             _plan.PlanWarning,
             stacklevel=7,
         )
@@ -451,7 +455,7 @@ def apply(step: Captured, plan: _plan.Plan, options: Options, report: StepReport
         return step.default_compiled
     if "offline" in plan.search and not plan.measured:
         return first_run(step, plan, strategy, compiled, options, report, ui)
-    report.applied, report.reason = True, plan.reason
+    report.applied, report.reason, report.rules_applied = True, plan.reason, rules_applied(graph, strategy)
     ui.say(
         f"{graph.module.name}: applied plan {os.path.basename(report.plan_path)} "
         f"({counts['all-reduce']} all-reduces, {counts['fusion']} fusions)"

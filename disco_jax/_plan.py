@@ -64,6 +64,9 @@ class Plan:
     # The weight update the plan was made for: mode, data axis, the sharding of each optimizer-state
     # leaf it shards, per-device memory (`disco_jax.sharding.update`); {} in plans made before it.
     weight_update: dict = dataclasses.field(default_factory=dict)
+    # The sharding rules applied at the hook to the program the plan runs (`sharding.apply`): per
+    # application its rule, the instructions it matched and the one it made; [] in older plans.
+    rules_applied: list = dataclasses.field(default_factory=list)
     created: float = dataclasses.field(default_factory=time.time)
     format_version: int = PLAN_FORMAT_VERSION
 

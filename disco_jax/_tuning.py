@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from disco_jax import _distributed, _hlo, _profile, _profiling, _search, _validate, cost
-from disco_jax._compile import Captured, Runner, compile_strategy, compiled_stats
+from disco_jax._compile import Captured, Runner, compile_strategy, compiled_stats, keeps_plan
 from disco_jax._console import Ui
 from disco_jax._edit import prune
 from disco_jax._graph import Graph
@@ -63,13 +63,15 @@ class TuningConfig:
 @dataclasses.dataclass
 class Measurement:
     """One candidate on the devices: its interleaved timing against XLA's plan, its kernels' times
-    by their ops (the kernels the simulator costs), the all-reduces XLA kept (None: unknown), and
-    its outputs against the step's (`Captured.output_check`; None: not checked)."""
+    by their ops (the kernels the simulator costs), the all-reduces XLA kept (None: unknown), its
+    outputs against the step's (`Captured.output_check`; None: not checked), and whether XLA kept
+    the collectives the hook returned (`_compile.keeps_plan`; None: the all-reduces decide)."""
 
     timing: _validate.Timing
     kernel_times: dict[frozenset[int], float] = dataclasses.field(default_factory=dict)
     allreduces: int | None = None
     outputs: _validate.Comparison | None = None
+    kept: bool | None = None
 
 
 Measure = Callable[[Strategy], Measurement]
@@ -96,10 +98,10 @@ class Record:
 
     @property
     def eligible(self) -> bool:
-        """Measured, its outputs right, and XLA kept the planned all-reduces (else another program
-        was timed)."""
-        m = self.measurement
-        return m is not None and not self.wrong and m.allreduces in (None, len(self.strategy.buckets))
+        """Measured, its outputs right, and XLA kept the planned collectives (else another ran)."""
+        m, buckets = self.measurement, len(self.strategy.buckets)
+        planned = m is not None and (m.kept if m.kept is not None else m.allreduces in (None, buckets))
+        return planned and not self.wrong
 
     @property
     def measured_ratio(self) -> float:
@@ -472,7 +474,8 @@ def device_measure(step: Captured, default_runner: Runner, tuning: TuningConfig)
         )
         names = kernel_members(graph, strategy, graph.backend.rewriter.rewrite(graph, strategy))
         kernels = {names[n]: t for n, t in times.items() if n in names}
-        return Measurement(timing, kernels, compiled_stats(compiled.as_text())["all-reduce"], outputs)
+        counts = compiled_stats(compiled.as_text())
+        return Measurement(timing, kernels, counts["all-reduce"], outputs, keeps_plan(counts, graph, strategy))
 
     return measure
 

@@ -6,8 +6,12 @@ figures are what the step report records from the compiled executables
 (`compiled.memory_analysis()` and the input shardings): the bytes of the leaves the replicated step
 holds whole on every device (parameters, optimizer state, model state), XLA's argument bytes, and
 the collectives in each compiled module. The losses of the first three steps are compared with the
-unmodified step's. `--pairs N`: also the step time, sharded over replicated, as the median of N
-interleaved pairs (alternating which runs first) with its interquartile range.
+unmodified step's. `--pairs N`: also the step time over the replicated step's, as the median of N
+interleaved rounds (the order rotated each round) with its interquartile range, of two programs:
+the sharded update as disco-jax compiles it (the proven rules applied at the hook on XLA:CPU: one
+reduce-scatter and grouped all-gathers, `disco_jax.sharding.apply`) and the same program as XLA's
+partitioner leaves it (all-reduce + dynamic-slice, one all-gather per parameter; its collectives
+are printed too).
 
     python scripts/sharded_update_memory.py [--models mlp transformer ...] [--pairs 30] [--json out.json]
     disco-jax launch -n 2 --devices-per-process 1 -- python scripts/sharded_update_memory.py --pairs 30
@@ -34,6 +38,7 @@ import optax  # noqa: E402
 
 import disco_jax  # noqa: E402
 from disco_jax import PlanWarning, optimize_distributed, zoo  # noqa: E402
+from disco_jax.sharding import update  # noqa: E402
 
 disco_jax.initialize_from_env()
 
@@ -43,22 +48,23 @@ def scalar(x) -> float:
     return float(np.asarray(x.addressable_data(0)))
 
 
-def interleaved_ratio(first, second, pairs: int) -> list[float]:
-    """Quartiles of the per-pair ratios time(second) / time(first), in interleaved pairs."""
+def interleaved_ratios(reference, others: list, rounds: int) -> list[list[float]]:
+    """Per program of `others`, quartiles of its per-round time over `reference`'s, all run once
+    per round in a rotated order."""
 
     def timed(f) -> float:
         start = time.perf_counter()
         jax.block_until_ready(f())
         return time.perf_counter() - start
 
-    ratios = []
-    for i in range(pairs):
-        if i % 2:
-            b, a = timed(second), timed(first)
-        else:
-            a, b = timed(first), timed(second)
-        ratios.append(b / a)
-    return [float(q) for q in np.percentile(ratios, [25, 50, 75])]
+    programs = [reference, *others]
+    ratios: list[list[float]] = [[] for _ in others]
+    for i in range(rounds):
+        order = [(i + k) % len(programs) for k in range(len(programs))]
+        times = dict((k, timed(programs[k])) for k in order)
+        for k in range(len(others)):
+            ratios[k].append(times[k + 1] / times[0])
+    return [[float(q) for q in np.percentile(r, [25, 50, 75])] for r in ratios]
 
 
 def measure(name: str, pairs: int) -> dict:
@@ -73,9 +79,15 @@ def measure(name: str, pairs: int) -> dict:
             s_mine, loss = sharded(s_mine, batch)
             mine.append(scalar(loss))
     report = sharded.last_report.weight_update
-    ratio = None
+    ratio = partitioned = partitioned_collectives = None
     if pairs:
-        ratio = interleaved_ratio(lambda: step(s_ref, batch), lambda: sharded(s_mine, batch), pairs)
+        # The same sharded program compiled by XLA alone (no rule applied at the hook).
+        lowered, _, _ = update.relower_positional(step, (state, batch), step.lower(state, batch).compile())
+        plain = lowered.compile()
+        partitioned_collectives = update.collectives(plain.as_text())
+        ratio, partitioned = interleaved_ratios(
+            lambda: step(s_ref, batch), [lambda: sharded(s_mine, batch), lambda: plain(s_mine, batch)], pairs
+        )
     return {
         "model": name,
         "mode": report["mode"],
@@ -84,7 +96,10 @@ def measure(name: str, pairs: int) -> dict:
         "collectives": report.get("collectives"),
         "max_loss_rel_diff": float(np.max(np.abs(np.subtract(mine, reference)) / np.abs(reference))),
         "prepared": len(sharded.reports),
+        "rules_applied": sorted({a["rule"] for a in sharded.last_report.rules_applied or []}),
         "time_ratio_quartiles": ratio,
+        "partitioned_time_ratio_quartiles": partitioned,
+        "partitioned_collectives": partitioned_collectives,
     }
 
 
@@ -117,7 +132,10 @@ def main() -> None:
         )
         if row["time_ratio_quartiles"]:
             low, median, high = row["time_ratio_quartiles"]
-            print(f"{'':12} step time sharded/replicated {median:.3f}x (IQR {low:.3f}-{high:.3f}, {args.pairs} pairs)")
+            print(f"{'':12} step time sharded/replicated {median:.3f}x (IQR {low:.3f}-{high:.3f}, {args.pairs} rounds)")
+            low, median, high = row["partitioned_time_ratio_quartiles"]
+            coll = {k: v for k, v in row["partitioned_collectives"].items() if v}
+            print(f"{'':12} without the hook rules {median:.3f}x (IQR {low:.3f}-{high:.3f}): {coll}")
     if args.json and jax.process_index() == 0:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -52,7 +52,9 @@ def _succeeded(result, reports, num_processes=2):
 
 def test_search_on_process_0_then_every_process_enacts_the_plan(tmp_path):
     plan_dir = tmp_path / "plans"
-    result, reports = run_job(plan_dir, "--pick-per-gradient", search=True)
+    # The replicated update: its outputs are whole on every process, so bitwise comparable (the
+    # weight-update choice may shard the state over gloo, each process then holding its shards).
+    result, reports = run_job(plan_dir, "--pick-per-gradient", "--weight-update", "replicated", search=True)
     _succeeded(result, reports)
     p0, p1 = reports[0], reports[1]
     assert (p0["searches"], p0["search_ran"]) == (1, True)
@@ -71,7 +73,7 @@ def test_search_on_process_0_then_every_process_enacts_the_plan(tmp_path):
     plans = [p for p in plan_dir.glob("*.json") if not p.name.endswith(".timeline.json")]
     assert len(plans) == 1 and plans[0].name.endswith("-p2.json")
 
-    result, reports = run_job(plan_dir, search=False)
+    result, reports = run_job(plan_dir, "--weight-update", "replicated", search=False)
     _succeeded(result, reports)
     for r in reports.values():
         assert r["phase"] == "enact" and r["searches"] == 0 and not r["search_ran"]

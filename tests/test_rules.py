@@ -8,7 +8,7 @@ import json
 import pytest
 
 from disco_jax import cli
-from disco_jax.sharding import axioms, rules
+from disco_jax.sharding import apply, axioms, rules
 from disco_jax.sharding.terms import Rule, parse, rule
 
 # Timeout for candidates that must not be proven: the right rules take well under 1 s (printed by
@@ -52,6 +52,37 @@ WRONG_CANDIDATES = (
         "(divides N p a)",
     ),
     rule(
+        "every_device_reading_block_0_as_reduce_scatter",
+        "(block_each (all_reduce g N) a N 0)",
+        "(reduce_scatter g a N)",
+        "g:sharded a:axis N:count",
+        "(divides N g a)",
+    ),
+    rule(
+        "own_block_on_another_axis_as_reduce_scatter",
+        "(own_block (all_reduce g N) b N)",
+        "(reduce_scatter g a N)",
+        "g:sharded a:axis b:axis N:count",
+        "(distinct a b)",
+        "(divides N g a)",
+        "(divides N g b)",
+    ),
+    rule(
+        "own_block_through_any_function",
+        "(own_block (map f d) a N)",
+        "(map f (own_block d a N))",
+        "f:fn d:sharded a:axis N:count",
+        "(divides N d a)",
+    ),
+    rule(
+        "grouped_all_gather_over_a_flat_buffer",
+        "(concat_each (all_gather d a N) (all_gather e a N) a)",
+        "(all_gather (concat_each d e a) a N)",
+        "d:sharded e:sharded a:axis b:axis N:count",
+        "(distinct a b)",
+        "(same_size d e b)",
+    ),
+    rule(
         "combine_after_partition_without_divisibility",
         "(combine (partition x a N) a N)",
         "x",
@@ -64,7 +95,7 @@ def _by_name(name: str) -> Rule:
     return next(r for r in rules.RULES if r.name == name)
 
 
-def test_at_least_the_five_rules_of_the_issue_exist():
+def test_at_least_the_five_rules_of_the_issue_exist_and_those_the_hook_applies():
     names = {r.name for r in rules.RULES}
     assert {
         "all_reduce_as_reduce_scatter_all_gather",
@@ -73,6 +104,7 @@ def test_at_least_the_five_rules_of_the_issue_exist():
         "grouped_reduce_scatter",
         "sharded_weight_update",
     } <= names
+    assert set(apply.RULES) <= names
 
 
 @pytest.mark.parametrize("r", rules.RULES, ids=lambda r: r.name)

@@ -57,9 +57,12 @@ def test_a_sharded_bucket_gathers_after_its_update_and_updates_one_nth(flax_step
     assert simulate(graph, plain, estimator, line) is not None
     gathers = [(a, b) for lane, label, a, b in split.events if label.startswith("all-gather")]
     assert len(gathers) == sum(1 for b in shard.buckets if b[0] in shard.sharded)
-    # XLA:CPU keeps the all-reduce (no reduce-scatter): the buckets cost what they did.
-    reduces = lambda sim: sorted(b - a for _, label, a, b in sim.events if label.startswith("all-reduce"))  # noqa: E731
-    assert reduces(split) == pytest.approx(reduces(replicated))
+    # XLA:CPU reduce-scatters a sharded bucket (the hook's rule, `sharding.apply`): one
+    # reduce-scatter per sharded bucket, at the line's scatter cost; the others stay all-reduces.
+    assert graph.backend.forms_reduce_scatter
+    scatters = sorted(b - a for _, label, a, b in split.events if label.startswith("reduce-scatter"))
+    per_scatter = [sum(graph.transfer_bytes[g] for g in b) for b in shard.buckets if b[0] in shard.sharded]
+    assert scatters == pytest.approx(sorted(line.collective_time_us("reduce-scatter", n) for n in per_scatter))
     gathered = sum(graph.gradients[g].nbytes for g in shard.sharded)
     per_bucket = [sum(graph.gradients[g].nbytes for g in b) for b in shard.buckets if b[0] in shard.sharded]
     assert sum(per_bucket) == gathered
@@ -109,7 +112,9 @@ def test_a_simulated_gpu_cluster_reduce_scatters_on_xla_cpus_graph(flax_step):
         collective_time_us(cluster, "reduce-scatter", sum(graph.gradients[g].nbytes for g in b)) for b in buckets
     ]
     assert scatters == pytest.approx(sorted(expected))
-    plain = simulate(graph, shard, estimator, AllReduceCostModel(1e-3, 20.0), record=True)
+    # A backend that neither forms reduce-scatters nor applies the rule keeps the all-reduce.
+    keeps = dataclasses.replace(graph, backend=dataclasses.replace(graph.backend, hook_rules=frozenset()))
+    plain = simulate(keeps, shard, estimator, AllReduceCostModel(1e-3, 20.0), record=True)
     assert not [e for e in plain.events if e[1].startswith("reduce-scatter")]
 
 

@@ -113,12 +113,15 @@ def test_compiled_module_all_gathers_the_parameters_and_holds_an_eighth_of_the_s
     with pytest.warns(_plan.PlanWarning, match="no plan"):
         text = sharded.executable(params, opt_state, *batches[0]).as_text()
     counts = update.collectives(text)
-    # XLA:CPU: the gradients are all-reduced (no reduce-scatter creator in its pipeline), each
-    # device slices its part for the update, the new parameter slices are all-gathered.
-    assert counts["all-gather"] == 5  # the five parameters with a dimension 8 divides
-    assert counts["all-reduce"] >= 1 and counts["dynamic-slice"] >= 10
+    # XLA:CPU partitions into an all-reduce that each device slices and one all-gather per split
+    # parameter; the hook's rules make the five split gradients one reduce-scatter and the five
+    # new parameters one all-gather (`sharding.apply`; tests/test_rule_rewrite.py).
+    assert counts["reduce-scatter"] == 1 and counts["all-gather"] == 1
+    assert counts["all-reduce"] == 1  # the loss and Dense_2's 4-wide bias, read whole
     report = sharded.last_report.weight_update
     assert report["collectives"]["replicated"]["all-gather"] == 0
+    assert report["collectives"]["sharded"]["reduce-scatter"] == 1
+    assert {a["rule"] for a in sharded.last_report.rules_applied} >= {"own_block_of_all_reduce", "grouped_all_gather"}
 
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(opt_state))
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
@@ -147,9 +150,14 @@ def test_search_phase_on_the_sharded_program_stores_the_layout_and_enactment_reu
     assert memory["sharded"] < memory["replicated"]
     np.testing.assert_allclose(float(out[2]), float(reference[2]), rtol=1e-6)
 
+    # The plan names the rules applied at the hook to the program it runs, and where.
+    scattered = [a for a in plan.rules_applied if a["rule"] == "own_block_of_all_reduce"]
+    assert scattered and all(a["result"].startswith("disco_reduce-scatter") for a in scattered)
+
     enacting = optimize_distributed(search=False, weight_update="sharded", plan_dir=tmp_path, **FAST)(step)
     enacting(params, opt_state, *batches[0])
     assert enacting.last_report.plan == plan.to_json() and enacting.last_report.fingerprint == plan.fingerprint
+    assert [a["rule"] for a in enacting.last_report.rules_applied] == [a["rule"] for a in plan.rules_applied]
 
 
 def test_plans_without_a_weight_update_record_still_load(tmp_path):
@@ -212,7 +220,8 @@ def test_bad_weight_update_values_raise(value):
 
 def test_a_fusion_and_bucketing_plan_is_enacted_on_the_sharded_module(tmp_path):
     """The HLO pass rewrites the re-lowered module: a plan with one all-reduce per gradient, made
-    for the sharded program, is applied and the parameters are still all-gathered."""
+    for the sharded program, is applied (the hook's rules then reduce-scatter each split
+    gradient alone) and the parameters are still all-gathered."""
     step, params, opt_state, batches = flax_adam_step()
     args = (params, opt_state, *batches[0])
     default = step.lower(*args).compile()
@@ -229,9 +238,15 @@ def test_a_fusion_and_bucketing_plan_is_enacted_on_the_sharded_module(tmp_path):
     out = enacting(*args)
     report = enacting.last_report
     assert report.applied and report.fingerprint == graph.fingerprint
-    assert report.default_counts["all-reduce"] == 1 and report.plan_counts["all-reduce"] == len(graph.gradients) > 1
+    # One bucket per gradient: the five split ones are five reduce-scatters, the others all-reduces.
+    assert report.default_counts["all-reduce"] == 1 and report.default_counts["reduce-scatter"] == 1
+    assert report.plan_counts["all-reduce"] + report.plan_counts["reduce-scatter"] == len(graph.gradients) > 1
+    # Each new parameter waits for its own gradient's reduce-scatter: its all-gather stays alone.
     assert update.collectives(enacting.executable(*out[:2], *batches[0]).as_text())["all-gather"] == 5
     np.testing.assert_allclose(float(out[2]), float(reference[2]), rtol=1e-6)
+    scattered = [a for a in report.rules_applied if a["rule"] == "own_block_of_all_reduce"]
+    assert len(scattered) == report.plan_counts["reduce-scatter"] == 5
+    assert report.rules_applied == _compile.rules_applied(graph, per_gradient)
 
 
 def test_static_and_donated_arguments_survive_the_relowering():

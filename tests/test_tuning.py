@@ -243,7 +243,8 @@ def test_every_process_measures_the_candidates_process_0_picks(tmp_path):
     """Two processes: process 0 searches and picks, both compile and time the same candidates
     (collectives: a mismatch would hang or fail the job), and both end with process 0's plan."""
     plan_dir = tmp_path / "plans"
-    result, reports = run_job(plan_dir, search=True)
+    # The replicated update: one program, one plan (the weight-update choice is not this test's).
+    result, reports = run_job(plan_dir, "--weight-update", "replicated", search=True)
     assert result.exit_code == 0, "\n".join(result.outputs)
     p0, p1 = reports[0], reports[1]
     assert p0["searches"] >= 1 and p1["searches"] == 0

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from disco_jax.backends.compiled import CompiledKernel, read_kernels
+from disco_jax.sharding import apply
 
 if TYPE_CHECKING:
     from disco_jax._graph import Graph
@@ -55,6 +56,11 @@ class Backend:
     creates_reduce_scatter: whether the compiler turns an all-reduce whose every user is a
       dynamic-slice into a reduce-scatter after the hook (XLA:GPU's ReduceScatterCreator; the
       sharded weight update's gradients); the simulator costs such a gradient's transfer as one.
+    hook_rules: the proven sharding rules (`sharding.rules` names) the pipeline applies itself to
+      every module it compiles on this backend, at the hook after any plan's rewrite
+      (`sharding.apply.apply_rules`): those the compiler does not apply (XLA:CPU: the
+      reduce-scatter of an all-reduce read as blocks, grouped all-gathers; XLA:GPU: none, it
+      forms reduce-scatters and combines all-gathers itself).
     read_kernels: the kernels of a compiled executable's module text in schedule order, what
       `cost.compiled` costs (`backends.compiled.read_kernels`, which reads XLA:GPU's and XLA:CPU's).
     profile_options: XLA compile options of an executable the profile phase traces, so that every
@@ -80,3 +86,10 @@ class Backend:
     creates_reduce_scatter: bool = False
     read_kernels: Callable[[str], list[CompiledKernel]] = read_kernels
     profile_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    hook_rules: frozenset[str] = frozenset()
+
+    @property
+    def forms_reduce_scatter(self) -> bool:
+        """Whether a sharded update's all-reduce runs as a reduce-scatter on this backend: the
+        compiler forms it, or the pipeline applies the rule that does (once proven)."""
+        return self.creates_reduce_scatter or apply.REDUCE_SCATTER_RULE in (self.hook_rules & apply.proven())

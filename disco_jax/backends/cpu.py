@@ -19,6 +19,7 @@ from disco_jax._graph import ELEMENTWISE, Graph
 from disco_jax._rewrite import Emitter, fused_computation
 from disco_jax._strategy import BUCKET, GROUP, OPAQUE, Strategy, group_exports, kernel_dag
 from disco_jax.backends.base import Backend
+from disco_jax.sharding import apply
 
 # Ops XLA:CPU's elemental emitter generates inside a kLoop fusion.
 FUSIBLE = ELEMENTWISE | frozenset(
@@ -198,4 +199,5 @@ CPU = Backend(
         "JAX_AllReduce_fusion": _disable("fusion"),
         "JAX_default": {},
     },
+    hook_rules=frozenset(apply.RULES),  # XLA:CPU has no reduce-scatter creator, no all-gather combiner
 )

@@ -26,6 +26,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from disco_jax.cost.sharded import scattered_gradients
+
 
 @runtime_checkable
 class AllReduceCost(Protocol):
@@ -59,16 +61,11 @@ def collective_ops(graph) -> dict[int, tuple[str, int]]:
 
 def transfer_bytes(graph) -> list[float]:
     """Per gradient of `graph`, the bytes its all-reduce's transfer counts: its own, or half where
-    the backend will turn the all-reduce into a reduce-scatter (`Backend.creates_reduce_scatter`,
-    and every user of the reduced value a dynamic-slice: the sharded weight update's gradients on
-    XLA:GPU). A ring reduce-scatter sends half of what an all-reduce sends, at the same latency."""
-    scatters = graph.backend.creates_reduce_scatter
-    out = []
-    for g in graph.gradients:
-        users = graph.consumers(g.reduced) if scatters else ()
-        sliced = bool(users) and all(u >= 0 and graph.ops[u].opcode == "dynamic-slice" for u in users)
-        out.append(g.nbytes / 2 if sliced else float(g.nbytes))
-    return out
+    it runs as a reduce-scatter (`cost.sharded.scattered_gradients`: the sharded weight update's
+    gradients, on XLA:GPU and, through the hook's rule, on XLA:CPU). A ring reduce-scatter sends
+    half of what an all-reduce sends, at the same latency."""
+    scattered = scattered_gradients(graph)
+    return [g.nbytes / 2 if g.id in scattered else float(g.nbytes) for g in graph.gradients]
 
 
 # Bytes each device sends per byte of a collective's tensor on N devices (ring algorithms;

@@ -172,5 +172,17 @@ def _comm_us(graph: Graph, st: KernelState, k: int, params: SimulatorParams, all
         tensors = [graph.transfer_bytes[g] for g in members]
         if isinstance(st.keys[k], tuple) and sharded.reduce_scatters(graph, allreduce):
             return collective_time_us(allreduce, "reduce-scatter", sum(tensors))
-        return params.bucket_us(allreduce, tensors)
-    return collective_time_us(allreduce, *graph.collective_ops[next(iter(members))])
+        # Gradients the program slices and the backend reduce-scatters leave the all-reduce for
+        # one reduce-scatter of them all (`cost.sharded.scattered_gradients`).
+        scattered = sharded.scattered_gradients(graph)
+        whole = [t for g, t in zip(members, tensors) if g not in scattered]
+        split = sum(graph.gradients[g].nbytes for g in members if g in scattered)
+        return (params.bucket_us(allreduce, whole) if whole else 0.0) + (
+            collective_time_us(allreduce, "reduce-scatter", split) if split else 0.0
+        )
+    (o,) = members
+    collective, nbytes = graph.collective_ops[o]
+    time_us = collective_time_us(allreduce, collective, nbytes)
+    if o in sharded.grouped_gathers(graph):  # its group's all-gather paid the latency
+        time_us -= collective_time_us(allreduce, collective, 0)
+    return time_us

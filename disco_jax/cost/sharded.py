@@ -5,8 +5,8 @@ it by lowering the step again) changes three things in a data-parallel step, and
 `Strategy.sharded` gradients are simulated with exactly these:
 
 * the gradient's all-reduce becomes a reduce-scatter where the platform forms one
-  (`reduce_scatters`: a simulated GPU cluster's NCCL, or `Backend.creates_reduce_scatter`, XLA:GPU);
-  XLA:CPU keeps the all-reduce and slices its result;
+  (`reduce_scatters`: a simulated GPU cluster's NCCL, or `Backend.forms_reduce_scatter`: XLA:GPU
+  forms it, and on XLA:CPU the pipeline applies the proven rule that does, `sharding.apply`);
 * its update (the gradient's `UpdateRegions.ops`) runs on 1/N of each tensor: a compute kernel
   whose ops all belong to sharded updates costs 1/N of its estimate;
 * the updated parameter is all-gathered: one all-gather per sharded bucket, of the bucket's
@@ -26,6 +26,8 @@ import math
 import re
 import weakref
 from typing import TYPE_CHECKING
+
+from disco_jax.sharding import apply
 
 if TYPE_CHECKING:
     from disco_jax._graph import Graph
@@ -149,17 +151,26 @@ def _parameters(graph: Graph, o: int) -> list[int]:
     return out
 
 
-_REGIONS: dict[int, tuple[weakref.ref, UpdateRegions]] = {}
+_PER_GRAPH: dict[tuple[str, int], tuple[weakref.ref, object]] = {}
 
 
-def regions_of(graph: Graph) -> UpdateRegions:
-    """`update_regions(graph)`, computed once per graph object."""
-    found = _REGIONS.get(id(graph))
-    if found is None or found[0]() is not graph:
-        for key in [key for key, (ref, _) in _REGIONS.items() if ref() is None]:
-            del _REGIONS[key]
-        found = _REGIONS[id(graph)] = (weakref.ref(graph), update_regions(graph))
-    return found[1]
+def _once_per_graph(compute):
+    """`compute(graph)`, computed once per graph object."""
+
+    def cached(graph: Graph):
+        key = (compute.__name__, id(graph))
+        found = _PER_GRAPH.get(key)
+        if found is None or found[0]() is not graph:
+            for stale in [k for k, (ref, _) in _PER_GRAPH.items() if ref() is None]:
+                del _PER_GRAPH[stale]
+            found = _PER_GRAPH[key] = (weakref.ref(graph), compute(graph))
+        return found[1]
+
+    cached.__doc__ = f"`{compute.__name__}(graph)`, computed once per graph object."
+    return cached
+
+
+regions_of = _once_per_graph(update_regions)
 
 
 def reduce_scatters(graph: Graph, allreduce) -> bool:
@@ -167,4 +178,37 @@ def reduce_scatters(graph: Graph, allreduce) -> bool:
     `forms_reduce_scatter` where it models a platform of its own (a simulated GPU cluster, whose
     rows may cost XLA:CPU's module), else the backend that compiles `graph`."""
     own = getattr(allreduce, "forms_reduce_scatter", None)
-    return graph.backend.creates_reduce_scatter if own is None else bool(own)
+    return graph.backend.forms_reduce_scatter if own is None else bool(own)
+
+
+@_once_per_graph
+def scattered_gradients(graph: Graph) -> frozenset[int]:
+    """The gradients of `graph` (a program that already slices them: the sharded update lowered)
+    whose all-reduce runs as a reduce-scatter: where the compiler forms them
+    (`Backend.creates_reduce_scatter`), those whose every user is a dynamic-slice; where the
+    pipeline applies the rule (`Backend.hook_rules`), those it matches (`sharding.apply.scatterable`)."""
+    backend = graph.backend
+    if backend.creates_reduce_scatter:
+        return frozenset(
+            g.id
+            for g in graph.gradients
+            if graph.consumers(g.reduced)
+            and all(u >= 0 and graph.ops[u].opcode == "dynamic-slice" for u in graph.consumers(g.reduced))
+        )
+    if not backend.forms_reduce_scatter:
+        return frozenset()
+    matched = apply.scatterable(graph.module)
+    return frozenset(g.id for g in graph.gradients if g.result_name in matched)
+
+
+@_once_per_graph
+def grouped_gathers(graph: Graph) -> frozenset[int]:
+    """The all-gathers of `graph` the hook groups with an earlier one under XLA's plan
+    (`Graph.rules_applied`, `grouped_all_gather`): one all-gather pays the group's latency, these
+    only their bytes. Taken from XLA's plan for every strategy (a plan with other buckets may
+    group them otherwise)."""
+    out = set()
+    for a in graph.rules_applied:
+        if a["rule"] == apply.GROUPED_ALL_GATHER_RULE:
+            out.update(graph.entry_values[name] for name in a["at"][1:] if name in graph.entry_values)
+    return frozenset(out)

@@ -43,6 +43,13 @@ AXIOMS: tuple[Rule, ...] = (
         "d:sharded a:axis n:count i:device j:device",
         "(divides n d a)",
     ),
+    rule(
+        "own_block_shards",
+        "(shard (own_block d a n) i)",
+        "(block (shard d i) a n i)",
+        "d:sharded a:axis n:count i:device",
+        "(divides n d a)",
+    ),
     # The collectives, defined from the parallel operators.
     rule("all_reduce_def", "(all_reduce d n)", "(replicate (reduce d n) n)", "d:sharded n:count"),
     rule(
@@ -106,6 +113,15 @@ AXIOMS: tuple[Rule, ...] = (
         "(reduce (concat_each d e b) n)",
         "(concat (reduce d n) (reduce e n) b)",
         "d:sharded e:sharded n:count b:axis",
+    ),
+    # Combining devices' arrays along one axis commutes with concatenating them along another.
+    rule(
+        "combine_concat",
+        "(combine (concat_each d e b) a n)",
+        "(concat (combine d a n) (combine e a n) b)",
+        "d:sharded e:sharded a:axis b:axis n:count",
+        "(distinct a b)",
+        "(same_size d e a)",
     ),
     rule("reduce_shape", "(shape (reduce d n))", "(shape (shard d 0))", "d:sharded n:count"),
     rule(

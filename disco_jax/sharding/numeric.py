@@ -96,6 +96,7 @@ SEMANTICS: dict[str, Callable] = {
     "concat_each": lambda d, e, b: tuple(np.concatenate([x, y], axis=b) for x, y in zip(d, e, strict=True)),
     "block": lambda x, a, n, i: _blocks(x, a, n)[i % n],
     "block_each": lambda d, a, n, i: tuple(_blocks(x, a, n)[i % n] for x in d),
+    "own_block": lambda d, a, n: tuple(_blocks(x, a, n)[i] for i, x in enumerate(_devices(d, n))),
     "shard": lambda d, i: d[i % len(d)],
     "shape": lambda x: x.shape,
     "size": lambda x, a: x.shape[a],

@@ -63,6 +63,48 @@ RULES: tuple[Rule, ...] = (
         "Concatenating along the scatter axis itself (a flat buffer) does not hold.",
     ),
     rule(
+        "own_block_of_all_reduce",
+        "(own_block (all_reduce g N) a N)",
+        "(reduce_scatter g a N)",
+        "g:sharded a:axis N:count",
+        "(divides N g a)",
+        doc="Each device reading only block i (along a) of an all-reduce's result, i its own position in "
+        "the replica group, reads what a reduce-scatter along a gives it: the all-reduce becomes one "
+        "(XLA's ReduceScatterCreator; applied at the hook where the compiler has none).",
+    ),
+    rule(
+        "own_block_through_elementwise",
+        "(own_block (map f d) a N)",
+        "(map f (own_block d a N))",
+        "f:fn d:sharded a:axis N:count",
+        "(elementwise f)",
+        "(divides N d a)",
+        doc="Taking each device's own block after an elementwise f equals applying f to the block: the "
+        "slice moves up to the value the collective produced.",
+    ),
+    rule(
+        "own_block_through_elementwise2",
+        "(own_block (map2 u d e) a N)",
+        "(map2 u (own_block d a N) (own_block e a N))",
+        "u:fn2 d:sharded e:sharded a:axis N:count",
+        "(elementwise u)",
+        "(same_shape d e)",
+        "(divides N d a)",
+        doc="The same for a binary elementwise u: both operands are sliced to the device's own block.",
+    ),
+    rule(
+        "grouped_all_gather",
+        "(concat_each (all_gather d a N) (all_gather e a N) b)",
+        "(all_gather (concat_each d e b) a N)",
+        "d:sharded e:sharded a:axis b:axis N:count",
+        "(distinct a b)",
+        "(same_size d e a)",
+        doc="Two all-gathers along axis a become one of the buffer that concatenates the devices' arrays "
+        "along another axis b. Layout: view each device's array as [1, k_j], concatenate along axis 1, "
+        "all-gather along axis 0 into [N, sum k_j]; columns j are then the all-gather of array j. "
+        "Concatenating along the gathered axis itself does not hold.",
+    ),
+    rule(
         "sharded_optimizer_state",
         "(partition (apply2 u s (reduce g N)) a N)",
         "(map2 u (partition s a N) (reduce_scatter g a N))",

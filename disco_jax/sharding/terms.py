@@ -38,6 +38,11 @@ OPERATORS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "map2": (("fn2", "sharded", "sharded"), "sharded", "every device applies u to its own pair of arrays"),
     "concat": (("tensor", "tensor", "axis"), "tensor", "concatenation of two tensors along the axis"),
     "concat_each": (("sharded", "sharded", "axis"), "sharded", "every device concatenates its two arrays"),
+    "own_block": (
+        ("sharded", "axis", "count"),
+        "sharded",
+        "device i takes block i of its own array (a dynamic-slice at offset i * size / N, i its id)",
+    ),
     # Used by the axioms only: a tensor's blocks and a device's array.
     "block": (("tensor", "axis", "count", "device"), "tensor", "block i (mod N) of N equal blocks along the axis"),
     "block_each": (("sharded", "axis", "count", "device"), "sharded", "every device takes block i of its array"),
