@@ -10,6 +10,8 @@ These are the pipeline's hands (and the evaluation harness's, through the same p
 * `compile_program` is the one path every strategy of a step takes to a `CompiledProgram`:
   compile options (XLA enacts it) or the rewriter (we enact it), timed, and marked not enacted,
   with the reason, where neither works;
+* `rank_by_compiled_cost` orders a search's best candidates, and XLA's own program, by what
+  their compiled programs cost (`cost.compiled`): how a plan is chosen wherever one is chosen;
 * `step_devices` lists the devices a call's arrays live on;
 * `capture` turns a lowered step into a `Captured` program: the graph and XLA's own executable.
 """
@@ -30,6 +32,7 @@ from disco_jax._graph import Graph, build_graph
 from disco_jax._plan import MachineKey
 from disco_jax._strategy import Strategy
 from disco_jax.backends import Backend
+from disco_jax.cost.compiled import CompiledCost, compiled_cost
 
 
 def donated(lowered: jax.stages.Lowered) -> list[bool]:
@@ -247,6 +250,69 @@ class Programs:
             self._by_key[key] = compile_program(self.lowered, self.graph, name, strategy, compiler_options)
         found = self._by_key[key]
         return found if found.name == name else dataclasses.replace(found, name=name, same_program_as=found.name)
+
+    def __iter__(self):
+        """Every program compiled so far, under the name it was first compiled under."""
+        return iter(list(self._by_key.values()))
+
+
+RANKED_CANDIDATES = 4  # the search's best distinct candidates compiled and ranked by compiled cost
+XLA_PROGRAM = "XLA's program"  # the label of XLA's own program among ranked candidates
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranked:
+    """One candidate of `rank_by_compiled_cost`: its label, strategy (None for XLA's own
+    program), the graph simulator's figure for it (what proposed it), its compiled program, and
+    that program's cost by the compiled-program model (None where it was not enacted)."""
+
+    label: str
+    strategy: Strategy | None
+    graph_us: float | None
+    program: CompiledProgram
+    cost: CompiledCost | None
+
+    @property
+    def compiled_us(self) -> float | None:
+        return None if self.cost is None else self.cost.iteration_us
+
+    def to_json(self) -> dict:
+        return {
+            "label": self.label,
+            "graph_simulated_us": self.graph_us,
+            "compiled_us": self.compiled_us,
+            "program": self.program.to_json(),
+            "compiled_cost": None if self.cost is None else self.cost.to_json(),
+        }
+
+
+def rank_by_compiled_cost(
+    default: CompiledProgram,
+    candidates: list[tuple[Strategy, float | None]],
+    compile: Any,
+    backend: Backend,
+    estimator: Any,
+    allreduce: Any,
+    *,
+    params: Any = None,
+    default_graph_us: float | None = None,
+) -> list[Ranked]:
+    """XLA's own program (`default`, compiled) and each candidate (a strategy with the graph
+    simulator's figure; `compile(label, strategy)` -> `CompiledProgram`) costed by the
+    compiled-program model (`cost.compiled_cost` with `estimator`, `allreduce` and the
+    simulator's `params`), cheapest first; candidates that were not enacted come last. XLA's
+    program is always among them, so a plan ranks first only when its compiled cost beats
+    XLA's. Candidates are the search's best distinct ones (`SearchResult.top`); one equal to
+    XLA's program compiles to it and ties with it (the stable sort keeps XLA's first)."""
+
+    def costed(program: CompiledProgram) -> CompiledCost | None:
+        return compiled_cost(program.text, backend, estimator, allreduce, params) if program.enacted else None
+
+    ranked = [Ranked(XLA_PROGRAM, None, default_graph_us, default, costed(default))]
+    for i, (strategy, graph_us) in enumerate(candidates):
+        program = compile(f"candidate {i + 1} ({strategy.origin})", strategy)
+        ranked.append(Ranked(program.name, strategy, graph_us, program, costed(program)))
+    return sorted(ranked, key=lambda r: (r.compiled_us is None, r.compiled_us or 0.0))
 
 
 @dataclasses.dataclass
