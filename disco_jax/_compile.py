@@ -364,6 +364,42 @@ class Captured:
         )
 
 
+class CompiledRanking:
+    """The measured search's ranking of a round's candidates (`_tuning.MeasuredSearch.pick`):
+    called with (strategy, simulated us) pairs, it compiles each through the rewriter, ranks
+    them with XLA's own program (`step.default_compiled`) by the compiled-program model with the
+    step's cost model (`rank_by_compiled_cost`), and returns those whose compiled program costs
+    less than XLA's, cheapest first. `rounds`: every ranking, as recorded in the plan."""
+
+    def __init__(self, step: Captured, cost_model: Any):
+        self.step, self.cost_model, self.rounds = step, cost_model, []
+        self.xla = CompiledProgram(XLA_PROGRAM, "compile options", {}, "compiled", step.default_compiled)
+
+    @classmethod
+    def of(cls, step: Captured, cost_model: Any) -> CompiledRanking | None:
+        """A ranking where the step's graph is read before XLA's own fusion
+        (`Backend.decisions_stage`: XLA:GPU), whose groups are then not the kernels XLA compiles;
+        None elsewhere (XLA:CPU: the graph's groups are the executable's kernels)."""
+        return cls(step, cost_model) if step.graph.backend.decisions_stage is not None else None
+
+    def __call__(self, candidates: list[tuple[Strategy, float]]) -> list[tuple[Strategy, float]]:
+        step, model = self.step, self.cost_model
+        ranked = rank_by_compiled_cost(
+            self.xla,
+            candidates,
+            lambda label, s: compile_program(step.lowered, step.graph, label, s, None),
+            step.graph.backend,
+            model.estimator,
+            model.allreduce,
+            params=model.params,
+        )
+        self.rounds.append([r.to_json() for r in ranked])
+        xla_us = self.xla_us = next(r.compiled_us for r in ranked if r.strategy is None)
+        return [
+            (r.strategy, r.graph_us) for r in ranked if r.strategy is not None and (r.compiled_us or xla_us) < xla_us
+        ]
+
+
 def capture_graph(
     lowered: jax.stages.Lowered, backend: Backend, compiler_options: dict | None = None
 ) -> tuple[Graph, Any]:

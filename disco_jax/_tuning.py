@@ -11,6 +11,8 @@ before the search goes on:
          configuration; measured candidates cost what was measured; the next round
          starts from the best measured candidate
 
+On XLA:GPU only candidates that compile below XLA's program are timed (`_compile.CompiledRanking`).
+
 The loop ends when its budget (`TuningConfig`), its rounds or new candidates run out. The
 candidate measured fastest goes to validation (the acceptance rule, `_pipeline.validate`); when
 no candidate measured faster than XLA's plan, XLA's plan is kept with that evidence.
@@ -32,7 +34,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from disco_jax import _distributed, _hlo, _profile, _profiling, _search, _validate, cost
-from disco_jax._compile import Captured, Runner, compile_strategy, compiled_stats
+from disco_jax._compile import Captured, CompiledRanking, Runner, compile_strategy, compiled_stats
 from disco_jax._console import Ui
 from disco_jax._edit import prune
 from disco_jax._graph import Graph
@@ -143,6 +145,7 @@ class Tuned:
     rounds: list[dict]
     stop_reason: str
     seconds: dict[str, float]  # total, and measuring / learning / searching
+    rankings: list[dict] = dataclasses.field(default_factory=list)  # per round, by compiled cost
     reason: str | None = None
     evidence: dict = dataclasses.field(default_factory=dict)
     kernel_times_us: dict[str, float] = dataclasses.field(default_factory=dict)  # measured, by signature
@@ -153,6 +156,7 @@ class Tuned:
             "measured_candidates": [r.to_json() for r in self.records],
             "recalibration": self.recalibration,
             "tuning": {"rounds": self.rounds, "stop_reason": self.stop_reason, "seconds": self.seconds},
+            **({"compiled_ranking": self.rankings} if self.rankings else {}),
         }
 
 
@@ -202,8 +206,8 @@ class MeasuredSearch:
     """Process 0's side of the loop: which candidate to time next (`next`), what was measured
     (`record`), what the model learns from it (`learn`), and the outcome (`finish`).
 
-    `first` is the search phase's own search (round 0). `points` are configurations measured
-    before the loop, as (strategy, measured ratio to XLA's plan, label)."""
+    `first` is the search phase's own search (round 0); `points`, configurations measured before
+    the loop (strategy, measured ratio to XLA's plan, label); `rank`, a `_compile.CompiledRanking`."""
 
     def __init__(
         self,
@@ -214,9 +218,10 @@ class MeasuredSearch:
         tuning: TuningConfig,
         points: Sequence[tuple[Strategy, float, str]] = (),
         ui: Ui | None = None,
+        rank: CompiledRanking | None = None,
     ):
         self.graph, self.cost_model, self.search, self.tuning = graph, cost_model, search, tuning
-        self.points, self.ui = list(points), ui or Ui(False)
+        self.points, self.ui, self.rank = list(points), ui or Ui(False), rank
         self.default = xla_default(graph)
         self.started = time.perf_counter()
         self.budget_s = tuning.loop_budget_s(search)
@@ -252,7 +257,8 @@ class MeasuredSearch:
         """The next round's candidates: the search's cheapest distinct ones (its best first), never
         XLA's plan nor one measured already; with predicted time and ratio to XLA's plan."""
         exclude = set(self.measured) | {self.default.key()}
-        return [(s, c, c / self.default_us) for s, c in result.top(self.tuning.candidates, exclude)]
+        top = result.top(self.tuning.candidates, exclude)
+        return [(s, c, c / self.default_us) for s, c in (self.rank(top) if self.rank and top else top)]
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -363,8 +369,8 @@ class MeasuredSearch:
         stop = self.stop_reason or "ended"
         measured = [r for r in self.records if r.eligible]
         fastest = min(measured, key=lambda r: r.measured_ratio, default=None)
-        seconds = {"total": self.elapsed(), **self.seconds}
-        tuned = Tuned(self.default, self.records, self.recalibration, self.rounds, stop, seconds)
+        seconds, ranked = {"total": self.elapsed(), **self.seconds}, self.rank.rounds if self.rank else []
+        tuned = Tuned(self.default, self.records, self.recalibration, self.rounds, stop, seconds, ranked)
         tuned.kernel_times_us = dict(self.kernel_times_us)
         if fastest is not None and fastest.measured_ratio < 1.0:
             tuned.best = fastest.strategy
@@ -392,11 +398,12 @@ def measured_search(
     scope: str | None = None,
     points: Sequence[tuple[Strategy, float, str]] = (),
     ui: Ui | None = None,
+    rank: CompiledRanking | None = None,
 ) -> Tuned | None:
     """Run the loop with `measure` (`device_measure` on the devices; tests pass their own).
     Process 0 is the one given `first` (its search phase's search): it picks, learns and gets the
     `Tuned`; in a multi-process job (`scope`) the others measure what it broadcasts and get None."""
-    loop = MeasuredSearch(graph, cost_model, first, search, tuning, points, ui) if first is not None else None
+    loop = MeasuredSearch(graph, cost_model, first, search, tuning, points, ui, rank) if first is not None else None
     timeout_s = _distributed.sync_timeout_s() + tuning.loop_budget_s(search) + search.budget_s
     for index in itertools.count():
         strategy = loop.next() if loop is not None else None
@@ -487,7 +494,7 @@ def tune(
     the validation's first look of pairs (at least 6)."""
     tuning = TuningConfig(candidates=candidates, pairs=max(6, validation_pairs // 2))
     points = _profiling.calibration_points(step.graph, cost_model.sources)
-    measure = device_measure(step, default_runner, tuning)
+    measure, rank = device_measure(step, default_runner, tuning), CompiledRanking.of(step, cost_model)
     return measured_search(
-        step.graph, cost_model, first, search, tuning, measure, scope=step.scope, points=points, ui=ui
+        step.graph, cost_model, first, search, tuning, measure, scope=step.scope, points=points, ui=ui, rank=rank
     )

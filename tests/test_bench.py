@@ -1,6 +1,7 @@
 """Every tiny zoo model trains under both data-parallel styles with a plan enacted by the
 decorator, equal to the unmodified step; the bench's rows and report hold together."""
 
+import dataclasses
 import functools
 import json
 import re
@@ -14,7 +15,7 @@ from _hlo_text import module_kernels
 
 from disco_jax import _capture, _compile, _graph, _plan, _validate, backends, optimize_distributed, zoo
 from disco_jax._files import write_json_atomic
-from disco_jax.cost import sharded
+from disco_jax.cost import ChainEstimator, CostModel, sharded
 from disco_jax.eval import baselines, bench, clusters, headroom, report, report_measured, report_text, rows
 
 REPORT = Path(__file__).resolve().parents[1] / "report"
@@ -337,6 +338,24 @@ def test_ranking_keeps_xla_program_when_no_candidate_beats_it_compiled(gpu_mlp):
     assert [r.label for r in ranked][0] == _compile.XLA_PROGRAM and ranked[0].strategy is None
     assert ranked[1].strategy is worse and ranked[1].compiled_us > ranked[0].compiled_us
     assert ranked[1].cost.to_json()["num_collectives"] == len(graph.gradients)
+
+
+def test_measured_search_times_only_candidates_that_compile_below_xla_on_xla_gpu(gpu_mlp, simulated_rows):
+    """The pipeline's measured search on XLA:GPU ranks each round's candidates by compiled cost
+    first (`_compile.CompiledRanking`): one that compiles above XLA's program is not timed, and
+    the ranking is recorded; on XLA:CPU the search's order is kept (no ranking)."""
+    lowered, graph, _, programs = gpu_mlp
+    cluster = clusters.get_cluster("8xH100-NVLink")
+    model = CostModel(ChainEstimator([cluster.kernel_estimator()]), cluster.allreduce_model(), {})
+    xla = programs.compile("JAX_default", None, {}).compiled
+    step = _compile.Captured(lowered, graph, xla, (), {}, [], None)
+    rank = _compile.CompiledRanking.of(step, model)
+    worse = baselines.jax_no_fusion(graph).strategy
+    assert rank([(worse, 1.0)]) == []
+    (ranking,) = rank.rounds
+    assert ranking[0]["label"] == _compile.XLA_PROGRAM and ranking[1]["compiled_us"] > ranking[0]["compiled_us"]
+    cpu_graph = simulated_rows[0]
+    assert _compile.CompiledRanking.of(dataclasses.replace(step, graph=cpu_graph), model) is None
 
 
 def test_a_gpu_row_ranks_a_sharded_update_by_lowering_the_step_again(gpu_mlp):
