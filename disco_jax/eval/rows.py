@@ -19,6 +19,7 @@ Rows live under ``<out>/rows/`` (`row_path`, `load_rows`); `disco_jax.eval.bench
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -444,6 +445,17 @@ def ranked_plan(
     return disco, frozenset() if plan is None else plan.sharded
 
 
+@functools.lru_cache(maxsize=2)
+def _paper_step(name: str, style: str, target: str, config: str) -> tuple:
+    """A model's replicated step for `target`, its abstract arguments and XLA:GPU's executable of
+    it (deviceless): compiled once for every sharded candidate a row ranks."""
+    spec, optimizer = zoo.get_model(name, config), optax.adam(1e-3)
+    mesh = targets.mesh(target, PAPER_DEVICES)
+    args = zoo.abstract_state_and_batch(spec, optimizer, mesh)
+    step = zoo.build_train_step(spec, optimizer, mesh, style)
+    return step, args, step.lower(*args).compile()
+
+
 def sharded_paper_program(
     name: str, style: str, target: str, graph: Graph, gradients: frozenset[int], config: str = "paper"
 ) -> CompiledProgram | None:
@@ -451,17 +463,14 @@ def sharded_paper_program(
     optimizer state of `gradients` (of `graph`, the replicated step's module) sharded over the
     data axis (`sharding.update`), compiled with XLA's defaults (`compile_program`); None where
     the step has no such state."""
-    spec, optimizer = zoo.get_model(name, config), optax.adam(1e-3)
-    mesh = targets.mesh(target, PAPER_DEVICES)
-    args = zoo.abstract_state_and_batch(spec, optimizer, mesh)
-    step = zoo.build_train_step(spec, optimizer, mesh, style)
+    step, args, compiled = _paper_step(name, style, target, config)
     avals = dict(enumerate(jax.tree.leaves(args)))
 
     def leaves(layout):
         leaves_of = choice.gradient_leaves(graph, layout, avals)
         return {i for g in gradients for i in leaves_of.get(g, ())}
 
-    lowered, _, _ = update.relower_positional(step, args, step.lower(*args).compile(), leaves)
+    lowered, _, _ = update.relower_positional(step, args, compiled, leaves)
     return None if lowered is None else compile_program(lowered, graph, "sharded update", None, {})
 
 
