@@ -406,10 +406,14 @@ def ranked_plan(
     `relower` for one that shards updates) and ranked with XLA's own program (`xla`, JAX_default's)
     by compiled cost; the cheapest is disco-jax's figure, every ranked one is recorded."""
 
+    relowered: dict[frozenset[int], CompiledProgram | None] = {}  # one program per sharded set
+
     def compile_candidate(label: str, s: Strategy) -> CompiledProgram:
         if not s.sharded:
             return programs.compile(label, s, None)
-        program = relower(s.sharded) if relower is not None else None
+        if s.sharded not in relowered:  # XLA's plan of the relowered step: fusions and buckets are XLA's
+            relowered[s.sharded] = relower(s.sharded) if relower is not None else None
+        program = relowered[s.sharded]
         if program is None:
             return CompiledProgram(label, "relowered", {}, "not enacted", reason="the step could not be lowered again")
         return dataclasses.replace(program, name=label, enacted_by="relowered (sharded update, XLA's plan)")
