@@ -14,6 +14,8 @@ These are the pipeline's hands (and the evaluation harness's, through the same p
 * `compile_program` is the one path every strategy of a step takes to a `CompiledProgram`:
   compile options (XLA enacts it) or the rewriter (we enact it), timed, and marked not enacted,
   with the reason, where neither works;
+* `rank_by_compiled_cost` orders a search's best candidates, and XLA's own program, by what
+  their compiled programs cost (`cost.compiled`): how a plan is chosen wherever one is chosen;
 * `step_devices` lists the devices a call's arrays live on;
 * `capture` turns a lowered step into a `Captured` program: the graph and XLA's own executable.
 """
@@ -319,6 +321,10 @@ class Programs:
             self._by_key[key] = compile_program(self.lowered, self.graph, name, strategy, compiler_options)
         found = self._by_key[key]
         return found if found.name == name else dataclasses.replace(found, name=name, same_program_as=found.name)
+
+    def __iter__(self):
+        """Every program compiled so far, under the name it was first compiled under."""
+        return iter(list(self._by_key.values()))
 
 
 @dataclasses.dataclass

@@ -72,6 +72,12 @@ def traced_runner(captured: Captured, runner: Runner, strategy: _strategy.Strate
     return captured.runner(compiled, runner.args, runner.kwargs)
 
 
+def kernel_times(captured: Captured, runner: Runner, strategy: _strategy.Strategy, steps: int) -> dict[str, float]:
+    """Traced kernel times of a candidate's executable (`runner`), through `traced_runner`."""
+    traced = traced_runner(captured, runner, strategy)
+    return _profile.measure_kernel_times(traced, (), steps=steps, warmup=1, module_name=captured.module_name)
+
+
 def profile(
     captured: Captured, default_runner: Runner, database: _profile_store.ProfileDatabase, ui: Ui
 ) -> cost.CostModel:

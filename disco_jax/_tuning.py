@@ -11,6 +11,7 @@ before the search goes on:
          configuration; measured candidates cost what was measured; the next round
          starts from the best measured candidate
 
+On XLA:GPU only candidates that compile below XLA's program are timed (`_ranking.CompiledRanking`).
 The loop ends when its budget (`TuningConfig`), its rounds or new candidates run out. The
 candidate measured fastest goes to validation (the acceptance rule, `_pipeline.validate`); when
 no candidate measured faster than XLA's plan, XLA's plan is kept with that evidence.
@@ -31,11 +32,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from disco_jax import _distributed, _hlo, _profile, _profiling, _search, _validate, cost
+from disco_jax import _distributed, _hlo, _profiling, _search, _validate, cost
 from disco_jax._compile import Captured, Runner, compile_strategy, compiled_stats, keeps_plan
 from disco_jax._console import Ui
 from disco_jax._edit import prune
 from disco_jax._graph import Graph
+from disco_jax._ranking import CompiledRanking
 from disco_jax._strategy import Strategy, group_exports, kernel_dag, regroups_only, xla_default
 
 
@@ -145,6 +147,7 @@ class Tuned:
     rounds: list[dict]
     stop_reason: str
     seconds: dict[str, float]  # total, and measuring / learning / searching
+    rankings: list[dict] = dataclasses.field(default_factory=list)  # per round, by compiled cost
     reason: str | None = None
     evidence: dict = dataclasses.field(default_factory=dict)
     kernel_times_us: dict[str, float] = dataclasses.field(default_factory=dict)  # measured, by signature
@@ -155,6 +158,7 @@ class Tuned:
             "measured_candidates": [r.to_json() for r in self.records],
             "recalibration": self.recalibration,
             "tuning": {"rounds": self.rounds, "stop_reason": self.stop_reason, "seconds": self.seconds},
+            **({"compiled_ranking": self.rankings} if self.rankings else {}),
         }
 
 
@@ -204,8 +208,8 @@ class MeasuredSearch:
     """Process 0's side of the loop: which candidate to time next (`next`), what was measured
     (`record`), what the model learns from it (`learn`), and the outcome (`finish`).
 
-    `first` is the search phase's own search (round 0). `points` are configurations measured
-    before the loop, as (strategy, measured ratio to XLA's plan, label)."""
+    `first` is the search phase's own search (round 0); `points`, configurations measured before
+    the loop (strategy, measured ratio to XLA's plan, label); `rank`, a `_ranking.CompiledRanking`."""
 
     def __init__(
         self,
@@ -216,9 +220,10 @@ class MeasuredSearch:
         tuning: TuningConfig,
         points: Sequence[tuple[Strategy, float, str]] = (),
         ui: Ui | None = None,
+        rank: CompiledRanking | None = None,
     ):
         self.graph, self.cost_model, self.search, self.tuning = graph, cost_model, search, tuning
-        self.points, self.ui = list(points), ui or Ui(False)
+        self.points, self.ui, self.rank = list(points), ui or Ui(False), rank
         self.default = xla_default(graph)
         self.started = time.perf_counter()
         self.budget_s = tuning.loop_budget_s(search)
@@ -254,7 +259,8 @@ class MeasuredSearch:
         """The next round's candidates: the search's cheapest distinct ones (its best first), never
         XLA's plan nor one measured already; with predicted time and ratio to XLA's plan."""
         exclude = set(self.measured) | {self.default.key()}
-        return [(s, c, c / self.default_us) for s, c in result.top(self.tuning.candidates, exclude)]
+        top = result.top(self.tuning.candidates, exclude)
+        return [(s, c, c / self.default_us) for s, c in (self.rank(top) if self.rank and top else top)]
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -365,8 +371,8 @@ class MeasuredSearch:
         stop = self.stop_reason or "ended"
         measured = [r for r in self.records if r.eligible]
         fastest = min(measured, key=lambda r: r.measured_ratio, default=None)
-        seconds = {"total": self.elapsed(), **self.seconds}
-        tuned = Tuned(self.default, self.records, self.recalibration, self.rounds, stop, seconds)
+        seconds, ranked = {"total": self.elapsed(), **self.seconds}, self.rank.rounds if self.rank else []
+        tuned = Tuned(self.default, self.records, self.recalibration, self.rounds, stop, seconds, ranked)
         tuned.kernel_times_us = dict(self.kernel_times_us)
         if fastest is not None and fastest.measured_ratio < 1.0:
             tuned.best = fastest.strategy
@@ -394,11 +400,12 @@ def measured_search(
     scope: str | None = None,
     points: Sequence[tuple[Strategy, float, str]] = (),
     ui: Ui | None = None,
+    rank: CompiledRanking | None = None,
 ) -> Tuned | None:
     """Run the loop with `measure` (`device_measure` on the devices; tests pass their own).
     Process 0 is the one given `first` (its search phase's search): it picks, learns and gets the
     `Tuned`; in a multi-process job (`scope`) the others measure what it broadcasts and get None."""
-    loop = MeasuredSearch(graph, cost_model, first, search, tuning, points, ui) if first is not None else None
+    loop = MeasuredSearch(graph, cost_model, first, search, tuning, points, ui, rank) if first is not None else None
     timeout_s = _distributed.sync_timeout_s() + tuning.loop_budget_s(search) + search.budget_s
     for index in itertools.count():
         strategy = loop.next() if loop is not None else None
@@ -454,8 +461,7 @@ def device_measure(step: Captured, default_runner: Runner, tuning: TuningConfig)
 
     def measure(strategy: Strategy) -> Measurement:
         index = next(count)
-        compiled, _ = compile_strategy(step.lowered, graph, strategy)
-        runner = step.runner(compiled)
+        runner = step.runner(compile_strategy(step.lowered, graph, strategy)[0])
         outputs = step.output_check.compare(
             runner(),
             bitwise=regroups_only(graph, strategy),
@@ -465,16 +471,10 @@ def device_measure(step: Captured, default_runner: Runner, tuning: TuningConfig)
         if step.scope is not None:  # judged by the slowest process, as validation does
             ratios = _distributed.slowest_pairs(f"{step.scope}/tuning/{index}/timing")(timing.ratios)
             timing = _validate.summarize([timing.default_us], [timing.plan_us], ratios)
-        times = _profile.measure_kernel_times(
-            _profiling.traced_runner(step, runner, strategy),
-            (),
-            steps=tuning.kernel_steps,
-            warmup=1,
-            module_name=step.module_name,
-        )
+        times = _profiling.kernel_times(step, runner, strategy, steps=tuning.kernel_steps)
         names = kernel_members(graph, strategy, graph.backend.rewriter.rewrite(graph, strategy))
         kernels = {names[n]: t for n, t in times.items() if n in names}
-        counts = compiled_stats(compiled.as_text())
+        counts = compiled_stats(runner.as_text())
         return Measurement(timing, kernels, counts["all-reduce"], outputs, keeps_plan(counts, graph, strategy))
 
     return measure
@@ -494,7 +494,7 @@ def tune(
     the validation's first look of pairs (at least 6)."""
     tuning = TuningConfig(candidates=candidates, pairs=max(6, validation_pairs // 2))
     points = _profiling.calibration_points(step.graph, cost_model.sources)
-    measure = device_measure(step, default_runner, tuning)
+    measure, rank = device_measure(step, default_runner, tuning), CompiledRanking.of(step, cost_model)
     return measured_search(
-        step.graph, cost_model, first, search, tuning, measure, scope=step.scope, points=points, ui=ui
+        step.graph, cost_model, first, search, tuning, measure, scope=step.scope, points=points, ui=ui, rank=rank
     )

@@ -1,6 +1,7 @@
 """Every tiny zoo model trains under both data-parallel styles with a plan enacted by the
 decorator, equal to the unmodified step; the bench's rows and report hold together."""
 
+import dataclasses
 import functools
 import json
 import re
@@ -10,10 +11,11 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _hlo_text import module_kernels
 
-from disco_jax import _capture, _compile, _graph, _plan, _validate, backends, optimize_distributed, targets, zoo
+from disco_jax import _capture, _compile, _graph, _plan, _ranking, _validate, backends, optimize_distributed, zoo
 from disco_jax._files import write_json_atomic
-from disco_jax.cost import sharded
+from disco_jax.cost import ChainEstimator, CostModel, sharded
 from disco_jax.eval import baselines, bench, clusters, headroom, report, report_measured, report_text, rows
 
 REPORT = Path(__file__).resolve().parents[1] / "report"
@@ -264,65 +266,121 @@ def test_measured_rows_are_told_against_one_reference_with_intervals():
 
 
 @pytest.fixture(scope="module")
-def gpu_mlp():
-    """The tiny MLP's Adam step lowered for 8 H100s (deviceless), captured, with its compiled
-    programs, which the GPU rows below share (as one target's rows do in the bench)."""
-    lowered = zoo.lower_abstract(zoo.get_model("mlp", "tiny"), optax.adam(1e-3), targets.mesh("h100-sxm", 8), "jit")
-    graph, compiled = _compile.capture_graph(lowered, backends.GPU)
-    return lowered, graph, compiled, _compile.Programs(lowered, graph)
+def gpu_mlp(xla_gpu_zoo):
+    """The tiny MLP's Adam step lowered for 8 H100s (deviceless) and captured (the session's
+    `conftest.xla_gpu_zoo`), with its compiled programs, which the GPU rows below share (as one
+    target's rows do in the bench)."""
+    lowered, graph, text = xla_gpu_zoo("mlp")
+    return lowered, graph, text, _compile.Programs(lowered, graph)
 
 
-def test_gpu_cluster_row_is_costed_on_the_program_xla_gpu_compiled(gpu_mlp):
+def test_gpu_cluster_row_costs_every_strategy_on_the_program_xla_gpu_compiled(gpu_mlp):
     """A cluster row on XLA:GPU's module (deviceless, H100 target): every baseline compiled as
-    XLA:GPU enacts it (JAX_default: XLA:GPU's own program), and disco-jax's plan enacted, compiled
-    and simulated as compiled."""
-    lowered, graph, compiled, programs = gpu_mlp
+    XLA:GPU enacts it (JAX_default: XLA:GPU's own program) and costed by the compiled-program
+    model, kernel for kernel of its module; disco-jax's candidates compiled and ranked with XLA's
+    program by compiled cost, the cheapest taken; FO from the baselines' compiled costs."""
+    lowered, graph, text, programs = gpu_mlp
     cluster = clusters.get_cluster("8xH100-NVLink")
     assert cluster.target == "h100-sxm" and clusters.get_cluster("clusterA-12x1080Ti").target is None
     row = rows.simulated_row(graph, cluster, budget_s=1.0, lowered=lowered, programs=programs)
-    xla_allreduces = _compile.compiled_stats(compiled.as_text())["all-reduce"]
+    assert row["cost_model"] == rows.COMPILED_MODEL and "not_compiled" not in row
+    xla_allreduces = _compile.compiled_stats(text)["all-reduce"]
     assert row["strategies"]["JAX_default"]["buckets"] == len(graph.xla_buckets) == xla_allreduces
-    # Every baseline compiled as XLA:GPU enacts it; JAX_default is XLA's own program.
-    for name in rows.BASELINE_ORDER:
-        program = row["strategies"][name]["program"]
+    texts = {p.name: p.text for p in programs}
+    for name in rows.STRATEGY_ORDER:
+        strategy = row["strategies"][name]
+        program = strategy["program"]
         assert program["status"] in _compile.ENACTED and program["compiled"]["fusion"] > 0, name
-        assert program["enacted_by"] == ("rewrite" if name in ("PyTorch_DDP", "Horovod") else "compile options")
+        if name in rows.BASELINE_ORDER:
+            assert program["enacted_by"] == ("rewrite" if name in ("PyTorch_DDP", "Horovod") else "compile options")
+        # The figure is the compiled program's cost: every kernel of its module, and nothing else.
+        compute, collectives = module_kernels(texts[program["same_program_as"] or program["name"]])
+        figure = strategy["simulated"]
+        assert strategy["cost_model"] == rows.COMPILED_MODEL, name
+        assert (figure["num_kernels"], figure["num_collectives"]) == (compute, len(collectives)), name
+        assert sum(figure["costed_by"].values()) == compute + len(collectives)
+        assert figure["costed_by"]["collective model"] == len(collectives)
+        assert row["time_us"][name] == figure["iteration_us"] > 0
+        assert strategy["graph_simulated"]["iteration_us"] > 0  # the search's model, kept beside it
     default = row["strategies"]["JAX_default"]["program"]
     assert default["compiler_options"] == {} and default["compiled"]["all-reduce"] == xla_allreduces
     assert row["strategies"]["JAX_no_fusion"]["program"]["compiled"]["multi_op_loop_fusions"] == 0
+    # disco-jax: XLA's program among its ranked candidates, the cheapest compiled taken.
     disco = row["strategies"][rows.DISCO]
-    enacted = disco["enacted"]
-    assert enacted["status"] == "rewritten" and enacted["enacted_by"] == "rewrite"
-    assert enacted["compiled"]["all-reduce"] == enacted["planned_buckets"] == enacted["compiled_buckets"]
-    assert enacted["simulated"] is not None and disco["simulated"] == enacted["simulated"]
-    assert "searched" in disco
-    assert row["time_us"][rows.DISCO] == enacted["simulated"]["iteration_us"]
+    ranked = disco["ranked"]
+    assert ranked[0]["label"] == disco["chosen"] and len(ranked) >= 2
+    assert _ranking.XLA_PROGRAM in [r["label"] for r in ranked]
+    compiled_us = [r["compiled_us"] for r in ranked if r["compiled_us"] is not None]
+    assert compiled_us == sorted(compiled_us) and row["time_us"][rows.DISCO] == compiled_us[0]
+    assert row["time_us"][rows.DISCO] <= row["time_us"]["JAX_default"]
+    assert all(r["graph_simulated_us"] is not None for r in ranked)
+    # FO: the baselines' compiled bounds only.
+    assert row["fo_us"] == min(row["strategies"][b]["simulated"]["full_overlap_us"] for b in rows.BASELINE_ORDER)
     json.dumps(row)
 
 
-def test_a_gpu_row_enacts_a_sharded_update_by_lowering_the_step_again(gpu_mlp):
-    """The search may shard weight updates (`Strategy.sharded`); a GPU row then costs the step
-    lowered again with that state sharded, as XLA:GPU compiles it, against the best plan that
-    shards nothing, and reports the optimizer-state bytes per device of what it took."""
+def test_ranking_keeps_xla_program_when_no_candidate_beats_it_compiled(gpu_mlp):
+    """`rank_by_compiled_cost`: a candidate the graph simulator rates above XLA's plan but whose
+    compiled program costs more (the unfused graph, one all-reduce per gradient) ranks below
+    XLA's own program, which is then what is chosen."""
+    lowered, graph, _, programs = gpu_mlp
+    cluster = clusters.get_cluster("8xH100-NVLink")
+    xla = programs.compile("JAX_default", None, {})
+    worse = baselines.jax_no_fusion(graph).strategy
+    ranked = _ranking.rank_by_compiled_cost(
+        xla,
+        [(worse, 1.0)],  # a graph figure that would win on the graph
+        lambda label, s: programs.compile(label, s, None),
+        backends.GPU,
+        cluster.kernel_estimator(),
+        cluster.allreduce_model(),
+    )
+    assert [r.label for r in ranked][0] == _ranking.XLA_PROGRAM and ranked[0].strategy is None
+    assert ranked[1].strategy is worse and ranked[1].compiled_us > ranked[0].compiled_us
+    assert ranked[1].cost.to_json()["num_collectives"] == len(graph.gradients)
+
+
+def test_measured_search_times_only_candidates_that_compile_below_xla_on_xla_gpu(gpu_mlp, simulated_rows):
+    """The pipeline's measured search on XLA:GPU ranks each round's candidates by compiled cost
+    first (`_ranking.CompiledRanking`): one that compiles above XLA's program is not timed, and
+    the ranking is recorded; on XLA:CPU the search's order is kept (no ranking)."""
+    lowered, graph, _, programs = gpu_mlp
+    cluster = clusters.get_cluster("8xH100-NVLink")
+    model = CostModel(ChainEstimator([cluster.kernel_estimator()]), cluster.allreduce_model(), {})
+    xla = programs.compile("JAX_default", None, {}).compiled
+    step = _compile.Captured(lowered, graph, xla, (), {}, [], None)
+    rank = _ranking.CompiledRanking.of(step, model)
+    worse = baselines.jax_no_fusion(graph).strategy
+    assert rank([(worse, 1.0)]) == []
+    (ranking,) = rank.rounds
+    assert ranking[0]["label"] == _ranking.XLA_PROGRAM and ranking[1]["compiled_us"] > ranking[0]["compiled_us"]
+    cpu_graph = simulated_rows[0]
+    assert _ranking.CompiledRanking.of(dataclasses.replace(step, graph=cpu_graph), model) is None
+
+
+def test_a_gpu_row_ranks_a_sharded_update_by_lowering_the_step_again(gpu_mlp):
+    """The search may shard weight updates (`Strategy.sharded`); a GPU row compiles such a
+    candidate as the step lowered again with that state sharded (XLA:GPU's own program of it),
+    and reports the optimizer-state bytes per device of what it took."""
     lowered, graph, _, programs = gpu_mlp
     shardable = sharded.regions_of(graph).shardable
     relower = functools.partial(rows.sharded_paper_program, "mlp", "jit", "h100-sxm", graph, config="tiny")
     program = relower(shardable)
-    collectives = {c for c, _ in program.collective_ops.values()}
-    assert "all-gather" in collectives  # the updated parameters, gathered
-    assert sum(program.transfer_bytes) < sum(graph.transfer_bytes)  # gradients reduce-scattered
+    assert program.enacted and program.compiler_options == {}
+    opcodes = {k.collective for k in backends.GPU.read_kernels(program.text) if k.is_collective}
+    assert "all-gather" in opcodes  # the updated parameters, gathered
     row = rows.simulated_row(
         graph, clusters.get_cluster("8xH100-NVLink"), budget_s=1.0, lowered=lowered, relower=relower, programs=programs
     )
     disco, update = row["strategies"][rows.DISCO], row["weight_update"]
     assert update["shardable_gradients"] == len(shardable) > 0
     state = update["state_bytes_per_device"]
-    if disco["enacted"]["sharded"]:
-        assert disco["enacted"]["status"].startswith("sharded update") and state[rows.DISCO] < state["replicated"]
-        assert update["sharded_gradients"] == disco["sharded_gradients"] > 0
+    if disco["sharded_gradients"]:
+        assert disco["program"]["enacted_by"].startswith("relowered") and state[rows.DISCO] < state["replicated"]
+        assert update["sharded_gradients"] == disco["sharded_gradients"]
     else:
         assert state[rows.DISCO] == state["replicated"] and update["sharded_gradients"] == 0
-    assert row["time_us"][rows.DISCO] == disco["enacted"]["simulated"]["iteration_us"]
+    assert row["time_us"][rows.DISCO] == disco["ranked"][0]["compiled_us"]
     json.dumps(row)
 
 

@@ -9,51 +9,12 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from _hlo_text import COLLECTIVES, module_kernels
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from disco_jax import _profile, backends, cost, targets, zoo
 from disco_jax.eval import clusters, gpus
-
-FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all"}
-COLLECTIVES = {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"}
-
-
-def _entry_instructions(text: str) -> list[tuple[str, str]]:
-    """(name, opcode) of every instruction of the ENTRY computation, read from the text here
-    without the library's parser: the shape after ' = ' is a tuple in parentheses or one token."""
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("ENTRY"))
-    found = []
-    for line in lines[start + 1 :]:
-        if line.strip() == "}":
-            break
-        name, rest = line.strip().removeprefix("ROOT ").split(" = ", 1)
-        if rest.startswith("("):
-            depth, end = 0, 0
-            while end == 0 or depth:
-                depth += {"(": 1, ")": -1}.get(rest[end], 0)
-                end += 1
-            rest = rest[end:]
-        else:
-            rest = rest.split(" ", 1)[1]
-        found.append((name.lstrip("%"), rest.strip().split("(", 1)[0]))
-    return found
-
-
-def _module_kernels(text: str) -> tuple[int, list[tuple[str, str]]]:
-    """The module's compute kernels (every entry instruction that is not free, not a collective
-    and not the done half of an async pair) and its collectives (name, opcode), counted here."""
-    compute, collectives = 0, []
-    for name, opcode in _entry_instructions(text):
-        if opcode in FREE or opcode.endswith("-done"):
-            continue
-        if opcode.removesuffix("-start") in COLLECTIVES or opcode == "async-start":
-            collectives.append((name, opcode))
-        else:
-            compute += 1
-    return compute, collectives
-
 
 H100_ROOFLINE = gpus.RooflineEstimator(gpus.H100_SXM)
 H100_COLLECTIVES = clusters.get_cluster("8xH100-NVLink").allreduce_model()
@@ -62,7 +23,7 @@ H100_COLLECTIVES = clusters.get_cluster("8xH100-NVLink").allreduce_model()
 @pytest.mark.parametrize("model", sorted(zoo.MODELS))
 def test_every_kernel_and_collective_of_xla_gpu_program_is_costed_once(model, xla_gpu_zoo):
     text = xla_gpu_zoo(model)[2]
-    compute, collectives = _module_kernels(text)
+    compute, collectives = module_kernels(text)
     program = cost.compiled_program(text, backends.GPU)
     costed = cost.cost_program(program, H100_ROOFLINE, H100_COLLECTIVES)
     record = costed.to_json()
@@ -200,7 +161,7 @@ def test_xla_cpu_program_costed_by_its_profiled_kernel_times():
     step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(), "jit")
     compiled = step.lower(state, batch).compile()
     text = compiled.as_text()
-    compute, collectives = _module_kernels(text)
+    compute, collectives = module_kernels(text)
     times = _profile.measure_kernel_times(compiled, (state, batch), steps=2, warmup=1)
     program = cost.compiled_program(text, backends.CPU)
     table = cost.measured_table(program, times)

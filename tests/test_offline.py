@@ -11,6 +11,7 @@ from disco_jax import (
     _graph,
     _pipeline,
     _plan,
+    _ranking,
     _strategy,
     _validate,
     backends,
@@ -46,6 +47,13 @@ def test_plan_for_8_h100s_is_stored_under_the_real_machines_key(h100_step, tmp_p
     assert plan.measured == {}
     assert plan.use_default or "not measured" in plan.reason
     assert plan.search["offline"]["cluster"]["target"] == "h100-sxm"
+    # Chosen by compiled cost among the search's best candidates and XLA's own program.
+    ranked = plan.search["offline"]["ranked"]
+    assert _ranking.XLA_PROGRAM in [r["label"] for r in ranked] and len(ranked) >= 2
+    assert plan.search["offline"]["chosen"] == ranked[0]["label"] or plan.use_default
+    assert plan.simulated["plan"]["compiled_us"] <= plan.simulated["default"]["compiled_us"]
+    assert plan.use_default == (plan.search["offline"]["chosen"] == _ranking.XLA_PROGRAM)
+    assert all(r["graph_simulated_us"] is not None for r in ranked)
     if not plan.use_default:  # the plan XLA:GPU compiles keeps the plan's all-reduces
         lowered = step.lower(*args)
         graph, _ = _compile.capture_graph(lowered, backends.GPU)

@@ -2,10 +2,13 @@
 
 * measured rows (`disco_jax.eval.measured`): the model's ``tiny`` config timed on a measured
   platform (`MEASURED_PLATFORMS`: 8 CPU devices in one process; 2 processes over gloo);
-* `simulated_row`: the model's ``paper`` config captured from shapes alone (`capture_paper_model`),
-  its kernels costed by a cluster's GPU-scaled analytical model, all-reduces by the cluster's ring /
-  hierarchical model; disco-jax is the backtracking search on that simulator, started from XLA's
-  plan, the unfused graph and every baseline.
+* `simulated_row`: the model's ``paper`` config captured from shapes alone (`capture_paper_model`).
+  Captured on XLA:GPU (a cluster with a shipped target), every strategy is compiled deviceless as
+  XLA:GPU enacts it and costed by the compiled-program model (`cost.compiled`: its own kernels by
+  the cluster's kernel estimator, its collectives by the cluster's fitted NCCL model); disco-jax is
+  the backtracking search on the graph simulator, started from XLA's plan, the unfused graph and
+  every baseline, whose best few candidates are compiled and ranked with XLA's own program by
+  compiled cost. Captured on XLA:CPU, every strategy is costed by the graph simulator (`NOT_COMPILED`).
 * `summarize`: DisCo section 6.2's figures of a row: speed-up = (T_best_baseline - T_disco) /
   T_disco; headroom captured = (T_best_baseline - T_disco) / (T_best_baseline - FO), n/a when the
   best baseline is already within 0.1% of FO.
@@ -16,6 +19,7 @@ Rows live under ``<out>/rows/`` (`row_path`, `load_rows`); `disco_jax.eval.bench
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -40,11 +44,11 @@ from disco_jax import (
     targets,
     zoo,
 )
-from disco_jax._compile import Programs, capture, capture_graph
-from disco_jax._search import KEEP
+from disco_jax._compile import CompiledProgram, Programs, capture, capture_graph, compile_program
+from disco_jax._ranking import RANKED_CANDIDATES, rank_by_compiled_cost
 from disco_jax._strategy import sharding_all, with_sharding, xla_default
 from disco_jax._validate import median_interval
-from disco_jax.cost import sharded
+from disco_jax.cost import compiled_cost, sharded
 from disco_jax.eval import baselines, clusters
 from disco_jax.sharding import choice, update
 
@@ -248,6 +252,17 @@ def outputs_json(comparison) -> dict:
 # --------------------------------------------------------------------------- simulated rows
 
 
+GRAPH_MODEL = "graph simulator"  # a row's figure costed on the captured graph (the search's model)
+COMPILED_MODEL = "compiled program"  # ... costed on the program XLA compiled (`cost.compiled`)
+# Why a row captured on XLA:CPU is not costed by the compiled-program model.
+NOT_COMPILED = (
+    "captured on XLA:CPU: no XLA:GPU target description of this cluster's GPU is shipped "
+    "(disco_jax.targets), so the program its XLA:GPU would compile cannot be compiled deviceless; "
+    "XLA:CPU's own compiled program is no stand-in (its collectives are synchronous and its fusions "
+    "XLA:CPU's), so every strategy is costed by the graph simulator on the captured graph"
+)
+
+
 def simulated_row(
     graph: Graph,
     cluster: clusters.Cluster,
@@ -256,32 +271,39 @@ def simulated_row(
     seed: int = 0,
     progress: Callable | None = None,
     lowered: jax.stages.Lowered | None = None,
-    relower: Callable[[frozenset[int]], Graph | None] | None = None,
+    relower: Callable[[frozenset[int]], CompiledProgram | None] | None = None,
     programs: Programs | None = None,
 ) -> dict:
-    """One cluster row for a captured graph: baselines simulated, disco-jax searched, jointly
-    over fusion, all-reduce buckets and which gradients' weight updates are sharded
+    """One cluster row for a captured graph: baselines costed, disco-jax searched, jointly over
+    fusion, all-reduce buckets and which gradients' weight updates are sharded
     (`Strategy.sharded`, costed on this graph by `cost.sharded`).
 
     `lowered`: the step lowered for the cluster's GPU target when `graph` is XLA:GPU's module
-    (`capture_paper_model`): every strategy is then compiled deviceless the way XLA:GPU enacts it
+    (`capture_paper_model`). Every strategy is then compiled deviceless the way XLA:GPU enacts it
     (`_compile.compile_program`: the baselines by their compile options or the GPU rewriter,
-    `baselines.compile_baselines`; disco-jax's plan by the rewriter), each strategy's `program`
-    says how and what the compiled module holds, and a baseline that cannot be enacted is left
-    without a time, saying why. The baselines take XLA:GPU's fusions and combining as it compiled
-    them (JAX_default is XLA's own program); disco-jax's time is simulated from the module XLA:GPU
-    produced from its plan (`enacted_json`). `programs`: the compiled programs of
-    `lowered` (`_compile.Programs`), shared by the rows of one target; a fresh one when None. A
-    plan that shards updates cannot be enacted by the rewriter: `relower(gradients)` gives
-    XLA:GPU's module of the step lowered again with their state sharded, whose XLA plan is then
-    what would run; the cheapest plan without sharding is enacted beside it, and the row takes the
-    faster. Without `lowered` (XLA:CPU's module), XLA's all-reduce combining is XLA:GPU's
-    combiner emulated on the graph, and plans are costed as searched."""
+    `baselines.compile_baselines`) and its figure (`simulated`) is the compiled-program model's
+    cost of that program (`cost.compiled`: its own kernels in XLA's schedule, the cluster's kernel
+    estimator and collective model), with how its kernels were costed; the graph simulator's
+    figure is kept beside it as `graph_simulated`. A baseline that cannot be enacted has no
+    figure, and says why (`program`). disco-jax: the search (on the graph simulator) proposes, and
+    its best `RANKED_CANDIDATES` distinct candidates are compiled and ranked with XLA's own program
+    by compiled cost (`_ranking.rank_by_compiled_cost`); the cheapest is what disco-jax runs (XLA's
+    program where no candidate beats it). A candidate that shards updates is compiled by
+    `relower(gradients)`: the step lowered again with their state sharded, as XLA compiles it.
+    `programs`: the compiled programs of `lowered` (`_compile.Programs`), shared by the rows of
+    one target; a fresh one when None.
+
+    Without `lowered` (XLA:CPU's module), every strategy is costed by the graph simulator, XLA's
+    all-reduce combining is XLA:GPU's combiner emulated on the graph, and the row says why
+    (`NOT_COMPILED`)."""
     estimator = ChainEstimator([cluster.kernel_estimator()])
     allreduce = cluster.allreduce_model()
 
     def simulated(s: Strategy, on: Graph = graph):
         return simulate(on, s, estimator, allreduce, bound=True)
+
+    def costed(program: CompiledProgram) -> dict | None:
+        return compiled_cost(program.text, backends.GPU, estimator, allreduce).to_json() if program.enacted else None
 
     combine = backends.GPU.xla_buckets if lowered is not None else baselines.xla_gpu_buckets
     candidates = baselines.all_baselines(
@@ -290,15 +312,18 @@ def simulated_row(
     if lowered is not None and programs is None:
         programs = Programs(lowered, graph)
     compiled = baselines.compile_baselines(programs, candidates) if programs is not None else {}
+    cost_model = GRAPH_MODEL if programs is None else COMPILED_MODEL
     strategies: dict[str, dict] = {}
     for b in candidates:
         program = compiled.get(b.name)
-        sim = simulated(b.strategy) if program is None or program.enacted else None
+        on_graph = sim_json(simulated(b.strategy)) if program is None or program.enacted else None
         strategies[b.name] = {
-            "simulated": sim_json(sim),
+            "simulated": on_graph if program is None else costed(program),
+            "cost_model": cost_model,
+            "graph_simulated": on_graph,
             "description": b.description,
             "buckets": len(b.strategy.buckets),
-            "valid": sim is not None,
+            "valid": on_graph is not None,
             **({} if program is None else {"program": program.to_json()}),
         }
 
@@ -320,30 +345,33 @@ def simulated_row(
         progress=progress,
     )
     best = simulated(result.best)
-    strategies[DISCO] = {
+    disco = {
         "simulated": best.to_json(),
+        "cost_model": cost_model,
+        "graph_simulated": best.to_json(),
         "description": f"search from {result.best.origin}",
         "buckets": len(result.best.buckets),
         "sharded_gradients": len(result.best.sharded),
         "valid": True,
     }
+    chosen = result.best.sharded
     if programs is not None:
-        enacted = enact_best(programs, result, simulated, relower)
-        strategies[DISCO]["enacted"] = enacted
-        if enacted["simulated"] is not None:  # the program XLA:GPU compiled is what would run
-            strategies[DISCO]["searched"] = strategies[DISCO]["simulated"]
-            strategies[DISCO]["simulated"] = enacted["simulated"]
+        xla = compiled["JAX_default"]
+        disco, chosen = ranked_plan(programs, result, xla, strategies, relower, estimator, allreduce)
+    strategies[DISCO] = disco
     state = sum(regions.state_bytes)
-    chosen = result.best.sharded if (strategies[DISCO].get("enacted") or {}).get("sharded", True) else frozenset()
     times = {k: (v["simulated"] or {}).get("iteration_us") for k, v in strategies.items()}
     fo = full_overlap_us(strategies)
     return {
         "strategies": strategies,
         "time_us": times,
         "time_kind": "simulated",
+        "cost_model": cost_model,
+        **({} if programs is not None else {"not_compiled": NOT_COMPILED}),
         **summarize(times, fo),
-        # No schedule of disco-jax's kernels beats this (`cost.bound`); FO ignores dependencies.
-        "dependency_bound_us": (strategies[DISCO]["simulated"] or {}).get("dependency_bound_us"),
+        # No schedule of the plan's kernels beats this (`cost.bound`; FO ignores dependencies): a
+        # graph simulator figure, so only where the row's figures are the graph simulator's.
+        "dependency_bound_us": best.dependency_bound_us if programs is None else None,
         "search": result.stats(),
         "weight_update": {
             "shardable_gradients": len(regions.shardable),
@@ -357,68 +385,90 @@ def simulated_row(
     }
 
 
-def enact_best(programs: Programs, result, simulated: Callable, relower: Callable | None) -> dict:
-    """`enacted_json` of the search's best plan; for a plan that shards updates, the step lowered
-    again with that state sharded (`relower`) under XLA's plan, against the cheapest plan that
-    shards nothing enacted: the faster of the two, with `sharded` saying which it is."""
-    best = result.best
-    if not best.sharded:
-        return {**enacted_json(programs, best, simulated), "sharded": False}
-    program = relower(best.sharded) if relower is not None else None
-    sim = None if program is None else simulated(xla_default(program), program)
-    out = {
-        "status": "sharded update: the step lowered again, XLA's plan"
-        if sim is not None
-        else "sharded update: could not be lowered again",
-        "sharded": True,
-        "simulated": None if sim is None else sim.to_json(),
+def ranked_plan(
+    programs: Programs,
+    result,
+    xla: CompiledProgram,
+    strategies: dict[str, dict],
+    relower: Callable | None,
+    estimator,
+    allreduce,
+) -> tuple[dict, frozenset[int]]:
+    """disco-jax's entry of a compiled row and the gradients whose updates it shards: the
+    search's best distinct candidates (besides XLA's plan) compiled (by the rewriter, or by
+    `relower` for one that shards updates) and ranked with XLA's own program (`xla`, JAX_default's)
+    by compiled cost; the cheapest is disco-jax's figure, every ranked one is recorded."""
+
+    relowered: dict[frozenset[int], CompiledProgram | None] = {}  # one program per sharded set
+
+    def compile_candidate(label: str, s: Strategy) -> CompiledProgram:
+        if not s.sharded:
+            return programs.compile(label, s, None)
+        if s.sharded not in relowered:  # XLA's plan of the relowered step: fusions and buckets are XLA's
+            relowered[s.sharded] = relower(s.sharded) if relower is not None else None
+        program = relowered[s.sharded]
+        if program is None:
+            return CompiledProgram(label, "relowered", {}, "not enacted", reason="the step could not be lowered again")
+        return dataclasses.replace(program, name=label, enacted_by="relowered (sharded update, XLA's plan)")
+
+    default = xla_default(programs.graph)
+    ranked = rank_by_compiled_cost(
+        xla,
+        result.top(RANKED_CANDIDATES, exclude={default.key()}),
+        compile_candidate,
+        backends.GPU,
+        estimator,
+        allreduce,
+        default_graph_us=strategies["JAX_default"]["graph_simulated"]["iteration_us"],
+    )
+    first = ranked[0]
+    plan = first.strategy
+    graph_figure = strategies["JAX_default"]["graph_simulated"] if plan is None else None
+    if plan is not None:
+        graph_figure = sim_json(simulate(programs.graph, plan, estimator, allreduce))
+    disco = {
+        "simulated": None if first.cost is None else first.cost.to_json(),
+        "cost_model": COMPILED_MODEL,
+        "graph_simulated": graph_figure,
+        "description": f"search from {result.best.origin}; chosen by compiled cost: {first.label}",
+        "chosen": first.label,
+        "buckets": strategies["JAX_default"]["buckets"] if plan is None else len(plan.buckets),
+        "sharded_gradients": 0 if plan is None else len(plan.sharded),
+        "valid": True,
+        "program": first.program.to_json(),
+        "ranked": [r.to_json() for r in ranked],
+        "searched_best_graph_us": result.best_cost,
     }
-    # The cheapest plan kept that shards nothing, else the best one's fusions and buckets alone.
-    plain = next((s for s, _ in result.top(KEEP) if not s.sharded), dataclasses.replace(best, sharded=frozenset()))
-    other = enacted_json(programs, plain, simulated)
-    time_of = lambda e: (e["simulated"] or {}).get("iteration_us", float("inf"))  # noqa: E731
-    if time_of(other) < time_of(out):
-        return {**other, "sharded": False, "sharded_candidate": out}
-    return {**out, "unsharded": other}
+    return disco, frozenset() if plan is None else plan.sharded
 
 
-def sharded_paper_program(
-    name: str, style: str, target: str, graph: Graph, gradients: frozenset[int], config: str = "paper"
-) -> Graph | None:
-    """XLA:GPU's module (deviceless, `target`) of a model's paper step lowered again with the
-    optimizer state of `gradients` (of `graph`, the replicated step's module) sharded over the
-    data axis (`sharding.update`); None where the step has no such state."""
+@functools.lru_cache(maxsize=2)
+def _paper_step(name: str, style: str, target: str, config: str) -> tuple:
+    """A model's replicated step for `target`, its abstract arguments and XLA:GPU's executable of
+    it (deviceless): compiled once for every sharded candidate a row ranks."""
     spec, optimizer = zoo.get_model(name, config), optax.adam(1e-3)
     mesh = targets.mesh(target, PAPER_DEVICES)
     args = zoo.abstract_state_and_batch(spec, optimizer, mesh)
     step = zoo.build_train_step(spec, optimizer, mesh, style)
+    return step, args, step.lower(*args).compile()
+
+
+def sharded_paper_program(
+    name: str, style: str, target: str, graph: Graph, gradients: frozenset[int], config: str = "paper"
+) -> CompiledProgram | None:
+    """XLA:GPU's program (deviceless, `target`) of a model's paper step lowered again with the
+    optimizer state of `gradients` (of `graph`, the replicated step's module) sharded over the
+    data axis (`sharding.update`), compiled with XLA's defaults (`compile_program`); None where
+    the step has no such state."""
+    step, args, compiled = _paper_step(name, style, target, config)
     avals = dict(enumerate(jax.tree.leaves(args)))
 
     def leaves(layout):
         leaves_of = choice.gradient_leaves(graph, layout, avals)
         return {i for g in gradients for i in leaves_of.get(g, ())}
 
-    lowered, _, _ = update.relower_positional(step, args, step.lower(*args).compile(), leaves)
-    return None if lowered is None else capture_graph(lowered, backends.GPU)[0]
-
-
-def enacted_json(programs: Programs, plan: Strategy, simulated: Callable) -> dict:
-    """A plan on XLA:GPU's module, enacted by the GPU rewriter and compiled deviceless the way
-    every strategy of the row is (`Programs.compile`): what the compiled program holds
-    (all-reduces, fusions) and its simulated time, read from the compiled module with XLA's
-    decisions (`backends.GPU.read_decisions`); `simulated` is None where the plan could not be
-    enacted or that reading does not give a valid strategy."""
-    program = programs.compile(DISCO, plan, None)
-    out = {**program.to_json(), "planned_buckets": len(plan.buckets), "compiled_buckets": None, "simulated": None}
-    if not program.enacted:
-        return out
-    as_compiled = backends.GPU.read_decisions(programs.graph, program.text)
-    sim = simulated(xla_default(as_compiled), as_compiled)
-    return {
-        **out,
-        "compiled_buckets": len(as_compiled.xla_buckets),
-        "simulated": None if sim is None else sim.to_json(),
-    }
+    lowered, _, _ = update.relower_positional(step, args, compiled, leaves)
+    return None if lowered is None else compile_program(lowered, graph, "sharded update", None, {})
 
 
 def capture_paper_model(name: str, style: str, target: str | None = None) -> tuple[Graph, dict, jax.stages.Lowered]:

@@ -1,0 +1,112 @@
+"""Ranking a step's candidate programs by the compiled-program model.
+
+The graph simulator proposes (the search's best distinct candidates); XLA compiles each, and the
+compiled-program model (`cost.compiled`) costs what it compiled. `rank_by_compiled_cost` is the
+one ranking every caller uses: the simulated rows (`eval.rows`), offline plans (`offline`) and
+the measured search on a GPU (`CompiledRanking`, through `_tuning`). XLA's own program is always
+among the ranked, so a plan ranks first only when its compiled cost beats XLA's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from disco_jax._compile import Captured, CompiledProgram, compile_program
+from disco_jax._strategy import Strategy
+from disco_jax.backends import Backend
+from disco_jax.cost.compiled import CompiledCost, compiled_cost
+
+RANKED_CANDIDATES = 4  # the search's best distinct candidates compiled and ranked by compiled cost
+XLA_PROGRAM = "XLA's program"  # the label of XLA's own program among ranked candidates
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranked:
+    """One candidate of `rank_by_compiled_cost`: its label, strategy (None for XLA's own
+    program), the graph simulator's figure for it (what proposed it), its compiled program, and
+    that program's cost by the compiled-program model (None where it was not enacted)."""
+
+    label: str
+    strategy: Strategy | None
+    graph_us: float | None
+    program: CompiledProgram
+    cost: CompiledCost | None
+
+    @property
+    def compiled_us(self) -> float | None:
+        return None if self.cost is None else self.cost.iteration_us
+
+    def to_json(self) -> dict:
+        return {
+            "label": self.label,
+            "graph_simulated_us": self.graph_us,
+            "compiled_us": self.compiled_us,
+            "program": self.program.to_json(),
+            "compiled_cost": None if self.cost is None else self.cost.to_json(),
+        }
+
+
+def rank_by_compiled_cost(
+    default: CompiledProgram,
+    candidates: list[tuple[Strategy, float | None]],
+    compile: Any,
+    backend: Backend,
+    estimator: Any,
+    allreduce: Any,
+    *,
+    params: Any = None,
+    default_graph_us: float | None = None,
+) -> list[Ranked]:
+    """XLA's own program (`default`, compiled) and each candidate (a strategy with the graph
+    simulator's figure; `compile(label, strategy)` -> `CompiledProgram`) costed by the
+    compiled-program model (`cost.compiled_cost` with `estimator`, `allreduce` and the
+    simulator's `params`), cheapest first; candidates that were not enacted come last. XLA's
+    program is always among them, so a plan ranks first only when its compiled cost beats
+    XLA's. Candidates are the search's best distinct ones (`SearchResult.top`); one equal to
+    XLA's program compiles to it and ties with it (the stable sort keeps XLA's first)."""
+
+    def costed(program: CompiledProgram) -> CompiledCost | None:
+        return compiled_cost(program.text, backend, estimator, allreduce, params) if program.enacted else None
+
+    ranked = [Ranked(XLA_PROGRAM, None, default_graph_us, default, costed(default))]
+    for i, (strategy, graph_us) in enumerate(candidates):
+        program = compile(f"candidate {i + 1} ({strategy.origin})", strategy)
+        ranked.append(Ranked(program.name, strategy, graph_us, program, costed(program)))
+    return sorted(ranked, key=lambda r: (r.compiled_us is None, r.compiled_us or 0.0))
+
+
+class CompiledRanking:
+    """The measured search's ranking of a round's candidates (`_tuning.MeasuredSearch.pick`):
+    called with (strategy, simulated us) pairs, it compiles each through the rewriter, ranks
+    them with XLA's own program (`step.default_compiled`) by the compiled-program model with the
+    step's cost model (`rank_by_compiled_cost`), and returns those whose compiled program costs
+    less than XLA's, cheapest first. `rounds`: every ranking, as recorded in the plan."""
+
+    def __init__(self, step: Captured, cost_model: Any):
+        self.step, self.cost_model, self.rounds = step, cost_model, []
+        self.xla = CompiledProgram(XLA_PROGRAM, "compile options", {}, "compiled", step.default_compiled)
+
+    @classmethod
+    def of(cls, step: Captured, cost_model: Any) -> CompiledRanking | None:
+        """A ranking where the step's graph is read before XLA's own fusion
+        (`Backend.decisions_stage`: XLA:GPU), whose groups are then not the kernels XLA compiles;
+        None elsewhere (XLA:CPU: the graph's groups are the executable's kernels)."""
+        return cls(step, cost_model) if step.graph.backend.decisions_stage is not None else None
+
+    def __call__(self, candidates: list[tuple[Strategy, float]]) -> list[tuple[Strategy, float]]:
+        step, model = self.step, self.cost_model
+        ranked = rank_by_compiled_cost(
+            self.xla,
+            candidates,
+            lambda label, s: compile_program(step.lowered, step.graph, label, s, None),
+            step.graph.backend,
+            model.estimator,
+            model.allreduce,
+            params=model.params,
+        )
+        self.rounds.append([r.to_json() for r in ranked])
+        xla_us = self.xla_us = next(r.compiled_us for r in ranked if r.strategy is None)
+        return [
+            (r.strategy, r.graph_us) for r in ranked if r.strategy is not None and (r.compiled_us or xla_us) < xla_us
+        ]
