@@ -332,17 +332,19 @@ def step_programs(name: str, config: str, devices, budget_s: float, sharded: boo
     return rows
 
 
-def run_steps(out: Output, models: list[str], config: str, budget_s: float, time_budget_s: float) -> None:
+def run_models(out: Output, mode: str, models: list[str], time_budget_s: float, programs) -> None:
+    """`programs(name)` of each model, recorded, until the time budget is spent."""
     started = time.time()
     for name in models:
         if time.time() - started > time_budget_s:
-            out.write({"mode": "steps", "model": name, "skipped": "time budget spent"})
+            out.write({"mode": mode, "model": name, "skipped": "time budget spent"})
             continue
-        guarded(
-            out,
-            {"mode": "steps", "model": name},
-            lambda name=name: step_programs(name, config, jax.devices()[:1], budget_s, False),
-        )
+        guarded(out, {"mode": mode, "model": name}, lambda name=name: programs(name))
+
+
+def run_steps(out: Output, models: list[str], config: str, budget_s: float, time_budget_s: float) -> None:
+    one = jax.devices()[:1]
+    run_models(out, "steps", models, time_budget_s, lambda name: step_programs(name, config, one, budget_s, False))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -381,16 +383,8 @@ def run_mock(out: Output, models: list[str], config: str, budget_s: float, time_
         }
     )
     guarded(out, {"mode": "mock", "model": "allreduce"}, lambda: allreduce_alone(64))
-    started = time.time()
-    for name in models:
-        if time.time() - started > time_budget_s:
-            out.write({"mode": "mock", "model": name, "skipped": "time budget spent"})
-            continue
-        guarded(
-            out,
-            {"mode": "mock", "model": name},
-            lambda name=name: step_programs(name, config, jax.devices(), budget_s, True),
-        )
+    every = jax.devices()
+    run_models(out, "mock", models, time_budget_s, lambda name: step_programs(name, config, every, budget_s, True))
 
 
 def main(argv=None) -> int:
