@@ -47,6 +47,25 @@ class Ranked:
         }
 
 
+class ProgramCosts:
+    """Compiled programs costed by the compiled-program model (`cost.compiled_cost` with one
+    estimator, collective model and simulator params), each distinct program once: a row's
+    baselines and candidates often compile to the same program, XLA's own among them. None for a
+    program that was not enacted."""
+
+    def __init__(self, backend: Backend, estimator: Any, allreduce: Any, params: Any = None):
+        self.backend, self.estimator, self.allreduce, self.params = backend, estimator, allreduce, params
+        self._by_text: dict[str, CompiledCost] = {}
+
+    def __call__(self, program: CompiledProgram) -> CompiledCost | None:
+        if not program.enacted:
+            return None
+        text = program.text
+        if text not in self._by_text:
+            self._by_text[text] = compiled_cost(text, self.backend, self.estimator, self.allreduce, self.params)
+        return self._by_text[text]
+
+
 def rank_by_compiled_cost(
     default: CompiledProgram,
     candidates: list[tuple[Strategy, float | None]],
@@ -57,6 +76,7 @@ def rank_by_compiled_cost(
     *,
     params: Any = None,
     default_graph_us: float | None = None,
+    costs: ProgramCosts | None = None,
 ) -> list[Ranked]:
     """XLA's own program (`default`, compiled) and each candidate (a strategy with the graph
     simulator's figure; `compile(label, strategy)` -> `CompiledProgram`) costed by the
@@ -64,10 +84,10 @@ def rank_by_compiled_cost(
     simulator's `params`), cheapest first; candidates that were not enacted come last. XLA's
     program is always among them, so a plan ranks first only when its compiled cost beats
     XLA's. Candidates are the search's best distinct ones (`SearchResult.top`); one equal to
-    XLA's program compiles to it and ties with it (the stable sort keeps XLA's first)."""
+    XLA's program compiles to it and ties with it (the stable sort keeps XLA's first). `costs`: the
+    caller's `ProgramCosts` of the same model, so programs it costed already are not costed again."""
 
-    def costed(program: CompiledProgram) -> CompiledCost | None:
-        return compiled_cost(program.text, backend, estimator, allreduce, params) if program.enacted else None
+    costed = costs or ProgramCosts(backend, estimator, allreduce, params)
 
     ranked = [Ranked(XLA_PROGRAM, None, default_graph_us, default, costed(default))]
     for i, (strategy, graph_us) in enumerate(candidates):

@@ -2,12 +2,11 @@
 cost model to be checked against afterwards on any machine (`scripts/gpu_programs_report.py`).
 
 Every program is recorded the same way (`record`): its compiled module's text (what
-`disco_jax.cost.compiled_cost` reads), the wall-clock time of a call (median of interleaved
-calls, blocking on each), and one profiler trace of a few calls: per HLO instruction its mean
-device time, per call the device span (first kernel start to last kernel end on the GPU), and the
-device events that name no instruction of the module (where command buffers hide kernels). The
-device runs nothing else: the costing, the comparison and the tables happen offline, so a
-GPU lease is spent on measuring only.
+`disco_jax.cost.compiled_cost` reads), the wall-clock time of a call (median of 30 calls after
+3 warm-ups, blocking on each), and one profiler trace of a few calls: per HLO instruction its mean
+device time (as the profile phase reads it), and the device events that name no instruction of
+the module (where command buffers hide kernels). The device runs nothing else: the costing,
+the comparison and the tables happen offline, so a GPU lease is spent on measuring only.
 
 Modes (one process each: XLA's flags and the mock topology are fixed when the backend starts):
 
@@ -84,68 +83,31 @@ def global_args(compiled, host_leaves: list, treedef):
     return jax.tree.unflatten(treedef, arrays)
 
 
-def device_events(trace_dir: str) -> list[dict]:
-    """Every event on the GPU planes of the trace: name, hlo_module, hlo_op, run_id, start, end."""
-    events = []
-    for path in sorted(Path(trace_dir).rglob("*.xplane.pb")):
-        data = jax.profiler.ProfileData.from_file(str(path))
-        for plane in data.planes:
+def trace_summary(traces: list, module: str, calls: int) -> dict:
+    """Per instruction of `module` its mean device time per call (`_profile.kernel_times_from_trace`,
+    what the profile phase reads), and the device events that name no instruction of the module,
+    by name (a command buffer's kernels are one such event, or one event of the module)."""
+    from disco_jax._profile import kernel_times_from_trace, module_op_events
+
+    kernel_us = kernel_times_from_trace(traces, module, steps=calls)
+    named = len(module_op_events(traces, module))
+    other: dict[str, float] = {}
+    for trace in traces:
+        for plane in trace.planes:
             if not plane.name.startswith("/device:"):
                 continue
             for line in plane.lines:
                 for e in line.events:
                     stats = dict(e.stats)
-                    start = float(e.start_ns)
-                    events.append(
-                        {
-                            "name": str(e.name),
-                            "line": str(line.name),
-                            "module": stats.get("hlo_module"),
-                            "op": stats.get("hlo_op"),
-                            "run": stats.get("run_id"),
-                            "start": start,
-                            "end": start + float(e.duration_ns),
-                        }
-                    )
-    return events
-
-
-def summarize_trace(events: list[dict], module: str, calls: int) -> dict:
-    """Per instruction of `module` its mean device time per call (overlapping events of one
-    instruction in one run counted once); per run the device span and busy time; and the events
-    naming no instruction of the module, by name."""
-    from disco_jax._profile import _union_length
-
-    mine = [e for e in events if e["module"] == module and e["op"]]
-    runs: dict = {}
-    for e in mine:
-        runs.setdefault(e["run"], []).append(e)
-    per_op: dict[str, float] = {}
-    spans, busy = [], []
-    for run_events in runs.values():
-        by_op: dict[str, list] = {}
-        for e in run_events:
-            by_op.setdefault(e["op"], []).append((e["start"], e["end"]))
-        for op, s in by_op.items():
-            per_op[op] = per_op.get(op, 0.0) + _union_length(s)
-        spans.append((max(e["end"] for e in run_events) - min(e["start"] for e in run_events)) / 1e3)
-        busy.append(_union_length([(e["start"], e["end"]) for e in run_events]) / 1e3)
-    executions = len(runs) if None not in runs else calls
-    other: dict[str, float] = {}
-    for e in events:
-        if not (e["module"] == module and e["op"]):
-            key = f"{e['line']}: {e['name']}"[:160]
-            other[key] = other.get(key, 0.0) + (e["end"] - e["start"]) / 1e3 / max(calls, 1)
-    top_other = dict(sorted(other.items(), key=lambda kv: -kv[1])[:40])
+                    if stats.get("hlo_module") == module and "hlo_op" in stats:
+                        continue
+                    key = f"{line.name}: {e.name}"[:160]
+                    other[key] = other.get(key, 0.0) + float(e.duration_ns) / 1e3 / calls
     return {
-        "runs_seen": len(runs),
-        "run_ids": None not in runs,
-        "kernel_us": {op: ns / 1e3 / max(executions, 1) for op, ns in sorted(per_op.items())},
-        "span_us": spans,
-        "busy_us": busy,
-        "events_of_module": len(mine),
-        "events_other": sum(1 for e in events if not (e["module"] == module and e["op"])),
-        "other_us": top_other,
+        "kernel_us": kernel_us,
+        "events_of_module": named,
+        "events_other": len(other),
+        "other_us": dict(sorted(other.items(), key=lambda kv: -kv[1])[:40]),
     }
 
 
@@ -166,14 +128,14 @@ def record(name: str, compiled, args, *, calls: int = 30, traced: int = 5, meta:
         with jax.profiler.trace(trace_dir):
             for _ in range(traced):
                 jax.block_until_ready(compiled(*args))
-        events = device_events(trace_dir)
+        traces = [jax.profiler.ProfileData.from_file(str(p)) for p in sorted(Path(trace_dir).rglob("*.xplane.pb"))]
     return {
         "program": name,
         **(meta or {}),
         "module": module,
         "wall_us": wall,
         "wall_median_us": float(np.median(wall)),
-        "trace": summarize_trace(events, module, traced),
+        "trace": trace_summary(traces, module, traced),
         "text": text,
     }
 
@@ -192,7 +154,6 @@ class Output:
         if "trace" in row:
             t = row["trace"]
             brief["kernels_traced"] = len(t["kernel_us"])
-            brief["span_median_us"] = float(np.median(t["span_us"])) if t["span_us"] else None
             brief["other_events"] = t["events_other"]
         print(json.dumps(brief), flush=True)
 

@@ -24,6 +24,7 @@ Reads the JSON lines files that script wrote (gzipped or not) and prints, on any
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import sys
@@ -45,6 +46,12 @@ def load(paths: list[str]) -> list[dict]:
         with opener(p, "rt") as f:
             rows += [{**json.loads(line), "file": Path(p).name} for line in f if line.strip()]
     return rows
+
+
+@functools.cache
+def program_of(text: str) -> cost.CompiledProgram:
+    """A recorded executable read for costing, once (its graph is most of the report's time)."""
+    return cost.compiled_program(text, backends.GPU)
 
 
 def setting(row: dict) -> str:
@@ -103,7 +110,7 @@ def library_calls(rows: list[dict], device: gpus.DeviceSpec) -> list[dict]:
         if r.get("mode") != "steps" or setting(r) != "off" or "text" not in r:
             continue
         times = r["trace"]["kernel_us"]
-        program = cost.compiled_program(r["text"], backends.GPU)
+        program = program_of(r["text"])
         for k in program.compute_kernels:
             if k.kind not in ("gemm", "conv") or k.name not in times:
                 continue
@@ -162,7 +169,8 @@ def efficiency_fit(calls: list[dict], min_flops: float) -> dict:
 
 
 def predict(text: str, estimator, allreduce, gap_us: float) -> cost.CompiledCost:
-    return cost.compiled_cost(text, backends.GPU, estimator, allreduce, SimulatorParams(kernel_overhead_us=gap_us))
+    params = SimulatorParams(kernel_overhead_us=gap_us)
+    return cost.cost_program(program_of(text), estimator, allreduce, params)
 
 
 def fidelity(rows: list[dict], launch: dict, cluster: clusters.Cluster) -> list[dict]:
@@ -176,7 +184,7 @@ def fidelity(rows: list[dict], launch: dict, cluster: clusters.Cluster) -> list[
         cb = setting(r)
         costed = predict(r["text"], estimator, allreduce, kernel_gap_us(launch, cb))
         bare = predict(r["text"], estimator, allreduce, 0.0)
-        program = cost.compiled_program(r["text"], backends.GPU)
+        program = program_of(r["text"])
         traced = r["trace"]["kernel_us"]
         compute = {k.name for k in program.compute_kernels}
         per_kernel = []

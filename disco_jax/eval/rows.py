@@ -45,10 +45,10 @@ from disco_jax import (
     zoo,
 )
 from disco_jax._compile import CompiledProgram, Programs, capture, capture_graph, compile_program
-from disco_jax._ranking import RANKED_CANDIDATES, rank_by_compiled_cost
+from disco_jax._ranking import RANKED_CANDIDATES, ProgramCosts, rank_by_compiled_cost
 from disco_jax._strategy import sharding_all, with_sharding, xla_default
 from disco_jax._validate import median_interval
-from disco_jax.cost import compiled_cost, sharded
+from disco_jax.cost import sharded
 from disco_jax.eval import baselines, clusters
 from disco_jax.sharding import choice, update
 
@@ -302,8 +302,10 @@ def simulated_row(
     def simulated(s: Strategy, on: Graph = graph):
         return simulate(on, s, estimator, allreduce, bound=True)
 
+    costs = ProgramCosts(backends.GPU, estimator, allreduce)  # each distinct compiled program once
+
     def costed(program: CompiledProgram) -> dict | None:
-        return compiled_cost(program.text, backends.GPU, estimator, allreduce).to_json() if program.enacted else None
+        return None if (found := costs(program)) is None else found.to_json()
 
     combine = backends.GPU.xla_buckets if lowered is not None else baselines.xla_gpu_buckets
     candidates = baselines.all_baselines(
@@ -357,7 +359,7 @@ def simulated_row(
     chosen = result.best.sharded
     if programs is not None:
         xla = compiled["JAX_default"]
-        disco, chosen = ranked_plan(programs, result, xla, strategies, relower, estimator, allreduce)
+        disco, chosen = ranked_plan(programs, result, xla, strategies, relower, costs)
     strategies[DISCO] = disco
     state = sum(regions.state_bytes)
     times = {k: (v["simulated"] or {}).get("iteration_us") for k, v in strategies.items()}
@@ -391,13 +393,13 @@ def ranked_plan(
     xla: CompiledProgram,
     strategies: dict[str, dict],
     relower: Callable | None,
-    estimator,
-    allreduce,
+    costs: ProgramCosts,
 ) -> tuple[dict, frozenset[int]]:
     """disco-jax's entry of a compiled row and the gradients whose updates it shards: the
     search's best distinct candidates (besides XLA's plan) compiled (by the rewriter, or by
     `relower` for one that shards updates) and ranked with XLA's own program (`xla`, JAX_default's)
-    by compiled cost; the cheapest is disco-jax's figure, every ranked one is recorded."""
+    by compiled cost (`costs`, the row's: programs its baselines compiled to are not costed again);
+    the cheapest is disco-jax's figure, every ranked one is recorded."""
 
     relowered: dict[frozenset[int], CompiledProgram | None] = {}  # one program per sharded set
 
@@ -416,16 +418,17 @@ def ranked_plan(
         xla,
         result.top(RANKED_CANDIDATES, exclude={default.key()}),
         compile_candidate,
-        backends.GPU,
-        estimator,
-        allreduce,
+        costs.backend,
+        costs.estimator,
+        costs.allreduce,
         default_graph_us=strategies["JAX_default"]["graph_simulated"]["iteration_us"],
+        costs=costs,
     )
     first = ranked[0]
     plan = first.strategy
     graph_figure = strategies["JAX_default"]["graph_simulated"] if plan is None else None
     if plan is not None:
-        graph_figure = sim_json(simulate(programs.graph, plan, estimator, allreduce))
+        graph_figure = sim_json(simulate(programs.graph, plan, costs.estimator, costs.allreduce))
     disco = {
         "simulated": None if first.cost is None else first.cost.to_json(),
         "cost_model": COMPILED_MODEL,
