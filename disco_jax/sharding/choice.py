@@ -219,7 +219,8 @@ def choose(
         return step, None, {**info, "mode": "replicated", "reason": reason}
     for c in preferred:
         i = candidates.index(c)
-        ui.say(f"weight update: measuring {c.label} against the replicated update (simulated {c.simulated_us} us)")
+        simulated = "not simulated" if c.simulated_us is None else f"simulated {c.simulated_us:.0f} us"
+        ui.say(f"weight update: measuring {c.label} against the replicated update ({simulated})")
         records[i].update(measure(step, c.step, pairs, f"candidate-{i}"))
     index, why, forced = pick(records, memory_limit)
     if step.scope is not None:  # the verdicts are merged already; process 0's word settles it
