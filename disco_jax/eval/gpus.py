@@ -7,7 +7,9 @@ Where kernels were timed on the GPU (`disco_jax/profiles/<kind>/kernel_samples.j
 its per-kernel launch cost and achieved memory bandwidth are fitted to them
 (`fit_device_constants`, stored in `device_constants.json` beside the samples by
 `scripts/fit_device_constants.py` and read into the spec, `DeviceSpec.with_fitted`); the other
-GPUs' are assumed. No GEMM or convolution was timed, so the dot efficiency stays assumed.
+GPUs' are assumed. The H100's dot efficiency (one figure for XLA's GEMM and convolution library
+calls) is measured too, on the gemm and convolution kernels of the zoo's paper-size steps traced on
+an H100 (`scripts/gpu_programs_report.py --write-constants`, docs/gpu.md); elsewhere it is assumed.
 `kernel_estimator(device)` is what a cluster of it charges per kernel:
 
 * where disco-jax ships estimator weights for the device kind (`disco_jax/profiles/<kind>/`:
