@@ -197,7 +197,8 @@ def measured_row(
     search = report.search or {}
     strategies[DISCO] = {
         "simulated": sim_json(sim),
-        "description": ("plan applied" if applied else "XLA default kept") + f": {report.reason or ''}",
+        "description": ("fusion/bucket plan applied" if applied else "XLA's fusion and buckets kept")
+        + f": {report.reason or ''}",
         "enacted_by": "optimize_distributed",
         "applied": applied,
         "acceptance": {k: (report.measured or {}).get(k) for k in ("ratio", "ratio_ci95", "rule", "pairs")},
@@ -206,6 +207,7 @@ def measured_row(
         "valid": sim is not None,
         "simulated_by_search": (report.simulated or {}).get("plan"),
         "weight_update": (report.weight_update or {}).get("mode"),
+        "weight_update_reason": (report.weight_update or {}).get("reason"),
         "measured": measured_json(timing),
         "overhead": overhead_json(overhead),
         "outputs": outputs_json(comparison),
