@@ -220,14 +220,14 @@ def test_kernel_names_of_a_rewritten_module_map_to_the_strategy_groups(graph):
 
 def test_optimize_distributed_compiles_times_and_records_its_candidates(tmp_path, monkeypatch):
     compiled = []
-    real = _tuning.compile_strategy
+    real = _tuning_devices.compile_strategy
 
     def spy(lowered, graph, strategy):
         out = real(lowered, graph, strategy)
         compiled.append((strategy, _compile.compiled_stats(out[0].as_text())))
         return out
 
-    monkeypatch.setattr(_tuning, "compile_strategy", spy)
+    monkeypatch.setattr(_tuning_devices, "compile_strategy", spy)
     step, args = make_step("jit")
     options = dict(budget_s=3.0, validation_pairs=4, verbose=False, plan_dir=tmp_path, measured_candidates=2)
     wrapped = optimize_distributed(search=True, **options)(step)
@@ -254,7 +254,7 @@ def test_optimize_distributed_compiles_times_and_records_its_candidates(tmp_path
 
 
 def test_measured_candidates_0_measures_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(_tuning, "tune", lambda *a, **k: pytest.fail("a candidate was measured"))
+    monkeypatch.setattr(_pipeline, "tune", lambda *a, **k: pytest.fail("a candidate was measured"))
     # The measured phases before the search are not what this test is about: a model stands in.
     monkeypatch.setattr(_pipeline, "profile", lambda *a, **k: cost_model())
     monkeypatch.setattr(_pipeline, "calibrate", lambda *a, **k: types.SimpleNamespace(to_json=dict))
