@@ -423,3 +423,21 @@ def test_rows_short_of_the_headroom_target_are_told_apart_by_what_limits_them():
     assert "resnet50 30% (90% as searched)" in text and "mlp 30% (50% allowed)" in text
     assert "bert 40% (100% allowed)" in text and "vgg19" not in text
     assert headroom.limits_text([reached]).startswith("Every row captures 85%")
+
+
+def test_a_sharded_row_without_its_programs_simulation_reads_as_not_simulated(tmp_path):
+    """Rows written before disco-jax's simulated figure named its program held, for a sharded
+    weight update, the replicated program's simulation: read back as none (Table 2 leaves it
+    out). Rows that name it, and replicated ones, keep theirs."""
+    sim = {"iteration_us": 1000.0, "compute_us": 800.0, "comm_us": 300.0}
+    cases = {
+        "old": {"weight_update": "sharded", "simulated": sim},
+        "new": {"weight_update": "sharded", "simulated": sim, "simulated_by": "search phase"},
+        "replicated": {"weight_update": "replicated", "simulated": sim},
+    }
+    (tmp_path / "rows").mkdir()
+    for name, disco in cases.items():
+        row = {"format": rows.ROW_FORMAT, "style": "jit", "model": name, "strategies": {rows.DISCO: disco}}
+        (tmp_path / "rows" / f"{name}.json").write_text(json.dumps(row))
+    loaded = {r["model"]: r["strategies"][rows.DISCO]["simulated"] for r in rows.load_rows(tmp_path)}
+    assert loaded == {"old": None, "new": sim, "replicated": sim}

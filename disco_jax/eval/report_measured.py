@@ -154,7 +154,7 @@ def accuracy(measured: list[dict], figures: dict[str, str]) -> list[str]:
                     fmt.ms(x["simulated"]["iteration_us"]),
                     f"{errs.get('JAX_default', float('nan')):.1%}",
                     fmt.ms(r["time_us"][DISCO]),
-                    fmt.ms(d["simulated"]["iteration_us"]),
+                    fmt.ms((d.get("simulated") or {}).get("iteration_us")),
                     f"{errs.get(DISCO, float('nan')):.1%}",
                     f"{sum(errs.values()) / max(1, len(errs)):.1%}",
                     f"{sum(ratio_errs.values()) / max(1, len(ratio_errs)):.1%}",
