@@ -26,12 +26,13 @@ from typing import Any
 
 import jax
 
-from disco_jax import _distributed, _files, _plan, _profile_store, _search, _strategy, _tuning, _validate, backends
+from disco_jax import _distributed, _files, _plan, _profile_store, _search, _strategy, _validate, backends
 from disco_jax._compile import Captured, Runner, capture, compile_strategy, compiled_stats, keeps_plan, rules_applied
 from disco_jax._console import Ui
 from disco_jax._output_check import Float64Run
 from disco_jax._profiling import calibrate, profile
 from disco_jax._strategy import Strategy
+from disco_jax._tuning_devices import tune
 from disco_jax.cost import CostModel
 from disco_jax.sharding import choice, update
 
@@ -249,7 +250,7 @@ def search_phase(step: Captured, options: Options, report: StepReport, ui: Ui, c
         search_info = {**result.stats(), "options": options.to_json(), "cost_model": cost_model.sources}
     if options.measured_candidates > 0:  # the search proposes, the devices decide (every process measures)
         k, pairs = options.measured_candidates, options.validation_pairs
-        tuned = _tuning.tune(step, cost_model, result, default_runner, options.search, k, pairs, ui)
+        tuned = tune(step, cost_model, result, default_runner, options.search, k, pairs, ui)
         if tuned is not None:
             best = tuned.best
             search_info.update(tuned.to_json())

@@ -32,13 +32,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from disco_jax import _distributed, _hlo, _profiling, _search, _validate, cost
-from disco_jax._compile import Captured, Runner, compile_strategy, compiled_stats, keeps_plan
+from disco_jax import _distributed, _profiling, _search, _validate, cost
 from disco_jax._console import Ui
-from disco_jax._edit import prune
 from disco_jax._graph import Graph
 from disco_jax._ranking import CompiledRanking
-from disco_jax._strategy import Strategy, group_exports, kernel_dag, regroups_only, xla_default
+from disco_jax._strategy import Strategy, kernel_dag, xla_default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +97,18 @@ class Record:
         return m is not None and m.outputs is not None and not m.outputs.within_tolerance
 
     @property
-    def eligible(self) -> bool:
-        """Measured, its outputs right, and XLA kept the planned collectives (else another ran)."""
+    def ineligible(self) -> str | None:
+        """Why the candidate cannot be chosen, None where it can: measured, its outputs right, and
+        XLA kept the planned collectives (else another program ran)."""
         m, buckets = self.measurement, len(self.strategy.buckets)
-        planned = m is not None and (m.kept if m.kept is not None else m.allreduces in (None, buckets))
-        return planned and not self.wrong
+        if m is None or self.wrong:
+            return f"failed ({self.error})" if m is None else "outputs outside the output check"
+        kept = m.kept if m.kept is not None else m.allreduces in (None, buckets)
+        return None if kept else "XLA compiled other collectives than the plan's"
+
+    @property
+    def eligible(self) -> bool:
+        return self.ineligible is None
 
     @property
     def measured_ratio(self) -> float:
@@ -130,8 +135,8 @@ class Record:
         outputs = None if self.measurement is None else self.measurement.outputs
         if outputs is not None:
             out["outputs"] = {"check": outputs.check, "within_tolerance": outputs.within_tolerance}
-        if self.error is not None:
-            out["error"] = self.error
+        if self.ineligible is not None:
+            out["ineligible"] = self.ineligible
         return out
 
 
@@ -385,7 +390,8 @@ class MeasuredSearch:
             )
             tuned.evidence = {**t.to_json(), "candidate": fastest.strategy.origin, "source": "measured candidates"}
         elif self.records:
-            tuned.reason = f"none of the {len(self.records)} candidates could be measured"
+            why = "; ".join(sorted({r.ineligible for r in self.records}))
+            tuned.reason = f"none of the {len(self.records)} candidates could be measured: {why}"
         return tuned
 
 
@@ -423,78 +429,3 @@ def measured_search(
         if loop is not None:
             loop.record(measurement, error, time.perf_counter() - started)
     return loop.finish() if loop is not None else None
-
-
-# ------------------------------------------------------------------------------- on the devices
-
-
-def kernel_members(graph: Graph, strategy: Strategy, module_text: str) -> dict[str, frozenset[int]]:
-    """Entry instruction name -> the ops of its kernel as the simulator costs it, in a module the
-    backend's rewriter wrote for `strategy`: XLA's fusions it kept (by name), ops left unfused and
-    opaque ops (by name), and new fusions (their fused computations name each op `<op>.<suffix>`,
-    `disco_jax._rewrite.fused_computation`), each mapped back to the strategy's group."""
-    module = _hlo.parse_module(module_text)
-    op_ids = {op.name: op.id for op in graph.ops if op.kind in ("fusible", "opaque")}
-    xla = dict(zip(graph.xla_kernel_names, graph.xla_groups))
-    exports = group_exports(graph, strategy)
-    groups = {prune(graph, g, exports[gi]): g for gi, g in enumerate(strategy.groups) if exports[gi]}
-    out: dict[str, frozenset[int]] = {}
-    for inst in module.entry.instructions:
-        if inst.name in xla:
-            out[inst.name] = xla[inst.name]
-        elif inst.name in op_ids:
-            out[inst.name] = frozenset([op_ids[inst.name]])
-        elif inst.opcode == "fusion":
-            body = module.computation((inst.attr("calls") or "").lstrip("%")).instructions
-            ops = frozenset(op_ids[n] for n in (i.name.rsplit(".", 1)[0] for i in body) if n in op_ids)
-            if ops and all(graph.ops[o].kind == "fusible" for o in ops):
-                out[inst.name] = groups.get(ops, ops)
-    return out
-
-
-def device_measure(step: Captured, default_runner: Runner, tuning: TuningConfig) -> Measure:
-    """The real `measure`: compile the candidate through the rewriter, check its outputs against
-    the step's (`step.output_check`, the same check as validation's), time it against XLA's
-    executable in interleaved pairs, and trace its kernels. Every process of a job calls it for
-    the same candidates in the same order (the runs are collectives)."""
-    graph, count = step.graph, itertools.count()
-
-    def measure(strategy: Strategy) -> Measurement:
-        index = next(count)
-        runner = step.runner(compile_strategy(step.lowered, graph, strategy)[0])
-        outputs = step.output_check.compare(
-            runner(),
-            bitwise=regroups_only(graph, strategy),
-            merge_key=None if step.scope is None else f"{step.scope}/tuning/{index}/outputs",
-        )
-        timing = _validate.time_interleaved(default_runner, runner, pairs=tuning.pairs)
-        if step.scope is not None:  # judged by the slowest process, as validation does
-            ratios = _distributed.slowest_pairs(f"{step.scope}/tuning/{index}/timing")(timing.ratios)
-            timing = _validate.summarize([timing.default_us], [timing.plan_us], ratios)
-        times = _profiling.kernel_times(step, runner, strategy, steps=tuning.kernel_steps)
-        names = kernel_members(graph, strategy, graph.backend.rewriter.rewrite(graph, strategy))
-        kernels = {names[n]: t for n, t in times.items() if n in names}
-        counts = compiled_stats(runner.as_text())
-        return Measurement(timing, kernels, counts["all-reduce"], outputs, keeps_plan(counts, graph, strategy))
-
-    return measure
-
-
-def tune(
-    step: Captured,
-    cost_model: cost.CostModel,
-    first: _search.SearchResult | None,
-    default_runner: Runner,
-    search: _search.SearchConfig,
-    candidates: int,
-    validation_pairs: int,
-    ui: Ui,
-) -> Tuned | None:
-    """The search phase's measured loop on the devices: `candidates` per round, timed with half
-    the validation's first look of pairs (at least 6)."""
-    tuning = TuningConfig(candidates=candidates, pairs=max(6, validation_pairs // 2))
-    points = _profiling.calibration_points(step.graph, cost_model.sources)
-    measure, rank = device_measure(step, default_runner, tuning), CompiledRanking.of(step, cost_model)
-    return measured_search(
-        step.graph, cost_model, first, search, tuning, measure, scope=step.scope, points=points, ui=ui, rank=rank
-    )

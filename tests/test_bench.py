@@ -212,16 +212,19 @@ def _spread(median: float, width: float, pairs: int = 40) -> list[float]:
     return [median + width * (2 * i / (pairs - 1) - 1) for i in range(pairs)]
 
 
-def _fair_row(model: str, applied: bool, disco: list[float]) -> dict:
+def _fair_row(model: str, applied: bool, disco: list[float], weight_update: str = "replicated") -> dict:
     """The committed mlp row on cpu-8dev, remeasured on paper: every configuration at a ratio of
-    1.0 to 1.03 of the reference (JAX_default 1.0, within 2%), disco-jax at `disco`, and a decorator
-    that costs 2% of the executable's time per call."""
+    1.0 to 1.03 of the reference (JAX_default 1.0, within 2%), disco-jax at `disco` (its fusion plan
+    `applied` or not, on the `weight_update` it chose), and a decorator that costs 2% of the
+    executable's time per call."""
     row = json.loads((REPORT / "rows" / "mlp.tiny.jit.cpu-8dev.json").read_text())
     strategies = row["strategies"]
     for i, name in enumerate(rows.BASELINE_ORDER):
         strategies[name]["measured"] = _timed(_spread(1.0 + 0.01 * abs(i - 3), 0.02))
     strategies[rows.DISCO].update(
         applied=applied,
+        weight_update=weight_update,
+        weight_update_reason=None,
         measured=_timed(disco),
         overhead=rows.overhead_json(_validate.summarize([5000.0] * 40, [5000.0 * x for x in _spread(1.02, 0.01)])),
     )
@@ -243,6 +246,8 @@ def test_measured_rows_are_told_against_one_reference_with_intervals():
         _fair_row("bert", True, _spread(1.02, 0.05)),  # slower than JAX_default, but not surely
         _fair_row("dlrm", True, _spread(1.10, 0.01)),  # slower, surely
         _fair_row("rnnlm", False, _spread(1.0, 0.10)),
+        # The sharded update chosen and kept, its fusion plan rejected: a plan applied all the same.
+        _fair_row("reformer", False, _spread(0.85, 0.02), weight_update="sharded"),
     ]
     mlp = measured[0]
     assert mlp["time_us"]["JAX_default"] == pytest.approx(mlp["strategies"]["JAX_default"]["measured"]["ratio"] * 1000)
@@ -252,13 +257,16 @@ def test_measured_rows_are_told_against_one_reference_with_intervals():
     low, high = measured[2]["speedup_ci95"]
     assert low < measured[2]["speedup"] < high < 0
     text = report.report_markdown(measured, {}, {})
-    assert "Plans: **3 applied**, 1 rejected (XLA's plan kept)" in text
+    assert "Plans: **4 of 5 applied** (sharded weight update 1, fusion/bucket plan 3;" in text
+    assert "1 with XLA's program unchanged; **2** applied and measured faster than XLA's program" in text
+    assert "with the 95% interval below 1 (" in text and "mlp 0.900 [" in text and "reformer 0.850 [" in text
+    assert "reformer: sharded weight update, 0.850 [" in text
     assert "measured slower than JAX_default afterwards: **2** (median ratio above 1; bert 1.020 [" in text
     assert "), 1 of them with the 95% interval above 1." in text
     assert (
         "against one reference (a second compile); JAX_default's own ratio to it, the noise floor, is a median" in text
     )
-    assert "interval above 0 on **1** models, below 0 on 1, holding 0 on 2 (0 without an interval)" in text
+    assert "interval above 0 on **2** models, below 0 on 1, holding 0 on 2 (0 without an interval)" in text
     assert "a median +100 µs (from +100 to +100 over models)" in text
     assert "medians of interleaved pairs against a second compile, one time scale per row" in text
     assert re.search(r"\| mlp \|.*\| JAX_default \| \+\d+\.\d% \[\+\d+\.\d%, \+\d+\.\d%\] \|", text)
@@ -415,3 +423,21 @@ def test_rows_short_of_the_headroom_target_are_told_apart_by_what_limits_them():
     assert "resnet50 30% (90% as searched)" in text and "mlp 30% (50% allowed)" in text
     assert "bert 40% (100% allowed)" in text and "vgg19" not in text
     assert headroom.limits_text([reached]).startswith("Every row captures 85%")
+
+
+def test_a_sharded_row_without_its_programs_simulation_reads_as_not_simulated(tmp_path):
+    """Rows written before disco-jax's simulated figure named its program held, for a sharded
+    weight update, the replicated program's simulation: read back as none (Table 2 leaves it
+    out). Rows that name it, and replicated ones, keep theirs."""
+    sim = {"iteration_us": 1000.0, "compute_us": 800.0, "comm_us": 300.0}
+    cases = {
+        "old": {"weight_update": "sharded", "simulated": sim},
+        "new": {"weight_update": "sharded", "simulated": sim, "simulated_by": "search phase"},
+        "replicated": {"weight_update": "replicated", "simulated": sim},
+    }
+    (tmp_path / "rows").mkdir()
+    for name, disco in cases.items():
+        row = {"format": rows.ROW_FORMAT, "style": "jit", "model": name, "strategies": {rows.DISCO: disco}}
+        (tmp_path / "rows" / f"{name}.json").write_text(json.dumps(row))
+    loaded = {r["model"]: r["strategies"][rows.DISCO]["simulated"] for r in rows.load_rows(tmp_path)}
+    assert loaded == {"old": None, "new": sim, "replicated": sim}

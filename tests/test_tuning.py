@@ -23,6 +23,7 @@ from disco_jax import (
     _search,
     _strategy,
     _tuning,
+    _tuning_devices,
     _validate,
     backends,
     cost,
@@ -175,6 +176,34 @@ def test_a_candidate_whose_outputs_fail_the_check_is_never_chosen(graph):
     assert stored[0]["outputs"] == {"check": "float64-reference", "within_tolerance": False}
 
 
+def test_when_no_candidate_can_be_chosen_the_reason_says_why_for_each(graph):
+    """A failed compile, outputs outside the check and other collectives than planned: XLA's plan
+    is kept, and the reason (printed, stored) says what befell the candidates."""
+    model = cost_model()
+    tuning = _tuning.TuningConfig(candidates=3, budget_s=60, max_rounds=1)
+    wrong = _validate.Comparison(False, False, 1.0, 1.0, 3, 0, _validate.FLOAT64_CHECK)
+    outcomes = iter(["fails", "wrong", "merged"])
+    loop = _tuning.MeasuredSearch(graph, model, first_search(graph, model), SEARCH, tuning)
+    while (s := loop.next()) is not None:
+        outcome = next(outcomes)
+        if outcome == "fails":
+            loop.record(None, "XlaRuntimeError: INTERNAL: no layout")
+        else:
+            outputs = wrong if outcome == "wrong" else None
+            loop.record(_tuning.Measurement(timing(0.8), {}, len(s.buckets), outputs, kept=outcome != "merged"))
+    tuned = loop.finish()
+    assert len(tuned.records) == 3 and tuned.best.key() == _strategy.xla_default(graph).key()
+    assert tuned.reason.startswith("none of the 3 candidates could be measured: ")
+    for why in (
+        "failed (XlaRuntimeError: INTERNAL: no layout)",
+        "outputs outside the output check",
+        "other collectives",
+    ):
+        assert why in tuned.reason
+    stored = json.loads(json.dumps(tuned.to_json()))["measured_candidates"]
+    assert [r["ineligible"] for r in stored] == [r.ineligible for r in tuned.records]
+
+
 def test_kernel_names_of_a_rewritten_module_map_to_the_strategy_groups(graph):
     rng, s = random.Random(0), _strategy.xla_default(graph)
     for _ in range(1000):  # split XLA's fusions until the strategy holds a fusion XLA did not form
@@ -182,7 +211,7 @@ def test_kernel_names_of_a_rewritten_module_map_to_the_strategy_groups(graph):
             break
         nxt = _strategy.split_group(graph, s, rng)
         s = nxt if nxt is not None and _strategy.kernel_dag(graph, nxt) is not None else s
-    names = _tuning.kernel_members(graph, s, graph.backend.rewriter.rewrite(graph, s))
+    names = _tuning_devices.kernel_members(graph, s, graph.backend.rewriter.rewrite(graph, s))
     new = {n: m for n, m in names.items() if n.startswith("disco_fusion.")}
     assert new and set(new.values()) <= set(s.groups)
     assert set(s.fused_groups) <= set(names.values())  # every fused kernel is named
@@ -191,14 +220,14 @@ def test_kernel_names_of_a_rewritten_module_map_to_the_strategy_groups(graph):
 
 def test_optimize_distributed_compiles_times_and_records_its_candidates(tmp_path, monkeypatch):
     compiled = []
-    real = _tuning.compile_strategy
+    real = _tuning_devices.compile_strategy
 
     def spy(lowered, graph, strategy):
         out = real(lowered, graph, strategy)
         compiled.append((strategy, _compile.compiled_stats(out[0].as_text())))
         return out
 
-    monkeypatch.setattr(_tuning, "compile_strategy", spy)
+    monkeypatch.setattr(_tuning_devices, "compile_strategy", spy)
     step, args = make_step("jit")
     options = dict(budget_s=3.0, validation_pairs=4, verbose=False, plan_dir=tmp_path, measured_candidates=2)
     wrapped = optimize_distributed(search=True, **options)(step)
@@ -225,7 +254,7 @@ def test_optimize_distributed_compiles_times_and_records_its_candidates(tmp_path
 
 
 def test_measured_candidates_0_measures_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(_tuning, "tune", lambda *a, **k: pytest.fail("a candidate was measured"))
+    monkeypatch.setattr(_pipeline, "tune", lambda *a, **k: pytest.fail("a candidate was measured"))
     # The measured phases before the search are not what this test is about: a model stands in.
     monkeypatch.setattr(_pipeline, "profile", lambda *a, **k: cost_model())
     monkeypatch.setattr(_pipeline, "calibrate", lambda *a, **k: types.SimpleNamespace(to_json=dict))

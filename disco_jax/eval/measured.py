@@ -182,8 +182,13 @@ def measured_row(
     out = jax.block_until_ready(optimized(*args))
     report = optimized.last_report
     applied = bool(report.applied)
+    sharded = (report.weight_update or {}).get("mode") == "sharded"
     executable, plan_args = plan_executable(optimized, args)
-    strategy = Strategy.from_json(graph, report.plan["strategy"]) if applied else baselines.jax_default(graph).strategy
+    strategy = None
+    if not sharded:  # else the plan is the sharded program's, another graph than this row's
+        strategy = (
+            Strategy.from_json(graph, report.plan["strategy"]) if applied else baselines.jax_default(graph).strategy
+        )
     comparison = job.compare(captured, out)
     log(f"{name}: disco-jax {'plan applied' if applied else 'XLA default kept'}; timing its executable")
     plan_runner = captured.runner(executable, plan_args)
@@ -193,19 +198,27 @@ def measured_row(
     overhead = job.time(plan_runner, captured.runner(optimized, plan_args), pairs)
     if jax.process_index() != 0:
         return None
-    sim = cost_model.simulate(graph, strategy)
+    if sharded:  # the step lowered again with its state sharded: as the search phase costed it
+        simulated, simulated_by = (report.simulated or {}).get("plan" if applied else "default"), "search phase"
+    else:
+        simulated, simulated_by = sim_json(cost_model.simulate(graph, strategy)), "row"
     search = report.search or {}
     strategies[DISCO] = {
-        "simulated": sim_json(sim),
-        "description": ("plan applied" if applied else "XLA default kept") + f": {report.reason or ''}",
+        "simulated": simulated,
+        "simulated_by": simulated_by,
+        "description": ("fusion/bucket plan applied" if applied else "XLA's fusion and buckets kept")
+        + f": {report.reason or ''}",
         "enacted_by": "optimize_distributed",
         "applied": applied,
         "acceptance": {k: (report.measured or {}).get(k) for k in ("ratio", "ratio_ci95", "rule", "pairs")},
         "hlo": compiled_stats(executable.as_text()),
-        "buckets": len(strategy.buckets),
-        "valid": sim is not None,
+        "buckets": len(strategy.buckets)
+        if strategy
+        else len(((report.plan or {}).get("strategy") or {}).get("buckets", [])),
+        "valid": simulated is not None,
         "simulated_by_search": (report.simulated or {}).get("plan"),
         "weight_update": (report.weight_update or {}).get("mode"),
+        "weight_update_reason": (report.weight_update or {}).get("reason"),
         "measured": measured_json(timing),
         "overhead": overhead_json(overhead),
         "outputs": outputs_json(comparison),

@@ -156,7 +156,7 @@ def _headline(by_platform: dict[str, list[dict]]) -> list[str]:
                 disco_ratio=fmt.iqr(d["measured"], 3),
                 best=r["best_baseline"],
                 best_ratio=fmt.iqr(r["strategies"][r["best_baseline"]]["measured"], 3),
-                description=d["description"],
+                description=report_measured.disco_summary(r),
             )
         loss_items.append(
             fmt.fill(
@@ -267,7 +267,7 @@ def _platform_tables(prow: list[dict]) -> list[str]:
                 strategies=strategies,
                 strategy_align=align,
                 rows="\n".join(details),
-                disco_per_model="; ".join(f"{r['model']}: {r['strategies'][DISCO]['description']}" for r in prow),
+                disco_per_model="; ".join(f"{r['model']}: {report_measured.disco_summary(r)}" for r in prow),
             )
         )
         if all(r.get("reference") for r in prow):

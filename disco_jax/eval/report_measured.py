@@ -19,16 +19,55 @@ def versus_default(r: dict) -> tuple[float, tuple[float, float] | None]:
     return disco["ratio"] / default["ratio"], ratio_between(disco, default)
 
 
+def changes(r: dict) -> list[str]:
+    """What disco-jax changed in the program a measured row's step runs, each part accepted by its
+    own measurement: the weight-update choice's sharded update (timed against the replicated
+    step, `sharding.choice`) and the fusion/bucket plan (timed against XLA's plan of the program
+    it was searched on, the acceptance rule). Empty: XLA's program runs unchanged."""
+    d = r["strategies"][DISCO]
+    return [
+        part
+        for part, done in (
+            ("sharded weight update", d.get("weight_update") == "sharded"),
+            ("fusion/bucket plan", d.get("applied")),
+        )
+        if done
+    ]
+
+
+def disco_summary(r: dict) -> str:
+    """What ran for disco-jax in a measured row and how it measured against XLA's program (the
+    reference), then what its fusion search decided."""
+    d = r["strategies"][DISCO]
+    ran = " + ".join(changes(r)) or "XLA's program unchanged"
+    choice = f"; weight update: {d['weight_update_reason']}" if d.get("weight_update_reason") else ""
+    return f"{ran}, {_measured(r)} of XLA's program{choice}; fusion search: {d['description']}"
+
+
+def _measured(r: dict) -> str:
+    m = r["strategies"][DISCO]["measured"]
+    return fmt.ratio_text(m["ratio"], m.get("ratio_ci95"))
+
+
 def plans_headline(prow: list[dict]) -> str:
-    """What the product did on a measured platform: plans applied and rejected by the acceptance
-    rule, and applied plans that measured slower than JAX_default in the row's own timing."""
-    applied = [r for r in prow if r["strategies"][DISCO].get("applied")]
+    """What the product did on a measured platform: steps it changed (sharded weight update, a
+    fusion/bucket plan, or both) and kept, how many of the changed ones measured faster than XLA's
+    program with the 95% interval below 1, and any that measured slower than JAX_default in the
+    row's own timing."""
+    applied = [r for r in prow if changes(r)]
+    parts = [sum(part in changes(r) for r in applied) for part in ("sharded weight update", "fusion/bucket plan")]
+    faster = [r for r in applied if (r["strategies"][DISCO]["measured"].get("ratio_ci95") or (1.0, 1.0))[1] < 1.0]
     versus = {r["model"]: versus_default(r) for r in applied}
     slower = [r for r in applied if versus[r["model"]][0] > 1.0]
     significant = [r for r in slower if (versus[r["model"]][1] or (0.0,))[0] > 1.0]
     return fmt.fill(
         "headline_plans",
         applied=len(applied),
+        models=len(prow),
+        sharded=parts[0],
+        fused=parts[1],
+        faster=len(faster),
+        faster_models=", ".join(f"{r['model']} {_measured(r)}" for r in faster) or "none",
         rejected=len(prow) - len(applied),
         slower=len(slower),
         slower_models="".join(f"; {r['model']} {fmt.ratio_text(*versus[r['model']])}" for r in slower),
@@ -115,7 +154,7 @@ def accuracy(measured: list[dict], figures: dict[str, str]) -> list[str]:
                     fmt.ms(x["simulated"]["iteration_us"]),
                     f"{errs.get('JAX_default', float('nan')):.1%}",
                     fmt.ms(r["time_us"][DISCO]),
-                    fmt.ms(d["simulated"]["iteration_us"]),
+                    fmt.ms((d.get("simulated") or {}).get("iteration_us")),
                     f"{errs.get(DISCO, float('nan')):.1%}",
                     f"{sum(errs.values()) / max(1, len(errs)):.1%}",
                     f"{sum(ratio_errs.values()) / max(1, len(ratio_errs)):.1%}",
