@@ -160,7 +160,7 @@ def test_template_sections_are_all_used_and_filled():
 def test_report_from_the_committed_rows_has_the_committed_sections(tmp_path):
     """The committed rows (measured and simulated) render with every section the committed report
     has, in the same order (nothing is run; figures are not drawn)."""
-    committed = rows.load_rows(REPORT)
+    committed = [report_measured.readable(r) for r in rows.load_rows(REPORT)]
     run_info = json.loads((REPORT / "run.json").read_text()) if (REPORT / "run.json").exists() else {}
     figures = {
         "fig6": "fig6_iteration_time.png",
@@ -439,5 +439,6 @@ def test_a_sharded_row_without_its_programs_simulation_reads_as_not_simulated(tm
     for name, disco in cases.items():
         row = {"format": rows.ROW_FORMAT, "style": "jit", "model": name, "strategies": {rows.DISCO: disco}}
         (tmp_path / "rows" / f"{name}.json").write_text(json.dumps(row))
-    loaded = {r["model"]: r["strategies"][rows.DISCO]["simulated"] for r in rows.load_rows(tmp_path)}
+    read = [report_measured.readable(r) for r in rows.load_rows(tmp_path)]
+    loaded = {r["model"]: r["strategies"][rows.DISCO]["simulated"] for r in read}
     assert loaded == {"old": None, "new": sim, "replicated": sim}

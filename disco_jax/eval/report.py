@@ -43,7 +43,7 @@ def write_report(out: str | os.PathLike, *, style: str | None = None, run_info: 
     """README.md and the figures of the report folder, from its rows. `run_info` (a run's
     config, elapsed time and failures) is added to ``run.json``; without it the stored one is used."""
     out = Path(out)
-    rows = load_rows(out, style)
+    rows = [report_measured.readable(r) for r in load_rows(out, style)]
     info_path = out / "run.json"
     if run_info:
         previous = json.loads(info_path.read_text()) if info_path.exists() else {}

@@ -101,18 +101,8 @@ def load_rows(out: str | os.PathLike, style: str | None = None) -> list[dict]:
         except (OSError, ValueError):
             continue
         if row.get("format") == ROW_FORMAT and (style is None or row.get("style") == style):
-            rows.append(_without_misread_simulation(row))
+            rows.append(row)
     return rows
-
-
-def _without_misread_simulation(row: dict) -> dict:
-    """A measured row written before disco-jax's simulated figure named its program
-    (`simulated_by`) holds, where the weight-update choice sharded the state, the replicated
-    program's simulation, not what ran: read as not simulated."""
-    d = row.get("strategies", {}).get(DISCO) or {}
-    if d.get("weight_update") == "sharded" and "simulated_by" not in d:
-        d["simulated"] = None
-    return row
 
 
 def common_fields(model: str, platform: str, style: str, graph_summary: dict, kernels: str, num_devices: int) -> dict:
