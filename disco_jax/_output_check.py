@@ -24,7 +24,7 @@ the host in float64, or is too large to re-run there), the ulp tolerance of
 `_validate.compare_outputs` decides, and the `Comparison` records why. A candidate that only
 regroups all-reduces must still be bitwise XLA's (every element is reduced in the same order).
 
-Every caller compares through this: the pipeline's validation (`_pipeline.validate`), the measured
+Every caller compares through this: the pipeline's validation (`_search_phase.validate`), the measured
 search's candidates (`_tuning_devices.device_measure`), the sharded update's check
 (`sharding.update.check_outputs`) and the benchmark's measured rows (`eval.measured`). The float64
 run happens at most once per call, the first time a candidate is not bitwise-checked.

@@ -13,7 +13,7 @@ before the search goes on:
 
 On XLA:GPU only candidates that compile below XLA's program are timed (`_ranking.CompiledRanking`).
 The loop ends when its budget (`TuningConfig`), its rounds or new candidates run out. The
-candidate measured fastest goes to validation (the acceptance rule, `_pipeline.validate`); when
+candidate measured fastest goes to validation (the acceptance rule, `_search_phase.validate`); when
 no candidate measured faster than XLA's plan, XLA's plan is kept with that evidence.
 
 Multi-process jobs: timing and tracing run the step (collectives), so every process measures the

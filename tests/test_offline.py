@@ -8,8 +8,8 @@ import pytest
 from disco_jax import (
     _capture,
     _compile,
+    _enact_phase,
     _graph,
-    _pipeline,
     _plan,
     _ranking,
     _strategy,
@@ -115,7 +115,7 @@ def test_an_offline_plan_is_measured_on_its_first_run_and_the_verdict_kept(tmp_p
         assert _compile.compiled_stats(text)["all-reduce"] == len(stored.strategy["buckets"])
 
     # The next run reads the verdict: nothing is measured again.
-    monkeypatch.setattr(_pipeline, "validate", lambda *a, **k: pytest.fail("measured twice"))
+    monkeypatch.setattr(_enact_phase, "validate", lambda *a, **k: pytest.fail("measured twice"))
     again = optimize_distributed(search=False, plan_dir=tmp_path, validation_pairs=4, verbose=False)(step)
     again(*args)
     assert again.last_report.applied == report.applied

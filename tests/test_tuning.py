@@ -16,11 +16,11 @@ from disco_jax import (
     _capture,
     _compile,
     _graph,
-    _pipeline,
     _plan,
     _profile_store,
     _profiling,
     _search,
+    _search_phase,
     _strategy,
     _tuning,
     _tuning_devices,
@@ -254,10 +254,10 @@ def test_optimize_distributed_compiles_times_and_records_its_candidates(tmp_path
 
 
 def test_measured_candidates_0_measures_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(_pipeline, "tune", lambda *a, **k: pytest.fail("a candidate was measured"))
+    monkeypatch.setattr(_search_phase, "tune", lambda *a, **k: pytest.fail("a candidate was measured"))
     # The measured phases before the search are not what this test is about: a model stands in.
-    monkeypatch.setattr(_pipeline, "profile", lambda *a, **k: cost_model())
-    monkeypatch.setattr(_pipeline, "calibrate", lambda *a, **k: types.SimpleNamespace(to_json=dict))
+    monkeypatch.setattr(_search_phase, "profile", lambda *a, **k: cost_model())
+    monkeypatch.setattr(_search_phase, "calibrate", lambda *a, **k: types.SimpleNamespace(to_json=dict))
     step, args = make_step("jit")
     options = dict(budget_s=1.0, validation_pairs=4, verbose=False, plan_dir=tmp_path, measured_candidates=0)
     wrapped = optimize_distributed(search=True, **options)(step)

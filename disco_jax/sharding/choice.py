@@ -170,7 +170,7 @@ def choose(
     fn, step: Captured, args: tuple, kwargs: dict, backend, costs, memory_limit: int | None, pairs: int, ui, config
 ):
     """(program, its `Layout` or None, what the plan records) for `weight_update="search"`.
-    `costs`: the replicated step's cost model and the profile database (`_pipeline.profiled`);
+    `costs`: the replicated step's cost model and the profile database (`_pipeline.Profiled`);
     `config`: the search's `SearchConfig` (a quarter of its budget goes to `search_sharding`)."""
     info: dict[str, Any] = {"requested": "search", "memory_limit_bytes": memory_limit}
     input_shardings = jax.tree.leaves(step.default_compiled.input_shardings)
