@@ -145,16 +145,43 @@ class Layout:
     def _bytes(self, avals: dict[int, Any], leaves) -> int:
         return sum(math.prod(avals[i].shape) * avals[i].dtype.itemsize // self.num_shards for i in leaves)
 
+    def group_names(self) -> dict[str, tuple[int, ...]]:
+        """Name -> state group: a group is named by its parameter's path where it has one, else by
+        its first leaf's path (the names `choices` and `leaves_for` use)."""
+        param_of = {q.group: q.path for q in self.parameters.values()}
+        return {param_of.get(g, self.paths.get(g[0], str(g))): g for g in self.groups}
+
+    def layers(self) -> dict[str, tuple[str, ...]]:
+        """Layer -> names of its groups, in the order of the groups: a layer is a parameter's path
+        without its last key (`['Dense_0']['kernel']` and `['Dense_0']['bias']` form `['Dense_0']`),
+        so that a layer's parameters are sharded together."""
+        out: dict[str, list[str]] = {}
+        for name in self.group_names():
+            layer = name[: name.rfind("[")] if name.endswith("]") and "[" in name else name
+            out.setdefault(layer, []).append(name)
+        return {k: tuple(v) for k, v in out.items()}
+
+    def leaves_for(self, choices: dict[str, str]) -> tuple[int, ...]:
+        """The leaves to shard for a choice per group (name -> 'replicated', 'state' or 'params';
+        a group not named stays replicated): what `subset` takes."""
+        names, leaves = self.group_names(), []
+        param_of = {q.group: p for p, q in self.parameters.items()}
+        for name, choice in choices.items():
+            if choice not in ("replicated", "state", "params"):
+                raise ValueError(f"choice for {name} must be 'replicated', 'state' or 'params', got {choice!r}")
+            if name not in names:
+                raise ValueError(f"no parameter group {name!r}; groups: {', '.join(names)}")
+            group = names[name]
+            if choice == "params" and group not in param_of:
+                raise ValueError(f"group {name} has no parameter that can be sharded")
+            leaves += [] if choice == "replicated" else [*group, *([param_of[group]] if choice == "params" else [])]
+        return tuple(sorted(leaves))
+
     def choices(self) -> dict[str, str]:
         """Per sharded group (named by its parameter's path where it has one, else its first
         leaf's), its choice: 'state' (optimizer state sharded) or 'params' (parameter and state)."""
         param_of = {q.group: p for p, q in self.parameters.items()}
-        out = {}
-        for g in self.groups:
-            p = param_of.get(g)
-            name = self.parameters[p].path if p is not None else self.paths[g[0]]
-            out[name] = "params" if p is not None and p in self.inputs else "state"
-        return out
+        return {name: "params" if param_of.get(g) in self.inputs else "state" for name, g in self.group_names().items()}
 
     def to_json(self) -> dict:
         return {
