@@ -9,9 +9,10 @@ gathered parameter alive until the update, after the backward pass, beside the g
 their reduce-scatter buffer. Where a fusion reads the all-gather only through such slices (none
 behind other ops, the fusion's computation its own), the fusion takes the all-gather's operand
 and its slices go; the all-gather stays for its other users (the dots), and XLA's buffer
-assignment can free it after the last of them. XLA:GPU simplifies the same pattern itself before
-fusion (`AllGatherDynamicSliceSimplifier`), so the hook applies it where the backend wants the
-hook's rules (`Backend.hook_rules`: XLA:CPU).
+assignment can free it after the last of them. Before fusion (XLA:GPU's hook stage) the slice is
+an entry `dynamic-slice` of the all-gather, replaced by the shard the same way. XLA:GPU keeps the
+slices of the gathered value itself (8 `dynamic-slice`s in the deviceless H100 compile of the zoo's
+tiny MLP); the hook applies the rule where the backend wants the hook's rules (`Backend.hook_rules`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from disco_jax.sharding.slices import (
     OwnBlockRead,
     Scope,
     ScopeRead,
+    _check_slice,
     _follow,
     dims_of,
     group_positions,
@@ -52,13 +54,31 @@ def read_shards(editor: ModuleEditor) -> list[dict]:
             continue
         fused = []
         for user in list(entry.users.get(gather.name, [])):
-            if user.opcode != "fusion" or calls.count(user.attr("calls")) > 1:
+            if user.opcode == "dynamic-slice" and _slice_is_shard(editor, entry, user, shard, int(axis), dims, groups):
+                fused.append(user.name)  # before fusion (XLA:GPU's hook stage): the slice is the shard
+            elif user.opcode != "fusion" or calls.count(user.attr("calls")) > 1:
                 continue
-            if _read_shard(editor, entry, user, gather, shard, int(axis), dims, groups):
+            elif _read_shard(editor, entry, user, gather, shard, int(axis), dims, groups):
                 fused.append(user.name)
         if fused:
             applications.append({"rule": RULE, "at": [gather.name, *fused], "result": shard.name})
     return applications
+
+
+def _slice_is_shard(editor, entry: Scope, inst, shard, axis: int, dims, groups) -> bool:
+    """Replace the entry's `inst` (a dynamic-slice of an all-gather) by `shard` where it takes each
+    device's own block along `axis`; False (nothing changed) otherwise."""
+    found = OwnBlockRead(-1, groups[0], dims, [])
+    try:
+        _check_slice(entry, inst, dims, found, OffsetEvaluator(editor.module), groups)
+    except NotOwnBlock:
+        return False
+    if found.axis != axis or inst.shape != shard.shape or inst.is_root:
+        return False
+    comp = editor.module.entry
+    rename_uses(comp, inst.name, shard.name)
+    comp.instructions = [i for i in comp.instructions if i.name != inst.name]
+    return True
 
 
 def _read_shard(editor, entry: Scope, fusion, gather, shard, axis: int, dims, groups) -> bool:
