@@ -276,10 +276,11 @@ def layers_by_size(layout: update.Layout, held: dict) -> list[tuple[int, ...]]:
         groups = [names[n] for n in members if names[n] in param_of]
         if groups:
             out.append(tuple(sorted(i for g in groups for i in (*g, param_of[g]))))
-    size = lambda leaves: sum(
-        held[i].size * held[i].dtype.itemsize for i in leaves if i in layout.parameters and i in held
-    )  # noqa: E731
-    return sorted(out, key=lambda leaves: -size(leaves))
+
+    def parameter_bytes(leaves) -> int:
+        return sum(held[i].size * held[i].dtype.itemsize for i in leaves if i in layout.parameters and i in held)
+
+    return sorted(out, key=lambda leaves: -parameter_bytes(leaves))
 
 
 def parameter_candidates(fn, step, layout, args, kwargs, backend, held: dict, limit: int) -> list[Candidate]:
