@@ -30,11 +30,12 @@ from disco_jax._compile import capture_graph  # noqa: E402
 from disco_jax.sharding import choice, update  # noqa: E402
 
 CHOICES = {"replicated": None, "state": False, "params+state": True}
+TARGETS = ("cpu", "h100")  # 8 virtual devices of this host, or 8 H100s compiled deviceless
 
 
-def programs(name: str, config: str, target: str) -> dict:
+def programs(name: str, config: str, on_host: bool) -> dict:
     spec, opt = zoo.get_model(name, config), optax.adam(1e-3)
-    if target == "cpu":
+    if on_host:
         step, state, batch = zoo.make_train_step(spec, opt, zoo.data_mesh(), "jit")
         args, backend = (state, batch), backends.CPU
     else:
@@ -59,12 +60,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(zoo.MODELS))
     parser.add_argument("--config", default="tiny")
-    parser.add_argument("--target", choices=("cpu", "h100"), default="cpu")
+    parser.add_argument("--target", choices=TARGETS, default=TARGETS[0])
     args = parser.parse_args()
+    on_host = args.target == TARGETS[0]
     print(f"target {args.target}, 8 devices, jax {jax.__version__}; footprint bytes per device (XLA memory analysis)")
     print(f"{'model':12} {'replicated':>12} {'state':>12} {'params+state':>13}  kept whole  collectives (params+state)")
     for name in args.models:
-        found = programs(name, args.config, args.target)
+        found = programs(name, args.config, on_host)
         sizes, note = [], ""
         for label in CHOICES:
             compiled, call_args, layout = found["programs"][label]
@@ -75,7 +77,7 @@ def main() -> None:
         else:
             counts = {k: v for k, v in update.collectives(compiled.as_text()).items() if v}
             note = f"{len(layout.kept_whole):>10}  {counts}"
-            if args.target == "cpu":
+            if on_host:
                 reference = found["programs"]["replicated"][0](*found["args"])
                 ours = compiled(*call_args)
                 diff = max(

@@ -27,9 +27,9 @@ from disco_jax.sharding.slices import (
     OwnBlockRead,
     Scope,
     ScopeRead,
-    _check_slice,
-    _follow,
+    check_own_block_slice,
     dims_of,
+    follow_reads,
     group_positions,
     scope_of_fusion,
 )
@@ -70,7 +70,7 @@ def _slice_is_shard(editor, entry: Scope, inst, shard, axis: int, dims, groups) 
     device's own block along `axis`; False (nothing changed) otherwise."""
     found = OwnBlockRead(-1, groups[0], dims, [])
     try:
-        _check_slice(entry, inst, dims, found, OffsetEvaluator(editor.module), groups)
+        check_own_block_slice(entry, inst, dims, found, OffsetEvaluator(editor.module), groups)
     except NotOwnBlock:
         return False
     if found.axis != axis or inst.shape != shard.shape or inst.is_root:
@@ -91,7 +91,7 @@ def _read_shard(editor, entry: Scope, fusion, gather, shard, axis: int, dims, gr
         read = ScopeRead(inner, inner.parameter(number).name, [], [])
         found = OwnBlockRead(-1, groups[0], dims, [])
         try:
-            _follow(read, dims, found, OffsetEvaluator(editor.module), groups, skip_fusions=False)
+            follow_reads(read, dims, found, OffsetEvaluator(editor.module), groups, skip_fusions=False)
         except NotOwnBlock:
             return False
         block = found.block_dims if found.axis >= 0 else None
