@@ -251,7 +251,7 @@ def own_block_read(
                 if operand == name:
                     reads.append(ScopeRead(inner, inner.parameter(number).name, [], []))
     for read in reads:
-        _follow(read, dims, found, evaluator, groups, skip_fusions=read.scope is entry)
+        follow_reads(read, dims, found, evaluator, groups, skip_fusions=read.scope is entry)
         if read.slices:
             found.scopes.append(read)
         elif read.scope is not entry:
@@ -261,7 +261,7 @@ def own_block_read(
     return found
 
 
-def _follow(read: ScopeRead, dims, found: OwnBlockRead, evaluator, groups, skip_fusions: bool) -> None:
+def follow_reads(read: ScopeRead, dims, found: OwnBlockRead, evaluator, groups, skip_fusions: bool) -> None:
     """Walk the users of `read.start` through pointwise ops of its shape to own-block slices."""
     scope, seen, stack = read.scope, {read.start}, [read.start]
     while stack:
@@ -272,7 +272,7 @@ def _follow(read: ScopeRead, dims, found: OwnBlockRead, evaluator, groups, skip_
             if user.opcode == "fusion" and skip_fusions and value == read.start:
                 continue  # followed in the fused computation (`own_block_read`)
             if user.opcode == "dynamic-slice" and user.operands[0] == value and value not in user.operands[1:]:
-                _check_slice(scope, user, dims, found, evaluator, groups)
+                check_own_block_slice(scope, user, dims, found, evaluator, groups)
                 read.slices.append(user.name)
             elif user.opcode in POINTWISE and dims_of(user) == dims:
                 if user.name not in seen:
@@ -285,7 +285,7 @@ def _follow(read: ScopeRead, dims, found: OwnBlockRead, evaluator, groups, skip_
     read.between.sort(key=order.__getitem__)
 
 
-def _check_slice(scope: Scope, inst: _hlo.Instruction, dims, found: OwnBlockRead, evaluator, groups) -> None:
+def check_own_block_slice(scope: Scope, inst: _hlo.Instruction, dims, found: OwnBlockRead, evaluator, groups) -> None:
     """`inst` (a dynamic-slice of a value of `dims`) takes each device's own block along one axis."""
     num_shards, positions = groups
     sizes = [int(s) for s in (inst.attr("dynamic_slice_sizes") or "").strip("{}").split(",") if s.strip()]
