@@ -27,30 +27,32 @@ import warnings
 from typing import Any
 
 import jax
-from jax.extend import core as jax_core
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from disco_jax import _validate
 from disco_jax._compile import Captured, capture
-from disco_jax.sharding import rules
+from disco_jax.sharding import params, rules
+from disco_jax.sharding.leaves import (  # noqa: F401  (the layout's reading of the jaxpr, re-exported)
+    ELEMENTWISE,
+    choose_layout,
+    elementwise_origins,
+    leaf_groups,
+    spec_for,
+    split_dimension,
+)
 
 # The proven rules (`disco-jax rules`) a sharded update rests on; the plan cites them.
 JUSTIFYING_RULES = ("sharded_optimizer_state", "sharded_weight_update")
 
 WEIGHT_UPDATES = ("search", "sharded", "replicated")
 
-# Primitives that compute each output element from the same element of each operand.
-ELEMENTWISE = frozenset(
-    "abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type copy copy_p "
-    "cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite le "
-    "lgamma log log1p logistic lt max min mul ne neg nextafter not one_minus_square or pow real "
-    "reduce_precision rem round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan tanh "
-    "xor".split()
+SHARD_MAP_REASON = (
+    "the step is a shard_map step: its collectives are written in the function, so disco-jax cannot "
+    "shard its parameters or optimizer state; to save memory, shard inside the function "
+    "(jax.lax.psum_scatter the gradients, update the local slice, jax.lax.all_gather the parameters) "
+    "or write the step with jax.jit and NamedSharding inputs"
 )
-# Primitives that call a jaxpr on their operands one to one: followed inside.
-_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-_CALLS = frozenset("pjit jit closed_call core_call custom_jvp_call custom_vjp_call remat checkpoint".split())
 
 
 def check_weight_update(value: Any) -> str:
@@ -59,91 +61,17 @@ def check_weight_update(value: Any) -> str:
     return value
 
 
-# ------------------------------------------------------------------------- which leaves to shard
-
-
-def _inner_jaxpr(eqn) -> Any:
-    if eqn.primitive.name not in _CALLS:
-        return None
-    for name in _CALL_PARAMS:
-        inner = eqn.params.get(name)
-        if inner is not None:
-            return getattr(inner, "jaxpr", inner)
-    return None
-
-
-def elementwise_origins(jaxpr, in_origins: list[frozenset], consumed: set[int]) -> list[frozenset]:
-    """Per output of `jaxpr`: the inputs (by `in_origins` labels) it is computed from through
-    shape-preserving elementwise operations only. Labels that reach any other operation (a dot,
-    a reduction, a broadcast, a collective, control flow, a `shard_map`) go into `consumed`."""
-    env: dict = {}
-
-    def origin(atom) -> frozenset:
-        return frozenset() if isinstance(atom, jax_core.Literal) else env.get(atom, frozenset())
-
-    for var, labels in zip(jaxpr.invars, in_origins):
-        env[var] = labels
-    for eqn in jaxpr.eqns:
-        operands = [origin(a) for a in eqn.invars]
-        inner = _inner_jaxpr(eqn)
-        if inner is not None and len(inner.invars) == len(operands) and len(inner.outvars) == len(eqn.outvars):
-            results = elementwise_origins(inner, operands, consumed)
-        elif eqn.primitive.name in ELEMENTWISE and len(eqn.outvars) == 1:
-            shape, labels = eqn.outvars[0].aval.shape, frozenset()
-            for atom, operand in zip(eqn.invars, operands):
-                if atom.aval.shape == shape:
-                    labels |= operand
-                else:
-                    consumed.update(operand)
-            results = [labels]
-        else:
-            for operand in operands:
-                consumed.update(operand)
-            results = [frozenset()] * len(eqn.outvars)
-        for var, labels in zip(eqn.outvars, results):
-            env[var] = labels
-    return [origin(v) for v in jaxpr.outvars]
-
-
-def split_dimension(shape: tuple[int, ...], num_shards: int) -> int | None:
-    """The first dimension `num_shards` divides (None: the leaf cannot be split evenly)."""
-    return next((d for d, size in enumerate(shape) if size >= num_shards and size % num_shards == 0), None)
-
-
-def spec_for(shape: tuple[int, ...], axis: str, num_shards: int) -> P:
-    d = split_dimension(shape, num_shards)
-    return P(*([None] * d), axis)
-
-
-def choose_layout(jaxpr, inputs: list, outputs: list, replicated: list[bool], num_shards: int, origins=None):
-    """(input leaves to shard, outputs that are their updated values), by index. `inputs` /
-    `outputs`: avals of the jaxpr's inputs and outputs; `replicated`: per input, whether it is
-    held whole on every device of the data axis; `origins`: `(elementwise_origins(jaxpr, one
-    label per input), the labels it consumed)` when the caller has them."""
-    if origins is None:
-        consumed: set[int] = set()
-        origins = elementwise_origins(jaxpr, [frozenset({i}) for i in range(len(inputs))], consumed), consumed
-    origins, consumed = origins
-    state = {
-        i
-        for i, aval in enumerate(inputs)
-        if replicated[i] and i not in consumed and split_dimension(aval.shape, num_shards) is not None
-    }
-    while True:  # an output is a state's update when it depends elementwise on state leaves only
-        updated = {
-            j
-            for j, labels in enumerate(origins)
-            if labels
-            and labels <= state
-            and all((inputs[i].shape, inputs[i].dtype) == (outputs[j].shape, outputs[j].dtype) for i in labels)
-        }
-        kept = {i for i in state if any(i in origins[j] for j in updated)}
-        if kept == state:
-            return sorted(state), sorted(updated)
-        state = kept
-
-
 # ------------------------------------------------------------------------------------ enactment
+
+
+@dataclasses.dataclass(frozen=True)
+class Parameter:
+    """A parameter leaf the step updates from one group of optimizer state (`Layout.parameters`)."""
+
+    group: tuple[int, ...]
+    spec: P
+    output: int
+    path: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,26 +91,106 @@ class Layout:
     # it is computed from. Sharding a union of groups keeps every such output's inputs alike.
     groups: tuple[tuple[int, ...], ...] = ()
     sources: dict[int, frozenset] = dataclasses.field(default_factory=dict)
+    # Parameters and state sharded (ZeRO-3; `sharding.params`): per parameter leaf whose new value
+    # is computed elementwise from it and one group's state only, that group, its spec and its new
+    # value's output. A parameter is sharded (and all-gathered before use) only when in `inputs`.
+    parameters: dict[int, Parameter] = dataclasses.field(default_factory=dict)
+    # Leaves of the update (parameters, state) kept replicated, by path, and why.
+    kept_whole: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def subset(self, leaves) -> Layout:
-        """This layout with only the input leaves `leaves` (a union of `groups`) sharded."""
+        """This layout with only the input leaves `leaves` sharded: a union of `groups`, plus the
+        parameters (`parameters`) of some of those groups for parameters and state sharded."""
         keep = set(leaves)
-        outputs = {j: spec for j, spec in self.outputs.items() if self.sources.get(j, frozenset()) <= keep}
-        groups = tuple(g for g in self.groups if set(g) <= keep)
+        for p in keep & self.parameters.keys():
+            if not set(self.parameters[p].group) <= keep:
+                raise ValueError(f"parameter {self.parameters[p].path} sharded without its state")
+        specs = {**self.inputs, **{p: q.spec for p, q in self.parameters.items()}}
+        outputs = {**self.outputs, **{q.output: q.spec for q in self.parameters.values()}}
+        sources = {**self.sources, **{q.output: frozenset({p, *q.group}) for p, q in self.parameters.items()}}
+        paths = {**self.paths, **{p: q.path for p, q in self.parameters.items()}}
         pick = lambda d: {i: v for i, v in d.items() if i in keep}  # noqa: E731
         return dataclasses.replace(
-            self, inputs=pick(self.inputs), outputs=outputs, paths=pick(self.paths), groups=groups
+            self,
+            inputs=pick(specs),
+            outputs={j: spec for j, spec in outputs.items() if sources.get(j, frozenset()) <= keep},
+            paths=pick(paths),
+            groups=tuple(g for g in self.groups if set(g) <= keep),
         )
 
+    def all_leaves(self, parameters: bool = True) -> tuple[int, ...]:
+        """Every leaf this layout can shard: the groups' state, and with `parameters` their
+        parameters (the fully sharded step: ZeRO-3)."""
+        state = [i for g in self.groups for i in g]
+        return tuple(sorted(state + (list(self.parameters) if parameters else [])))
+
+    @property
+    def gathered(self) -> tuple[int, ...]:
+        """The sharded parameter leaves: all-gathered before use inside the step."""
+        return tuple(sorted(set(self.inputs) & self.parameters.keys()))
+
+    def all_paths(self) -> dict[str, int]:
+        """Path -> index of every leaf this layout can shard (state and parameters)."""
+        return {path: i for i, path in {**self.paths, **{p: q.path for p, q in self.parameters.items()}}.items()}
+
     def state_bytes(self, avals: dict[int, Any]) -> int:
-        """Per-device bytes of the sharded leaves (`avals`: index -> aval of every input leaf)."""
-        return sum(math.prod(avals[i].shape) * avals[i].dtype.itemsize // self.num_shards for i in self.inputs)
+        """Per-device bytes of the sharded optimizer-state leaves (`avals`: index -> aval of every
+        input leaf); the sharded parameters' are `parameter_bytes`."""
+        return self._bytes(avals, [i for i in self.inputs if i not in self.parameters])
+
+    def parameter_bytes(self, avals: dict[int, Any]) -> int:
+        """Per-device bytes of the sharded parameter leaves."""
+        return self._bytes(avals, self.gathered)
+
+    def _bytes(self, avals: dict[int, Any], leaves) -> int:
+        return sum(math.prod(avals[i].shape) * avals[i].dtype.itemsize // self.num_shards for i in leaves)
+
+    def group_names(self) -> dict[str, tuple[int, ...]]:
+        """Name -> state group: a group is named by its parameter's path where it has one, else by
+        its first leaf's path (the names `choices` and `leaves_for` use)."""
+        param_of = {q.group: q.path for q in self.parameters.values()}
+        return {param_of.get(g, self.paths.get(g[0], str(g))): g for g in self.groups}
+
+    def layers(self) -> dict[str, tuple[str, ...]]:
+        """Layer -> names of its groups, in the order of the groups: a layer is a parameter's path
+        without its last key (`['Dense_0']['kernel']` and `['Dense_0']['bias']` form `['Dense_0']`),
+        so that a layer's parameters are sharded together."""
+        out: dict[str, list[str]] = {}
+        for name in self.group_names():
+            layer = name[: name.rfind("[")] if name.endswith("]") and "[" in name else name
+            out.setdefault(layer, []).append(name)
+        return {k: tuple(v) for k, v in out.items()}
+
+    def leaves_for(self, choices: dict[str, str]) -> tuple[int, ...]:
+        """The leaves to shard for a choice per group (name -> 'replicated', 'state' or 'params';
+        a group not named stays replicated): what `subset` takes."""
+        names, leaves = self.group_names(), []
+        param_of = {q.group: p for p, q in self.parameters.items()}
+        for name, choice in choices.items():
+            if choice not in ("replicated", "state", "params"):
+                raise ValueError(f"choice for {name} must be 'replicated', 'state' or 'params', got {choice!r}")
+            if name not in names:
+                raise ValueError(f"no parameter group {name!r}; groups: {', '.join(names)}")
+            group = names[name]
+            if choice == "params" and group not in param_of:
+                raise ValueError(f"group {name} has no parameter that can be sharded")
+            leaves += [] if choice == "replicated" else [*group, *([param_of[group]] if choice == "params" else [])]
+        return tuple(sorted(leaves))
+
+    def choices(self) -> dict[str, str]:
+        """Per sharded group (named by its parameter's path where it has one, else its first
+        leaf's), its choice: 'state' (optimizer state sharded) or 'params' (parameter and state)."""
+        param_of = {q.group: p for p, q in self.parameters.items()}
+        return {name: "params" if param_of.get(g) in self.inputs else "state" for name, g in self.group_names().items()}
 
     def to_json(self) -> dict:
         return {
             "axis": self.axis,
             "num_shards": self.num_shards,
             "leaves": {self.paths[i]: [d for d in spec] for i, spec in sorted(self.inputs.items())},
+            "parameters": sorted(self.paths[i] for i in self.gathered),
+            "choices": self.choices(),
+            "kept_whole": dict(self.kept_whole),
         }
 
     def reshard(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -219,7 +227,7 @@ def find_layout(
     traced = fn.trace(*args, **kwargs)
     jaxpr = getattr(traced.jaxpr, "jaxpr", traced.jaxpr)
     if any(eqn.primitive.name == "shard_map" for eqn in jaxpr.eqns):
-        return None, "the step is a shard_map step (its collectives are written in the function)"
+        return None, SHARD_MAP_REASON
     with_paths, _ = jax.tree_util.tree_flatten_with_path((dynamic_args, dynamic_kwargs))
     if not len(with_paths) == len(jaxpr.invars) == len(input_shardings):
         return None, "the step's inputs are not one array per argument leaf"
@@ -237,26 +245,27 @@ def find_layout(
     state, updated = choose_layout(jaxpr, inputs, outputs, replicated, num_shards, (origins, consumed))
     if not state:
         return None, "no replicated optimizer state updated elementwise with a dimension divisible by the data axis"
+    groups = leaf_groups(origins, state)
+    path_of = lambda i: jax.tree_util.keystr(with_paths[i][0])  # noqa: E731
+    split = lambda shape: None if split_dimension(shape, num_shards) is None else spec_for(shape, axis, num_shards)  # noqa: E731
+    parameters, kept_whole = params.find_parameters(
+        origins, consumed, inputs, outputs, replicated, set(state), groups, num_shards, axis, path_of, split
+    )
     return Layout(
         mesh,
         axis,
         num_shards,
         {i: spec_for(inputs[i].shape, axis, num_shards) for i in state},
         {j: spec_for(outputs[j].shape, axis, num_shards) for j in updated},
-        {i: jax.tree_util.keystr(with_paths[i][0]) for i in state},
-        leaf_groups(origins, state),
+        {i: path_of(i) for i in state},
+        groups,
         {j: origins[j] for j in updated},
-    ), f"{len(state)} optimizer-state leaves sharded {num_shards} ways over {axis!r}"
-
-
-def leaf_groups(origins: list[frozenset], state: list[int]) -> tuple[tuple[int, ...], ...]:
-    """The state leaves joined whenever some output is computed from several of them."""
-    group = {i: frozenset({i}) for i in state}
-    for labels in origins:
-        members = frozenset().union(*(group[i] for i in labels if i in group))
-        for i in members:
-            group[i] = members
-    return tuple(sorted({tuple(sorted(g)) for g in group.values()}))
+        parameters,
+        kept_whole,
+    ), (
+        f"{len(state)} optimizer-state leaves sharded {num_shards} ways over {axis!r}"
+        f" ({len(parameters)} of their parameters can be sharded too)"
+    )
 
 
 def _jit_options(info) -> dict:
@@ -305,7 +314,8 @@ def relower_positional(step, args: tuple, compiled, leaves=None) -> tuple:
 
 def relower(fn, layout: Layout, args: tuple, kwargs: dict, dynamic: tuple, default: Any) -> tuple:
     """(lowered, resharded dynamic args, kwargs): the user's function jitted again with its own
-    jit options but its shardings: the state leaves in `layout`'s sharding at input and output,
+    jit options but its shardings: the state leaves in `layout`'s sharding at input and output
+    (and its sharded parameters, all-gathered before the function runs: `params.gathering`),
     every other leaf in the sharding the unmodified step's executable (`default`) gives it (the
     user's `in_shardings`/`out_shardings`, where the jit fixed them)."""
     leaves, tree = jax.tree.flatten(dynamic)
@@ -316,7 +326,9 @@ def relower(fn, layout: Layout, args: tuple, kwargs: dict, dynamic: tuple, defau
     for j, spec in layout.outputs.items():
         out_leaves[j] = NamedSharding(layout.mesh, spec)
     jitted = jax.jit(
-        fn.__wrapped__, out_shardings=jax.tree.unflatten(out_tree, out_leaves), **_jit_options(fn._jit_info)
+        params.gathering(fn.__wrapped__, fn._jit_info, layout),
+        out_shardings=jax.tree.unflatten(out_tree, out_leaves),
+        **_jit_options(fn._jit_info),
     )
     call_args, call_kwargs = _with_dynamic(args, kwargs, dynamic, resharded)
     return jitted.lower(*call_args, **call_kwargs), resharded
