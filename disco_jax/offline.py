@@ -66,21 +66,34 @@ def _target_of(device_kind: str) -> str:
 # ------------------------------------------------------------------ the weight update, by memory
 
 REPLICATED = "replicated"
-STATE_SHARDED = "optimizer state sharded"  # ZeRO-1 (`sharding.update`)
+STATE_SHARDED = "optimizer state sharded"  # ZeRO-1
+ALL_SHARDED = "parameters and state sharded"  # ZeRO-3 / FSDP: all-gathered before use
 
 
-def _state_sharded(step, args: tuple, kwargs: dict, replicated_compiled) -> tuple:
-    """(lowered, layout, why) of the step with its optimizer state sharded over the data axis."""
-    shardings = jax.tree.leaves(replicated_compiled.input_shardings)
-    layout, reason = update.find_layout(step, args, kwargs, args, kwargs, shardings)
-    if layout is None:
-        return None, None, reason
-    return update.relower(step, layout, args, kwargs, (args, kwargs), replicated_compiled)[0], layout, reason
+def _sharded_update(parameters: bool) -> Callable:
+    """A builder of the step lowered again with every optimizer-state group sharded over the data
+    axis (`sharding.update`), and with `parameters` their parameters too (`sharding.params`)."""
+
+    def build(step, args: tuple, kwargs: dict, replicated_compiled) -> tuple:
+        """(lowered, layout, why) of the sharded step; (None, None, why not) where it does not apply."""
+        shardings = jax.tree.leaves(replicated_compiled.input_shardings)
+        layout, reason = update.find_layout(step, args, kwargs, args, kwargs, shardings)
+        if layout is None:
+            return None, None, reason
+        if parameters and not layout.parameters:
+            return None, None, "no parameter is updated from its own optimizer state only"
+        layout = layout.subset(layout.all_leaves(parameters=parameters))
+        return update.relower(step, layout, args, kwargs, (args, kwargs), replicated_compiled)[0], layout, reason
+
+    return build
 
 
 # The sharded weight updates a memory limit chooses from, besides the replicated one: label ->
 # builder(step, args, kwargs, replicated step's executable) -> (lowered or None, layout, why).
-SHARDED_UPDATES: dict[str, Callable] = {STATE_SHARDED: _state_sharded}
+SHARDED_UPDATES: dict[str, Callable] = {
+    STATE_SHARDED: _sharded_update(parameters=False),
+    ALL_SHARDED: _sharded_update(parameters=True),
+}
 
 
 @dataclasses.dataclass

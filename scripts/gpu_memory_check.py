@@ -9,8 +9,9 @@ donated) and each weight update of `offline.SHARDED_UPDATES` plus the replicated
 (c) run there (global arrays built from this process's shards, the state fed back a few steps):
     the device's ``peak_bytes_in_use`` and ``bytes_in_use`` (`memory_stats()`), and the step time.
 
-Each program runs in its own process, so the allocator's peak is the program's own; a failure
-is written as a row and the others go on. Rows are JSON lines appended to ``--out`` and flushed
+Each program runs in its own process, so the allocator's peak is the program's own: the GPU's
+programs first, then the deviceless compiles, each process within what is left of
+``--time-budget-s``; a failure or a timeout is written as a row and the others go on. Rows are JSON lines appended to ``--out`` and flushed
 as they come; the summary printed at the end compares (a), (b) and (c) per program. Footprint =
 arguments + outputs + temporaries - aliased bytes (`sharding.choice.footprint`).
 
@@ -226,8 +227,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="the tiny GPT (a quick check of the script)")
     parser.add_argument("--dry-run", action="store_true", help="no GPU: (a), and the run path on 8 CPU devices")
     parser.add_argument("--steps", type=int, default=5, help="steps run per program")
-    parser.add_argument("--timeout", type=float, default=150.0, help="seconds per program's process")
-    parser.add_argument("--time-budget-s", type=float, default=270.0, help="no program is started after")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per process at most")
+    parser.add_argument("--time-budget-s", type=float, default=280.0, help="the whole run's seconds at most")
     parser.add_argument("--child", choices=("deviceless", "device"), help=argparse.SUPPRESS)
     parser.add_argument("--program", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -249,7 +250,6 @@ def main(argv=None) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     write_row(args.out, {"phase": "start", "argv": sys.argv[1:], "xla_flags": os.environ.get("XLA_FLAGS", "")})
     cpu_env = {**env, "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": "-1"}
-    run_child(args, ["--child", "deviceless"], cpu_env, {"phase": "deviceless"}, args.timeout * 2)
     from disco_jax import offline  # the labels only; no backend starts here
 
     if args.dry_run:
@@ -260,14 +260,25 @@ def main(argv=None) -> int:
         if "xla_gpu_shard_autotuning" not in flags:
             flags = f"{flags} --xla_gpu_shard_autotuning=false".strip()
         device_env = {**env, "XLA_FLAGS": flags}
-    for label in [offline.REPLICATED, *offline.SHARDED_UPDATES]:
-        if time.perf_counter() - started > args.time_budget_s:
-            write_row(args.out, {"phase": "device", "program": label, "skipped": "time budget spent"})
+    # The device's programs first (what only the GPU can give), then the deviceless compiles (which
+    # any CPU machine can also give), each process within what is left of the time budget.
+    children = [
+        *(
+            (
+                {"phase": "device", "program": label},
+                ["--child", "device", "--program", label, "--steps", str(args.steps)],
+                device_env,
+            )
+            for label in [offline.REPLICATED, *offline.SHARDED_UPDATES]
+        ),
+        ({"phase": "deviceless"}, ["--child", "deviceless"], cpu_env),
+    ]
+    for what, extra, child_env in children:
+        left = args.time_budget_s - (time.perf_counter() - started)
+        if left < 20:
+            write_row(args.out, {**what, "skipped": "time budget spent"})
             continue
-        what = {"phase": "device", "program": label}
-        run_child(
-            args, ["--child", "device", "--program", label, "--steps", str(args.steps)], device_env, what, args.timeout
-        )
+        run_child(args, extra, child_env, what, min(args.timeout, left))
     write_row(args.out, {"phase": "end", "seconds": time.perf_counter() - started})
     summary(args.out)
     return 0

@@ -51,6 +51,13 @@ def test_every_weight_update_is_compiled_for_the_target_with_its_peak(candidates
     assert sharded.peak_bytes < replicated.peak_bytes
     assert "reduce-scatter" in sharded.xla.text or "all-gather" in sharded.xla.text
     assert replicated.layout is None and sharded.layout is not None
+    # Parameters sharded too hold less again: each device keeps 1/8 of parameters and state.
+    everything = candidates[offline.ALL_SHARDED]
+    held = everything.memory["params_and_state_bytes_per_device"]
+    assert held < sharded.memory["params_and_state_bytes_per_device"]
+    assert held * 4 < replicated.memory["params_and_state_bytes_per_device"]
+    assert everything.layout.gathered and not sharded.layout.gathered
+    assert everything.peak_bytes < replicated.peak_bytes
 
 
 def test_a_limit_between_the_replicated_and_the_sharded_peak_gives_a_plan_that_fits(gpt_step, candidates, tmp_path):
@@ -90,6 +97,16 @@ def test_a_limit_between_the_replicated_and_the_sharded_peak_gives_a_plan_that_f
     assert found.weight_update["chosen"] == decided["chosen"]
     # `choice.pick` reads the same records: the replicated update is over the limit there too.
     assert choice.footprint(chosen.memory) == chosen.peak_bytes
+
+
+def test_the_limit_decides_between_the_sharded_updates(candidates):
+    """Under a limit only the smallest update meets, it is chosen whatever it costs."""
+    smallest = min(candidates.values(), key=lambda c: c.peak_bytes)
+    others = [c.peak_bytes for c in candidates.values() if c is not smallest]
+    assert smallest.peak_bytes < min(others)
+    decided = offline.choose_weight_update(list(candidates.values()), smallest.peak_bytes)
+    assert decided["chosen"] == smallest.label and decided["forced"]
+    assert [r["within_limit"] for r in decided["candidates"]].count(True) == 1
 
 
 def test_no_plan_when_nothing_fits_and_the_smallest_peak_is_named(candidates):
