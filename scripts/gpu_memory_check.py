@@ -11,9 +11,10 @@ donated) and each weight update of `offline.SHARDED_UPDATES` plus the replicated
 
 Each program runs in its own process, so the allocator's peak is the program's own: the GPU's
 programs first, then the deviceless compiles, each process within what is left of
-``--time-budget-s``; a failure or a timeout is written as a row and the others go on. Rows are JSON lines appended to ``--out`` and flushed
-as they come; the summary printed at the end compares (a), (b) and (c) per program. Footprint =
-arguments + outputs + temporaries - aliased bytes (`sharding.choice.footprint`).
+``--time-budget-s``; a failure or a timeout is written as a row and the others go on. Rows are
+JSON lines appended to ``--out`` and flushed as they come; the summary printed at the end
+compares (a), (b) and (c) per program. Footprint = arguments + outputs + temporaries - aliased
+bytes (`sharding.choice.footprint`).
 
     python scripts/gpu_memory_check.py --out out/memory_check.jsonl            # the GPU machine
     python scripts/gpu_memory_check.py --out /tmp/m.jsonl --dry-run --tiny     # CPU, a quick check
