@@ -189,6 +189,12 @@ def _peak(compiled) -> int | None:
     return None if compiled is None else choice.footprint(update.memory(compiled, {}))
 
 
+def program_costs(cluster) -> ProgramCosts:
+    """The compiled-program model on `cluster`'s costs (its kernel estimator, its collectives):
+    how offline plans cost every program they compile."""
+    return ProgramCosts(backends.GPU, ChainEstimator([cluster.kernel_estimator()]), cluster.allreduce_model())
+
+
 class NothingFits(ValueError):
     """No weight update of the step fits the memory limit (the message names the smallest)."""
 
@@ -266,8 +272,8 @@ def plan_for_target(
         raise ValueError(f"cluster {cluster.name} has {cluster.num_devices} GPUs, the step's mesh {len(devices)}")
     # As `MachineKey.current` reads it on the real machine: JAX's name of the devices' backend.
     machine = _plan.MachineKey(devices[0].platform, device_kind_key(devices[0]), len(devices), processes)
-    estimator, allreduce = ChainEstimator([cluster.kernel_estimator()]), cluster.allreduce_model()
-    costs = ProgramCosts(backends.GPU, estimator, allreduce)
+    costs = program_costs(cluster)
+    estimator, allreduce = costs.estimator, costs.allreduce
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
 

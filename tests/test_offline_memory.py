@@ -7,10 +7,8 @@ gives a plan that fits."""
 import optax
 import pytest
 
-from disco_jax import _plan, backends, offline, targets, zoo
-from disco_jax._ranking import ProgramCosts
+from disco_jax import _plan, offline, targets, zoo
 from disco_jax._search import SearchConfig
-from disco_jax.cost import ChainEstimator
 from disco_jax.eval import clusters
 from disco_jax.sharding import choice
 
@@ -26,8 +24,7 @@ def gpt_step():
 @pytest.fixture(scope="module")
 def candidates(gpt_step):
     step, args = gpt_step
-    cluster = clusters.node_of("h100-sxm", 8)
-    costs = ProgramCosts(backends.GPU, ChainEstimator([cluster.kernel_estimator()]), cluster.allreduce_model())
+    costs = offline.program_costs(clusters.node_of("h100-sxm", 8))
     return {c.label: c for c in offline.weight_update_candidates(step, args, {}, costs)}
 
 
