@@ -2,7 +2,7 @@
 
 What a compiler that has no reduce-scatter creator and no all-gather combiner (XLA:CPU) leaves of
 a sharded weight update: one all-reduce of the gradients, each device slicing its own block of
-them inside the update's fusions, and one all-gather per split parameter. Two rewrites, each
+them inside the update's fusions, and one all-gather per split parameter. Three rewrites, each
 made only where the rules that justify it are proven (`rules.require`), and recorded:
 
 1. **Reduce-scatter** (`own_block_of_all_reduce`; `own_block_through_elementwise[2]` where the
@@ -14,11 +14,13 @@ made only where the rules that justify it are proven (`rules.require`), and reco
    a `slice` + `reshape` of the row, and the elementwise ops between the gradient and the slice
    run on the block (their other operands sliced the same way). The other operands stay in the
    all-reduce.
-2. **Grouped all-gather** (`grouped_all_gather`, `sharding.gathers`). The all-gathers whose
+2. **The shard, not the gathered parameter** (`own_block_of_all_gather`, `sharding.gathered`): a
+   fusion that reads only its own block of an all-gather reads the all-gather's operand.
+3. **Grouped all-gather** (`grouped_all_gather`, `sharding.gathers`). The all-gathers whose
    results are only the step's outputs (the updated parameters), grouped by the reduce-scatters
    they depend on (so they follow the gradients' buckets), become one all-gather each group.
 
-Both rewrites leave the module's parameters, outputs and every other instruction as they were;
+The rewrites leave the module's parameters, outputs and every other instruction as they were;
 `Applied.applications` lists each application: the rule, the instructions it matched (`at`) and
 the instruction it made (`result`).
 """
@@ -30,7 +32,7 @@ import functools
 import math
 
 from disco_jax import _hlo
-from disco_jax.sharding import gathers, rules
+from disco_jax.sharding import gathered, gathers, rules
 from disco_jax.sharding.hlo_edit import (
     ModuleEditor,
     array,
@@ -46,7 +48,14 @@ REDUCE_SCATTER_RULE = "own_block_of_all_reduce"
 ELEMENTWISE_RULES = ("own_block_through_elementwise", "own_block_through_elementwise2")
 GROUPED_REDUCE_SCATTER_RULE = "grouped_reduce_scatter"
 GROUPED_ALL_GATHER_RULE = gathers.RULE
-RULES = (REDUCE_SCATTER_RULE, *ELEMENTWISE_RULES, GROUPED_REDUCE_SCATTER_RULE, GROUPED_ALL_GATHER_RULE)
+OWN_BLOCK_OF_ALL_GATHER_RULE = gathered.RULE
+RULES = (
+    REDUCE_SCATTER_RULE,
+    *ELEMENTWISE_RULES,
+    GROUPED_REDUCE_SCATTER_RULE,
+    GROUPED_ALL_GATHER_RULE,
+    OWN_BLOCK_OF_ALL_GATHER_RULE,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +91,8 @@ def apply_rules(text: str, allowed: frozenset[str] | None = None) -> Applied:
     (`allowed`: the rules that may be applied; default: every proven one)."""
     allowed = proven() if allowed is None else allowed & proven()
     scatters = REDUCE_SCATTER_RULE in allowed and "partition-id(" in text  # own blocks need device ids
-    if not scatters and (GROUPED_ALL_GATHER_RULE not in allowed or " all-gather(" not in text):
+    shards = OWN_BLOCK_OF_ALL_GATHER_RULE in allowed and "partition-id(" in text and " all-gather(" in text
+    if not scatters and not shards and (GROUPED_ALL_GATHER_RULE not in allowed or " all-gather(" not in text):
         return Applied(text)
     module = _hlo.parse_module(text)
     writer = _Writer(module, text, allowed)
@@ -90,6 +100,8 @@ def apply_rules(text: str, allowed: frozenset[str] | None = None) -> Applied:
         for inst in list(module.entry.instructions):
             if inst.opcode == "all-reduce":
                 writer.scatter(inst)
+    if shards:  # before grouping: the gathers it reads through are the step's first ones
+        writer.applications += gathered.read_shards(writer)
     if GROUPED_ALL_GATHER_RULE in allowed:
         writer.applications += gathers.group_all_gathers(writer)
     if not writer.applications:

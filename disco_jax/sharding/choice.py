@@ -145,6 +145,11 @@ class Candidate:
     def label(self) -> str:
         if self.layout is None:
             return "replicated"
+        if self.layout.gathered:
+            return (
+                f"parameters and state sharded ({len(self.layout.gathered)} parameters, "
+                f"{len(self.layout.groups)} groups, {len(self.leaves)} leaves)"
+            )
         return f"sharded ({len(self.layout.groups)} groups, {len(self.leaves)} leaves)"
 
     def to_json(self, full: update.Layout, held: dict, limit: int | None) -> dict:
@@ -157,6 +162,7 @@ class Candidate:
             "label": self.label,
             "leaves": [] if self.layout is None else sorted(self.layout.paths.values()),
             "state_bytes_per_device": state,
+            "choices": {} if self.layout is None else self.layout.choices(),
             "params_and_state_bytes_per_device": self.memory.get("params_and_state_bytes_per_device"),
             "footprint_bytes": size,
             "within_limit": None if limit is None or size is None else size <= limit,
@@ -177,13 +183,17 @@ def choose(
     layout, reason = update.find_layout(fn, args, kwargs, step.args, step.kwargs, input_shardings)
     if layout is not None:
         try:
-            info["rules"] = {name: str(rules.require(name)) for name in update.JUSTIFYING_RULES}
+            info["rules"] = update.cited_rules(layout)
         except rules.RuleNotProven as e:
             layout, reason = None, f"the rule it rests on is not proven here ({e})"
     held = update.held_leaves(step)
     replicated = Candidate((), step, None, update.memory(step.default_compiled, held))
     if layout is None:
-        return step, None, {**info, "mode": "replicated", "reason": reason, **_limit_check(replicated, memory_limit)}
+        return (
+            step,
+            None,
+            {**info, "mode": "replicated", "reason": reason, **_limit_check(replicated, memory_limit, reason)},
+        )
     cost_model, database = costs
     allreduce = _profiling.with_scatter_gather(cost_model.allreduce, step, database, ui)
     model = dataclasses.replace(cost_model, allreduce=allreduce)
@@ -202,9 +212,15 @@ def choose(
             sets.insert(1, searched)
     candidates = [replicated]
     for leaves in sets[1:]:
-        sub = layout.subset(leaves)
-        program = update.relowered(fn, step, sub, args, kwargs, backend)
-        candidates.append(Candidate(leaves, program, sub, update.memory(program.default_compiled, held)))
+        candidates.append(candidate(fn, step, layout, leaves, args, kwargs, backend, held))
+    if memory_limit is not None and not any(within(c, memory_limit) for c in candidates):
+        try:  # sharding the state is not enough: the parameters of the largest layers too
+            update.cited_rules(layout.subset(layout.all_leaves()))
+        except rules.RuleNotProven as e:
+            info["parameters"] = f"not sharded: {e}"
+        else:
+            ui.say(f"weight update: sharding the state does not fit {memory_limit} bytes; sharding parameters too")
+            candidates += parameter_candidates(fn, step, layout, args, kwargs, backend, held, memory_limit)
     ui.say(f"weight update: simulating {len(candidates)} candidates (replicated, sharded over {layout.axis!r})")
     for c in candidates:
         c.simulated_us = simulated_us(model, c.step)
@@ -228,6 +244,7 @@ def choose(
     if index == 0:
         return step, None, {**info, "mode": "replicated", "reason": f"sharded candidates simulate faster; {why}"}
     best = candidates[index]
+    info["rules"] = update.cited_rules(best.layout)
     info.update(
         best.layout.to_json(),
         mode="sharded",
@@ -236,6 +253,52 @@ def choose(
         program=best.step.graph.fingerprint,
     )
     return best.step, best.layout, info
+
+
+def candidate(fn, step: Captured, layout: update.Layout, leaves, args, kwargs, backend, held: dict) -> Candidate:
+    """The step lowered again with `leaves` sharded, compiled, its memory read."""
+    sub = layout.subset(leaves)
+    program = update.relowered(fn, step, sub, args, kwargs, backend)
+    return Candidate(tuple(leaves), program, sub, update.memory(program.default_compiled, held))
+
+
+def within(c: Candidate, limit: int | None) -> bool:
+    size = footprint(c.memory)
+    return limit is None or (size is not None and size <= limit)
+
+
+def layers_by_size(layout: update.Layout, held: dict) -> list[tuple[int, ...]]:
+    """The parameter leaves of each layer (`Layout.layers`) with their groups' state, the
+    layers whose parameters hold most bytes first."""
+    names, param_of = layout.group_names(), {q.group: p for p, q in layout.parameters.items()}
+    out = []
+    for members in layout.layers().values():
+        groups = [names[n] for n in members if names[n] in param_of]
+        if groups:
+            out.append(tuple(sorted(i for g in groups for i in (*g, param_of[g]))))
+
+    def parameter_bytes(leaves) -> int:
+        return sum(held[i].size * held[i].dtype.itemsize for i in leaves if i in layout.parameters and i in held)
+
+    return sorted(out, key=lambda leaves: -parameter_bytes(leaves))
+
+
+def parameter_candidates(fn, step, layout, args, kwargs, backend, held: dict, limit: int) -> list[Candidate]:
+    """Candidates with parameters and state sharded (ZeRO-3), for a limit that sharding every
+    group's state does not meet: every group's state plus the parameters of the 1, 2, 4, ...
+    largest layers (`layers_by_size`), each compiled and its footprint read, until one fits
+    (the last: every parameter sharded)."""
+    layers = layers_by_size(layout, held)
+    state = layout.all_leaves(parameters=False)
+    out, k = [], 1
+    while layers:
+        k = min(k, len(layers))
+        leaves = tuple(sorted({*state, *(i for layer in layers[:k] for i in layer)}))
+        out.append(candidate(fn, step, layout, leaves, args, kwargs, backend, held))
+        if within(out[-1], limit) or k == len(layers):
+            break
+        k *= 2
+    return out
 
 
 def simulated_us(model, program: Captured) -> float | None:
@@ -259,13 +322,14 @@ def preferred_by_simulation(candidates: list[Candidate], limit: int | None) -> l
             (c for c in fits if c.simulated_us is not None and c.simulated_us < replicated.simulated_us), key=by_time
         )
     if not fits:
+        smallest = min(sharded, key=lambda c: footprint(c.memory) or 0)
         warnings.warn(
-            f"disco-jax: no weight update fits the memory limit of {limit} bytes per device; "
-            "measuring the one that needs least",
+            f"disco-jax: no weight update fits the memory limit of {limit} bytes per device; the smallest "
+            f"per-device peak found is {footprint(smallest.memory)} bytes ({smallest.label}); measuring it",
             UserWarning,
             stacklevel=7,
         )
-        return [min(sharded, key=lambda c: footprint(c.memory) or 0)]
+        return [smallest]
     return sorted(fits, key=by_time)
 
 
@@ -334,12 +398,12 @@ def _told(m: dict) -> str:
     return f"measured {m['ratio']:.3f}x the replicated step time, interval [{low:.3f}, {high:.3f}] ({m['verdict']})"
 
 
-def _limit_check(candidate: Candidate, limit: int | None) -> dict:
+def _limit_check(candidate: Candidate, limit: int | None, reason: str) -> dict:
     size = footprint(candidate.memory)
     if limit is not None and size is not None and size > limit:
         warnings.warn(
             f"disco-jax: the step needs {size} bytes per device, over the memory limit of {limit}, and "
-            "has no optimizer state to shard",
+            f"disco-jax cannot shard its parameters or optimizer state: {reason}",
             UserWarning,
             stacklevel=6,
         )
@@ -370,18 +434,19 @@ def recall(
         return step, None, {"mode": "replicated", "requested": "search", "reason": decided.get("reason")}
     input_shardings = jax.tree.leaves(step.default_compiled.input_shardings)
     layout, reason = update.find_layout(fn, args, kwargs, step.args, step.kwargs, input_shardings)
-    by_path = {} if layout is None else {path: i for i, path in layout.paths.items()}
+    by_path = {} if layout is None else layout.all_paths()
     wanted = list(decided.get("leaves", {}))
     if layout is None or any(path not in by_path for path in wanted):
         warnings.warn(
-            "disco-jax: the stored weight-update decision names optimizer-state leaves this step does not "
+            "disco-jax: the stored weight-update decision names parameter or optimizer-state leaves this step does not "
             f"have ({reason}); running the replicated update",
             _plan.PlanWarning,
             stacklevel=6,
         )
         return step, None, {"mode": "replicated", "requested": "search", "reason": "stored decision does not fit"}
     layout = layout.subset(by_path[path] for path in wanted)
-    return update.relowered(fn, step, layout, args, kwargs, backend), layout, {**decided, **layout.to_json()}
+    recalled = {**decided, **layout.to_json(), "rules": update.cited_rules(layout)}
+    return update.relowered(fn, step, layout, args, kwargs, backend), layout, recalled
 
 
 def rechoose(decided: dict, limit: int | None) -> dict:

@@ -128,6 +128,39 @@ RULES: tuple[Rule, ...] = (
         "elementwise optimizer update u(param, grad) (SGD, Adam, momentum; not global-norm clipping).",
         lemmas=("sharded_optimizer_state",),
     ),
+    # Parameters sharded too (ZeRO-3 / FSDP; `sharding.params`).
+    rule(
+        "all_gather_before_use",
+        "(map2 u (replicate p N) d)",
+        "(map2 u (all_gather (partition p a N) a N) d)",
+        "u:fn2 p:tensor d:sharded a:axis N:count",
+        "(divides N p a)",
+        "(same_shape p d)",
+        doc="A parameter kept partitioned between steps and all-gathered before use gives every op that "
+        "uses it with a device's own data (the forward and backward dots; any u, not only elementwise "
+        "ones) what the replicated parameter gives. `same_shape` only because the numeric model's u "
+        "takes equal shapes; the proof does not use it.",
+    ),
+    rule(
+        "sharded_parameter_gradient",
+        "(partition (reduce g N) a N)",
+        "(reduce_scatter g a N)",
+        "g:sharded a:axis N:count",
+        "(divides N g a)",
+        doc="The gradient a device needs for its block of a partitioned parameter, its block of the "
+        "devices' gradients summed (the replicated step's all-reduced gradient, partitioned), is the "
+        "reduce-scatter of the devices' gradients.",
+    ),
+    rule(
+        "own_block_of_all_gather",
+        "(own_block (all_gather (partition p a N) a N) a N)",
+        "(partition p a N)",
+        "p:tensor a:axis N:count",
+        "(divides N p a)",
+        doc="Each device reading only its own block of a partitioned parameter's all-gather (along the "
+        "partition's axis) reads its own shard: the update of a sharded parameter reads the shard the "
+        "step took, not the gathered value (applied at the hook, `sharding.gathered`).",
+    ),
 )
 
 _BY_NAME = {r.name: r for r in RULES}

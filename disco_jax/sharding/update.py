@@ -44,6 +44,16 @@ from disco_jax.sharding.leaves import (  # noqa: F401  (the layout's reading of 
 
 # The proven rules (`disco-jax rules`) a sharded update rests on; the plan cites them.
 JUSTIFYING_RULES = ("sharded_optimizer_state", "sharded_weight_update")
+# ... and those a step with its parameters sharded too rests on (`sharding.params`).
+PARAMETER_RULES = ("all_gather_before_use", "sharded_parameter_gradient")
+
+
+def cited_rules(layout: Layout) -> dict[str, str]:
+    """The rules `layout`'s sharding rests on, by name, as the plan cites them (raises
+    `rules.RuleNotProven` where one is not proven here)."""
+    names = JUSTIFYING_RULES + (PARAMETER_RULES if layout.gathered else ())
+    return {name: str(rules.require(name)) for name in names}
+
 
 WEIGHT_UPDATES = ("search", "sharded", "replicated")
 
@@ -395,7 +405,7 @@ def sharded_step(fn, step: Captured, args: tuple, kwargs: dict, backend, check: 
     # The layout's conditions (state updated elementwise, N divides the split dimension) are the
     # side conditions of the rules that make the sharded update equal the replicated one.
     try:
-        cited = {name: str(rules.require(name)) for name in JUSTIFYING_RULES}
+        cited = cited_rules(layout)
     except rules.RuleNotProven as e:
         return step, None, not_applicable(f"the rule it rests on is not proven here ({e})", stacklevel + 1)
     sharded = relowered(fn, step, layout, args, kwargs, backend)
