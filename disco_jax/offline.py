@@ -27,15 +27,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
 from disco_jax import _plan, _search, _strategy, backends
-from disco_jax._compile import Programs, capture_graph
+from disco_jax._compile import CompiledProgram, Programs, capture_graph
 from disco_jax._profile_store import device_kind_key
-from disco_jax._ranking import RANKED_CANDIDATES, XLA_PROGRAM, rank_by_compiled_cost
+from disco_jax._ranking import RANKED_CANDIDATES, XLA_PROGRAM, ProgramCosts, rank_by_compiled_cost
 from disco_jax.cost import ChainEstimator, simulate
+from disco_jax.cost.compiled import CompiledCost
+from disco_jax.sharding import choice, update
 
 
 def _devices_of(args: tuple, kwargs: dict) -> list:
@@ -59,6 +63,181 @@ def _target_of(device_kind: str) -> str:
     raise ValueError(f"no shipped GPU target has device kind {device_kind!r}; pass cluster=")
 
 
+# ------------------------------------------------------------------ the weight update, by memory
+
+REPLICATED = "replicated"
+STATE_SHARDED = "optimizer state sharded"  # ZeRO-1
+ALL_SHARDED = "parameters and state sharded"  # ZeRO-3 / FSDP: all-gathered before use
+
+
+def _sharded_update(parameters: bool) -> Callable:
+    """A builder of the step lowered again with every optimizer-state group sharded over the data
+    axis (`sharding.update`), and with `parameters` their parameters too (`sharding.params`)."""
+
+    def build(step, args: tuple, kwargs: dict, replicated_compiled) -> tuple:
+        """(lowered, layout, why) of the sharded step; (None, None, why not) where it does not apply."""
+        shardings = jax.tree.leaves(replicated_compiled.input_shardings)
+        layout, reason = update.find_layout(step, args, kwargs, args, kwargs, shardings)
+        if layout is None:
+            return None, None, reason
+        if parameters and not layout.parameters:
+            return None, None, "no parameter is updated from its own optimizer state only"
+        layout = layout.subset(layout.all_leaves(parameters=parameters))
+        return update.relower(step, layout, args, kwargs, (args, kwargs), replicated_compiled)[0], layout, reason
+
+    return build
+
+
+# The sharded weight updates a memory limit chooses from, besides the replicated one: label ->
+# builder(step, args, kwargs, replicated step's executable) -> (lowered or None, layout, why).
+SHARDED_UPDATES: dict[str, Callable] = {
+    STATE_SHARDED: _sharded_update(parameters=False),
+    ALL_SHARDED: _sharded_update(parameters=True),
+}
+
+
+@dataclasses.dataclass
+class UpdateCandidate:
+    """One weight update of the step as XLA:GPU compiles it for the target: its lowered program,
+    the layout of what it shards (None: replicated), XLA's own program of it (`xla`, every pass
+    on: what runs without a fusion plan), its per-device memory (`update.memory`: XLA's memory
+    analysis and the bytes of parameters and state held) and its compiled-program cost. `graph`:
+    its module at the hook stage, captured only where it is needed (the chosen program's search,
+    the replicated program's fingerprint)."""
+
+    label: str
+    lowered: Any
+    layout: Any
+    xla: CompiledProgram | None = None
+    memory: dict = dataclasses.field(default_factory=dict)
+    cost: CompiledCost | None = None
+    graph: Any = None
+    why_not: str | None = None  # where the update does not apply to this step
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """Per-device bytes of the executable: arguments + outputs + temporaries - aliased."""
+        return choice.footprint(self.memory)
+
+    def captured(self) -> UpdateCandidate:
+        if self.graph is None:
+            self.graph, _ = capture_graph(self.lowered, backends.GPU)
+        return self
+
+    def layout_json(self) -> dict:
+        return {} if self.layout is None else self.layout.to_json()
+
+    def to_json(self, limit: int | None) -> dict:
+        """The record the plan keeps (`choice.pick`'s fields: label, leaves, footprint_bytes)."""
+        peak = self.peak_bytes
+        return {
+            "label": self.label,
+            "leaves": [] if self.layout is None else sorted(self.layout.paths.values()),
+            "footprint_bytes": peak,
+            "within_limit": None if limit is None or peak is None else peak <= limit,
+            "memory": self.memory,
+            "compiled_us": None if self.cost is None else self.cost.iteration_us,
+            "compiled_cost": None if self.cost is None else self.cost.to_json(),
+            "collectives": None if self.xla is None else update.collectives(self.xla.text),
+            "compile_s": None if self.xla is None else round(self.xla.compile_s, 2),
+            "why_not": self.why_not,
+        }
+
+
+def _compiled_xla(lowered) -> CompiledProgram:
+    """XLA's own program of `lowered` (every pass on), timed as `compile_program` times a compile."""
+    started, cpu = time.perf_counter(), time.process_time()
+    compiled = lowered.compile()
+    return CompiledProgram(
+        XLA_PROGRAM,
+        "compile options",
+        {},
+        "compiled",
+        compiled,
+        None,
+        time.perf_counter() - started,
+        time.process_time() - cpu,
+    )
+
+
+def weight_update_candidates(step, args: tuple, kwargs: dict, costs: ProgramCosts | None = None) -> list:
+    """The step's weight updates (the replicated one first, then `SHARDED_UPDATES`), each
+    lowered and compiled by XLA:GPU for the target, with its memory and, given `costs`, its
+    compiled-program cost. An update that does not apply to the step is kept with `why_not`."""
+    replicated = UpdateCandidate(REPLICATED, step.lower(*args, **kwargs), None)
+    replicated.xla = _compiled_xla(replicated.lowered)
+    candidates = [replicated]
+    for label, build in SHARDED_UPDATES.items():
+        lowered, layout, why = build(step, args, kwargs, replicated.xla.compiled)
+        candidates.append(UpdateCandidate(label, lowered, layout, why_not=None if lowered is not None else why))
+    # The leaves the replicated step holds whole on every device: parameters and optimizer state.
+    shardings = jax.tree.leaves(replicated.xla.compiled.input_shardings)
+    avals = jax.tree.leaves((args, kwargs))
+    held = {i: avals[i] for i, s in enumerate(shardings) if s.is_fully_replicated}
+    for c in candidates:
+        if c.lowered is None:
+            continue
+        if c.xla is None:
+            c.xla = _compiled_xla(c.lowered)
+        c.memory = update.memory(c.xla.compiled, held)
+        c.cost = None if costs is None else costs(c.xla)
+    return candidates
+
+
+def _peak(compiled) -> int | None:
+    """Per-device bytes of an executable (None where it has none or no memory analysis)."""
+    return None if compiled is None else choice.footprint(update.memory(compiled, {}))
+
+
+def program_costs(cluster) -> ProgramCosts:
+    """The compiled-program model on `cluster`'s costs (its kernel estimator, its collectives):
+    how offline plans cost every program they compile."""
+    return ProgramCosts(backends.GPU, ChainEstimator([cluster.kernel_estimator()]), cluster.allreduce_model())
+
+
+class NothingFits(ValueError):
+    """No weight update of the step fits the memory limit (the message names the smallest)."""
+
+
+def choose_weight_update(candidates: list[UpdateCandidate], limit: int) -> dict:
+    """The cheapest candidate (compiled-program cost) whose per-device peak is within `limit`,
+    as the record the plan keeps (`weight_update`); `NothingFits` when none is."""
+    built = [c for c in candidates if c.xla is not None]
+    fits = [c for c in built if c.peak_bytes is not None and c.peak_bytes <= limit]
+    if not fits:
+        smallest = min(built, key=lambda c: c.peak_bytes or 0)
+        raise NothingFits(
+            f"no weight update fits {limit} bytes per device: the smallest peak is {smallest.label}'s, "
+            f"{smallest.peak_bytes} bytes ({', '.join(f'{c.label} {c.peak_bytes}' for c in built)})"
+        )
+    chosen = min(fits, key=lambda c: (c.cost is None, c.cost.iteration_us if c.cost else 0.0))
+    others = [c.label for c in built if c not in fits]
+    reason = (
+        f"{chosen.label}: peak {chosen.peak_bytes} bytes per device within {limit}"
+        + (f", the cheapest compiled that fits ({chosen.cost.iteration_us:.0f} us)" if chosen.cost else "")
+        + (f"; over the limit: {', '.join(others)}" if others else "")
+    )
+    return {
+        "requested": "search",
+        "mode": "replicated" if chosen.layout is None else "sharded",
+        "chosen": chosen.label,
+        "forced": chosen.layout is not None and not any(c.layout is None for c in fits),
+        "reason": f"chosen deviceless, by XLA's memory analysis and the compiled-program model: {reason}",
+        "memory_limit_bytes": limit,
+        "candidates": [c.to_json(limit) for c in candidates],
+    }
+
+
+def decision_plan(replicated: UpdateCandidate, machine: _plan.MachineKey, decided: dict, chosen) -> _plan.Plan:
+    """The replicated program's plan when another update was chosen: no fusion plan of its own
+    (the chosen program's plan has it), the decision in `weight_update` (`choice.recall` reads it)."""
+    graph = replicated.captured().graph
+    chosen_graph = chosen.captured().graph
+    info = {**decided, "program": chosen_graph.fingerprint}
+    reason = f"weight update {decided['chosen']}: the plan is program {chosen_graph.fingerprint}'s"
+    return _plan.Plan(graph.fingerprint, graph.module.name, machine, True, None, reason, weight_update=info)
+
+
 def plan_for_target(
     step: Callable,
     *args,
@@ -66,6 +245,9 @@ def plan_for_target(
     plan_dir: str | os.PathLike | None = None,
     config: _search.SearchConfig | None = None,
     processes: int = 1,
+    memory_limit_bytes: int | None = None,
+    ranked: int = RANKED_CANDIDATES,
+    weight_updates: list[UpdateCandidate] | None = None,
     **kwargs,
 ) -> _plan.Plan:
     """Search, check and store a plan for the GPUs `args` are sharded over (see the module
@@ -73,7 +255,10 @@ def plan_for_target(
     as `jax.ShapeDtypeStruct`s with shardings on a `disco_jax.targets.mesh`. `cluster`: a
     `disco_jax.eval.clusters.Cluster` (default: one node of those GPUs over NVLink,
     `clusters.node_of`). `processes`: how many processes the real job runs (part of the plan's
-    key). Returns the stored plan."""
+    key). `memory_limit_bytes`: per device; the weight update is then chosen first
+    (`choose_weight_update`) and the plan is the chosen program's. `ranked`: how many of the
+    search's best candidates are compiled and ranked (each is one compile of the step). Returns
+    the stored plan."""
     from disco_jax.eval import clusters
 
     if not hasattr(step, "lower"):
@@ -85,10 +270,48 @@ def plan_for_target(
         cluster = clusters.node_of(_target_of(devices[0].device_kind), len(devices))
     elif cluster.num_devices != len(devices):  # the module's replica groups are the job's
         raise ValueError(f"cluster {cluster.name} has {cluster.num_devices} GPUs, the step's mesh {len(devices)}")
+    # As `MachineKey.current` reads it on the real machine: JAX's name of the devices' backend.
+    machine = _plan.MachineKey(devices[0].platform, device_kind_key(devices[0]), len(devices), processes)
+    costs = program_costs(cluster)
+    estimator, allreduce = costs.estimator, costs.allreduce
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        seconds[phase] = round(time.perf_counter() - clock, 2)
+        clock = time.perf_counter()
+
+    if memory_limit_bytes is None:
+        program = UpdateCandidate(REPLICATED, step.lower(*args, **kwargs), None)
+        decision = None
+    else:
+        candidates = weight_updates or weight_update_candidates(step, args, kwargs, costs)
+        lap("weight updates compiled and costed")
+        decision = choose_weight_update(candidates, memory_limit_bytes)
+        program = next(c for c in candidates if c.label == decision["chosen"])
+    program.captured()
+    lap("capture")
     config = config or _search.SearchConfig()
-    lowered = step.lower(*args, **kwargs)
-    graph, _ = capture_graph(lowered, backends.GPU)
-    estimator, allreduce = ChainEstimator([cluster.kernel_estimator()]), cluster.allreduce_model()
+    plan = _fusion_plan(program, cluster, machine, estimator, allreduce, costs, config, ranked, memory_limit_bytes)
+    lap("search and ranking")
+    if decision is not None:
+        plan.weight_update = {**decision, **program.layout_json()}
+        replicated = candidates[0]
+        if program is not replicated:  # what the decorator finds first: the replicated program's plan
+            _plan.save_plan(decision_plan(replicated, machine, plan.weight_update, program), plan_dir)
+            lap("replicated program captured (its fingerprint)")
+    plan.search["offline"]["seconds"] = seconds
+    _plan.save_plan(plan, plan_dir)
+    return plan
+
+
+def _fusion_plan(program, cluster, machine, estimator, allreduce, costs, config, ranked: int, limit) -> _plan.Plan:
+    """Steps 2-3 of the module docstring on one program: the search on its graph, its best
+    `ranked` candidates and XLA's own program compiled and ranked by the compiled-program model.
+    Under a memory `limit` a candidate whose own executable exceeds it is not chosen (a plan
+    regroups collectives, which moves buffers' lifetimes)."""
+    graph, lowered = program.graph, program.lowered
 
     def cost(s: _strategy.Strategy) -> float | None:
         result = simulate(graph, s, estimator, allreduce)
@@ -100,19 +323,22 @@ def plan_for_target(
         raise ValueError("XLA:GPU's own plan, as read onto the graph, is not a valid strategy")
     result = _search.backtracking_search(graph, cost, config, starts=[default, *_strategy.start_candidates(graph)])
     programs = Programs(lowered, graph)
-    ranked = rank_by_compiled_cost(
-        programs.compile(XLA_PROGRAM, None, {}),  # what runs without a plan
-        result.top(RANKED_CANDIDATES, exclude={default.key()}),
+    ranked_programs = rank_by_compiled_cost(
+        program.xla or programs.compile(XLA_PROGRAM, None, {}),  # what runs without a plan
+        result.top(ranked, exclude={default.key()}),
         lambda label, s: programs.compile(label, s, None),
         backends.GPU,
         estimator,
         allreduce,
         default_graph_us=default_us,
+        costs=costs,
     )
     # A plan whose compiled program lost its planned all-reduces is one the decorator rejects.
     kept = lambda r: r.strategy is None or r.program.stats["all-reduce"] == len(r.strategy.buckets)  # noqa: E731
-    chosen = next(r for r in ranked if r.cost is not None and kept(r))
-    xla = next(r for r in ranked if r.strategy is None)
+    peak = {id(r): _peak(r.program.compiled) for r in ranked_programs}
+    fits = lambda r: limit is None or r.strategy is None or (peak[id(r)] or 0) <= limit  # noqa: E731
+    chosen = next(r for r in ranked_programs if r.cost is not None and kept(r) and fits(r))
+    xla = next(r for r in ranked_programs if r.strategy is None)
     use_default = chosen.strategy is None
     best = default if use_default else chosen.strategy
     if use_default:
@@ -127,11 +353,10 @@ def plan_for_target(
             f"against XLA's {xla.compiled_us:.1f} us; not measured yet: measured against XLA's step on its first run"
         )
     figures = lambda r: {"iteration_us": r.graph_us, "compiled_us": r.compiled_us}  # noqa: E731
-    plan = _plan.Plan(
+    return _plan.Plan(
         fingerprint=graph.fingerprint,
         module_name=graph.module.name,
-        # As `MachineKey.current` reads it on the real machine: JAX's name of the devices' backend.
-        machine=_plan.MachineKey(devices[0].platform, device_kind_key(devices[0]), len(devices), processes),
+        machine=machine,
         use_default=use_default,
         strategy=None if use_default else best.to_json(graph),
         reason=reason,
@@ -144,10 +369,8 @@ def plan_for_target(
                 "cluster": cluster.to_json(),
                 "plan_counts": chosen.program.stats,
                 "chosen": chosen.label,
-                "ranked": [r.to_json() for r in ranked],
+                "ranked": [{**r.to_json(), "footprint_bytes": peak[id(r)]} for r in ranked_programs],
             },
             "config": {k: v for k, v in dataclasses.asdict(config).items() if isinstance(v, int | float | str)},
         },
     )
-    _plan.save_plan(plan, plan_dir)
-    return plan

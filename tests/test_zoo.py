@@ -26,6 +26,7 @@ PAPER_PARAMETERS = {
     "reformer": 139.7e6,  # our enwik8-64K configuration (the paper gives no count)
     "mlp": 16 * (8192 * 8192 + 8192),  # Unity: 16 dense layers of 8192
     "dlrm": 33_762_577 * 16 + 475_985,  # Criteo Kaggle tables x dim 16, plus the MLPs
+    "gpt": 6.7e9,  # Brown et al., Table 2.1, GPT-3 6.7B
 }
 
 

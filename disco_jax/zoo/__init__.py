@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from . import _bert, _dlrm, _mlp, _reformer, _resnet, _rnnlm, _transformer, _vgg
+from . import _bert, _dlrm, _gpt, _mlp, _reformer, _resnet, _rnnlm, _transformer, _vgg
 from ._common import (
     STYLES,
     ModelSpec,
@@ -40,6 +40,7 @@ MODELS: dict[str, Callable[[str], ModelSpec]] = {
     "reformer": _reformer.make_spec,
     "mlp": _mlp.make_spec,
     "dlrm": _dlrm.make_spec,
+    "gpt": _gpt.make_spec,
 }
 
 

@@ -1,0 +1,116 @@
+"""Offline plans under a per-device memory limit (`offline.plan_for_target(memory_limit_bytes=)`),
+deviceless for 8 H100s: the zoo's tiny GPT with Adam, its state donated. Every weight update is
+compiled by XLA:GPU for the target and its peak read from the executable's memory analysis; the
+plan is the chosen update's program, and a limit between the replicated and the sharded peaks
+gives a plan that fits."""
+
+import optax
+import pytest
+
+from disco_jax import _plan, offline, targets, zoo
+from disco_jax._search import SearchConfig
+from disco_jax.eval import clusters
+from disco_jax.sharding import choice
+
+
+@pytest.fixture(scope="module")
+def gpt_step():
+    spec, optimizer = zoo.get_model("gpt", "tiny"), optax.adam(1e-3)
+    mesh = targets.mesh("h100-sxm", 8)
+    state, batch = zoo.abstract_state_and_batch(spec, optimizer, mesh)
+    return zoo.build_train_step(spec, optimizer, mesh, "jit", donate=True), (state, batch)
+
+
+@pytest.fixture(scope="module")
+def candidates(gpt_step):
+    step, args = gpt_step
+    costs = offline.program_costs(clusters.node_of("h100-sxm", 8))
+    return {c.label: c for c in offline.weight_update_candidates(step, args, {}, costs)}
+
+
+def test_every_weight_update_is_compiled_for_the_target_with_its_peak(candidates):
+    replicated = candidates[offline.REPLICATED]
+    assert list(candidates)[0] == offline.REPLICATED and set(offline.SHARDED_UPDATES) <= set(candidates)
+    for c in candidates.values():
+        assert c.xla is not None and c.xla.compiled is not None, c.why_not
+        analysis = c.xla.compiled.memory_analysis()
+        expected = (
+            analysis.argument_size_in_bytes
+            + analysis.output_size_in_bytes
+            + analysis.temp_size_in_bytes
+            - analysis.alias_size_in_bytes
+        )
+        assert c.peak_bytes == expected > 0
+        assert c.memory["params_and_state_bytes_per_device"] > 0 and c.cost.iteration_us > 0
+    # Sharding the optimizer state holds less per device: Adam's two moments are 2/3 of the state.
+    sharded = candidates[offline.STATE_SHARDED]
+    assert sharded.memory["params_and_state_bytes_per_device"] < replicated.memory["params_and_state_bytes_per_device"]
+    assert sharded.peak_bytes < replicated.peak_bytes
+    assert "reduce-scatter" in sharded.xla.text or "all-gather" in sharded.xla.text
+    assert replicated.layout is None and sharded.layout is not None
+    # Parameters sharded too hold less again: each device keeps 1/8 of parameters and state.
+    everything = candidates[offline.ALL_SHARDED]
+    held = everything.memory["params_and_state_bytes_per_device"]
+    assert held < sharded.memory["params_and_state_bytes_per_device"]
+    assert held * 4 < replicated.memory["params_and_state_bytes_per_device"]
+    assert everything.layout.gathered and not sharded.layout.gathered
+    assert everything.peak_bytes < replicated.peak_bytes
+
+
+def test_a_limit_between_the_replicated_and_the_sharded_peak_gives_a_plan_that_fits(gpt_step, candidates, tmp_path):
+    step, args = gpt_step
+    replicated = candidates[offline.REPLICATED]
+    smallest = min(candidates.values(), key=lambda c: c.peak_bytes)
+    limit = (replicated.peak_bytes + smallest.peak_bytes) // 2
+    plan = offline.plan_for_target(
+        step,
+        *args,
+        memory_limit_bytes=limit,
+        plan_dir=tmp_path,
+        config=SearchConfig(budget_s=1.0),
+        ranked=1,
+        weight_updates=list(candidates.values()),  # compiled once, by the fixture
+    )
+    decided = plan.weight_update
+    chosen = candidates[decided["chosen"]]
+    assert decided["chosen"] != offline.REPLICATED and decided["mode"] == "sharded"
+    assert chosen.peak_bytes <= limit < replicated.peak_bytes
+    records = {r["label"]: r for r in decided["candidates"]}
+    assert records[offline.REPLICATED]["within_limit"] is False
+    assert records[decided["chosen"]]["within_limit"] is True
+    assert records[decided["chosen"]]["footprint_bytes"] == chosen.peak_bytes
+    assert all(r["compiled_us"] > 0 for r in records.values())
+    # The plan is the chosen program's (its fingerprint), costed as compiled.
+    assert plan.fingerprint == chosen.captured().graph.fingerprint
+    assert plan.simulated["plan"]["compiled_us"] > 0 and decided["leaves"]
+    assert plan.search["offline"]["seconds"]["capture"] > 0
+    # The program the plan runs (XLA's, or a fusion plan's rewritten one) fits as compiled.
+    ranked = {r["label"]: r for r in plan.search["offline"]["ranked"]}
+    assert ranked[plan.search["offline"]["chosen"]]["footprint_bytes"] <= limit
+    # The replicated program's plan (what the decorator looks up first) holds the decision.
+    machine = plan.machine
+    found, _ = _plan.find_plan(replicated.captured().graph.fingerprint, machine, tmp_path)
+    assert found is not None and found.use_default and found.weight_update["program"] == plan.fingerprint
+    assert found.weight_update["chosen"] == decided["chosen"]
+    # `choice.pick` reads the same records: the replicated update is over the limit there too.
+    assert choice.footprint(chosen.memory) == chosen.peak_bytes
+
+
+def test_the_limit_decides_between_the_sharded_updates(candidates):
+    """Under a limit only the smallest update meets, it is chosen whatever it costs."""
+    smallest = min(candidates.values(), key=lambda c: c.peak_bytes)
+    others = [c.peak_bytes for c in candidates.values() if c is not smallest]
+    assert smallest.peak_bytes < min(others)
+    decided = offline.choose_weight_update(list(candidates.values()), smallest.peak_bytes)
+    assert decided["chosen"] == smallest.label and decided["forced"]
+    assert [r["within_limit"] for r in decided["candidates"]].count(True) == 1
+
+
+def test_no_plan_when_nothing_fits_and_the_smallest_peak_is_named(candidates):
+    smallest = min(candidates.values(), key=lambda c: c.peak_bytes)
+    with pytest.raises(offline.NothingFits, match=f"{smallest.label}'s, {smallest.peak_bytes} bytes"):
+        offline.choose_weight_update(list(candidates.values()), smallest.peak_bytes - 1)
+    # Without pressure, the cheapest update as compiled is chosen, whichever it is.
+    decided = offline.choose_weight_update(list(candidates.values()), 1 << 40)
+    cheapest = min(candidates.values(), key=lambda c: c.cost.iteration_us)
+    assert decided["chosen"] == cheapest.label and not decided["forced"]
