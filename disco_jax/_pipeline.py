@@ -26,11 +26,11 @@ from typing import Any
 
 import jax
 
-from disco_jax import _distributed, _files, _plan, _profile_store, _search, _strategy, _validate, backends
+from disco_jax import _distributed, _files, _plan, _profile_db, _search, _strategy, _validate, backends
 from disco_jax._compile import Captured, Runner, capture, compile_strategy, compiled_stats, keeps_plan, rules_applied
 from disco_jax._console import Ui
 from disco_jax._output_check import Float64Run
-from disco_jax._profiling import calibrate, profile
+from disco_jax._profile_phase import calibrate, profile
 from disco_jax._strategy import Strategy
 from disco_jax._tuning_devices import tune
 from disco_jax.cost import CostModel
@@ -208,7 +208,7 @@ def _phase(step: Captured, options: Options, search: bool, report: StepReport, u
 # ---------------------------------------------------------------------------------- search phase
 
 
-def store_kernel_times(database: _profile_store.ProfileDatabase, machine, times: dict[str, float]) -> None:
+def store_kernel_times(database: _profile_db.ProfileDatabase, machine, times: dict[str, float]) -> None:
     """Kernels the measured loop timed (the candidates' own) into the profile database, where
     the next search's table and the GNN's training data find them."""
     if not times:
@@ -219,7 +219,7 @@ def store_kernel_times(database: _profile_store.ProfileDatabase, machine, times:
         warnings.warn(f"disco-jax: could not store the measured kernel times: {e}", stacklevel=2)
 
 
-def profiled(step: Captured, options: Options, ui: Ui) -> tuple[CostModel, _profile_store.ProfileDatabase]:
+def profiled(step: Captured, options: Options, ui: Ui) -> tuple[CostModel, _profile_db.ProfileDatabase]:
     """The step's cost model (its kernels profiled, the simulator calibrated) and the profile database."""
     graph, machine = step.graph, step.machine
     default_runner = step.runner(step.default_compiled)
@@ -227,7 +227,7 @@ def profiled(step: Captured, options: Options, ui: Ui) -> tuple[CostModel, _prof
         f"{graph.module.name}: profiling {len(graph.ops)} ops, {len(graph.gradients)} gradients "
         f"on {len(step.devices)} {machine.device_kind} devices"
     )
-    database = _profile_store.ProfileDatabase()
+    database = _profile_db.ProfileDatabase()
     cost_model = profile(step, default_runner, database, ui)
     cost_model.sources["calibration"] = calibrate(
         cost_model, step, default_runner, options.validation_pairs, ui

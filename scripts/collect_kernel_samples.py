@@ -46,7 +46,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from disco_jax import Graph, _compile, backends
-from disco_jax._profile_store import SHIPPED_PROFILE_DIR, device_kind_key
+from disco_jax._profile_db import SHIPPED_PROFILE_DIR, device_kind_key
 from disco_jax.cost import kernel_io_bytes
 from gnn_estimator import (
     compile_kernel,

@@ -12,7 +12,7 @@ from test_sharded_update import FAST, flax_adam_step, train
 
 from disco_jax import _plan, _strategy, _validate, backends, optimize_distributed, targets, zoo
 from disco_jax._compile import capture, capture_graph
-from disco_jax._profile import measure_scatter_gather_cost
+from disco_jax._device_timing import measure_scatter_gather_cost
 from disco_jax.cost import AllReduceCostModel, sharded
 from disco_jax.cost.allreduce import collective_time_us, communication_bytes
 from disco_jax.cost.simulator import simulate

@@ -6,7 +6,7 @@ the total over devices), and `to_json()` for the plan file and reports. Two impl
 
 * `AllReduceCostModel`: DisCo's line T(bytes) = C * bytes + D, fitted robustly
   (`fit_allreduce_cost`: medians per size, Huber-weighted relative residuals) to all-reduces
-  timed on the real devices (`disco_jax._profile.measure_allreduce_cost`), with the spread of the
+  timed on the real devices (`disco_jax._device_timing.measure_allreduce_cost`), with the spread of the
   fit over its repetitions (`fit_allreduce_samples`);
 * `disco_jax.eval.nccl.FittedCollectives`: a simulated H100 cluster's collectives, fitted to
   published nccl-tests tables (every collective its own); `disco_jax.eval.clusters.ClusterAllReduce`:
@@ -136,7 +136,7 @@ class AllReduceCostModel:
     moves over them (`fit_allreduce_samples`); not part of the model's identity.
     `scatter_gather`: the line (per_byte_us, latency_us) of one reduce-scatter or all-gather
     (bytes: the whole tensor), fitted to measured pairs of them
-    (`disco_jax._profile.measure_scatter_gather_cost`); None: half the all-reduce's per-byte time.
+    (`disco_jax._device_timing.measure_scatter_gather_cost`); None: half the all-reduce's per-byte time.
     """
 
     per_byte_us: float

@@ -368,7 +368,7 @@ def _label(graph: Graph, state: KernelState, k: int, allreduce: AllReduceCost) -
 class CostModel:
     """What the simulator needs, built once per search: estimator chain and all-reduce cost.
     `sources` says where each part came from (for the plan file). `kernel_times_us`: the profiled
-    times of XLA's executable by instruction name (`_profile.measure_kernel_times`), for the
+    times of XLA's executable by instruction name (`_device_timing.measure_kernel_times`), for the
     compiled-program model (`cost.compiled.measured_table`); not written to the plan."""
 
     estimator: ChainEstimator

@@ -41,7 +41,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from disco_jax import Graph
-from disco_jax._profile_store import SHIPPED_PROFILE_DIR, sanitize_device_kind
+from disco_jax._profile_db import SHIPPED_PROFILE_DIR, sanitize_device_kind
 from disco_jax.cost import (
     ELEMENTWISE,
     TRANSCENDENTAL_FLOPS,
