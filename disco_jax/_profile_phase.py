@@ -24,6 +24,7 @@ from disco_jax import _device_timing, _distributed, _profile_db, _strategy, _val
 from disco_jax._compile import Captured, Runner, compile_strategy
 from disco_jax._console import Ui
 from disco_jax._graph import Graph
+from disco_jax.cost.allreduce import collective_ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +106,7 @@ def profile(
         ui.say(f"measuring all-reduce cost on {len(devices)} devices{where}")
         mesh = jax.sharding.Mesh(np.array(devices), ("all",))
         allreduce, points = _device_timing.measure_allreduce_cost(mesh)  # a collective: every process runs it
-        if graph.collective_ops:
+        if collective_ops(graph):
             allreduce = with_scatter_gather(allreduce, captured, None, ui)
         profile = _profile_db.Profile.for_devices(
             devices,
@@ -114,7 +115,7 @@ def profile(
             kernel_times_us=table,
         )
     else:
-        if graph.collective_ops:
+        if collective_ops(graph):
             allreduce = with_scatter_gather(allreduce, captured, None, ui)
         profile = _profile_db.Profile.for_devices(
             devices, allreduce=allreduce, allreduce_points=stored.allreduce_points, kernel_times_us=table

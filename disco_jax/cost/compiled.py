@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 from disco_jax.cost.allreduce import AllReduceCost, collective_time_us
 from disco_jax.cost.estimators import ChainEstimator, Estimator, TableEstimator
-from disco_jax.cost.simulator import SimulatorParams
+from disco_jax.cost.events import SimulatorParams
 
 if TYPE_CHECKING:
     from disco_jax._graph import Graph
