@@ -221,3 +221,49 @@ def test_the_graph_ir_imports_nothing_above_it():
     compiles or knows a backend."""
     imports = package_imports()["disco_jax._graph"]
     assert imports <= {"disco_jax._hlo"}, imports
+
+
+# The layers of docs/architecture.md ("Layers: who may import whom"), bottom first: a module imports
+# only from its own layer or below. A module not named takes its package's layer (the last entry
+# whose prefix it starts with).
+LAYERS: dict[str, int] = {
+    "disco_jax.zoo": 0,
+    "disco_jax.targets": 0,
+    "disco_jax._hlo": 0,
+    "disco_jax._files": 0,
+    "disco_jax._validate": 0,
+    "disco_jax._distributed": 0,
+    "disco_jax._timeline": 0,
+    "disco_jax.sharding": 7,
+    **{f"disco_jax.sharding.{m}": 0 for m in ("terms", "axioms", "numeric", "prover", "rules", "hlo_edit")},
+    "disco_jax._graph": 1,
+    "disco_jax.cost.work": 2,
+    **{f"disco_jax.sharding.{m}": 2 for m in ("slices", "gathers", "apply")},
+    **{f"disco_jax.{m}": 3 for m in ("_edit", "_strategy", "_search", "_rewrite")},
+    "disco_jax.backends": 4,
+    "disco_jax.cost": 5,
+    **{f"disco_jax.{m}": 6 for m in ("_capture", "_compile", "_output_check", "_plan", "_ranking")},
+    **{f"disco_jax.{m}": 6 for m in ("_device_timing", "_profile_db", "_console")},
+    **{f"disco_jax.{m}": 7 for m in ("_profile_phase", "_tuning", "_tuning_devices")},
+    **{f"disco_jax.sharding.{m}": 7 for m in ("update", "choice")},
+    "disco_jax": 8,
+}
+
+
+def layer_of(module: str) -> int:
+    """The layer of `module`: its own entry, else its closest enclosing package's."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYERS:
+            return LAYERS[".".join(parts[:n])]
+    raise KeyError(module)
+
+
+def test_imports_go_down_the_layers():
+    upward = [
+        f"{m} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)})"
+        for m, targets in package_imports().items()
+        for t in sorted(targets)
+        if layer_of(t) > layer_of(m)
+    ]
+    assert upward == [], "\n".join(upward)
