@@ -11,7 +11,7 @@ from disco_jax._distributed import PlanMismatchError, initialize_from_env
 from disco_jax._graph import Graph, build_graph
 from disco_jax._pipeline import StepReport, search_enabled
 from disco_jax._plan import Plan, PlanWarning, find_plan, read_plan_file
-from disco_jax._profile_store import Profile, ProfileDatabase
+from disco_jax._profile_db import Profile, ProfileDatabase
 from disco_jax._search import SearchConfig, SearchResult, backtracking_search
 from disco_jax._strategy import Strategy, start_candidates, unfused, xla_default
 from disco_jax.cost import (

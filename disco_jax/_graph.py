@@ -16,9 +16,12 @@
   all-reduces, which is the JAX-default strategy the search starts from.
 
 Everything downstream (strategy, simulator, rewrite) works on op ids of one `Graph`, and asks the graph its
-questions: `op_work` / `op_flops` (counted by `disco_jax.cost.work`), `free_sources`, `consumers(op)`,
-`reduced_dependencies`, `xla_holders`, `kernel_signature(kernel)`, `kernel_reads(kernel)`; each is computed once
-per graph and cached on it.
+structural questions: `free_sources`, `consumers(op)`, `reduced_dependencies`, `xla_holders`,
+`kernel_signature(kernel)`, `kernel_reads(kernel)`; each is computed once per graph and cached on it.
+
+The IR is the bottom of the package: it imports only `_hlo`. What an op costs (work, transfer bytes, the
+other collectives) is `disco_jax.cost`'s knowledge: functions over a graph, cached on it by `per_graph`.
+The compiler is kept as a `Compiler` (the protocol `disco_jax.backends.Backend` implements).
 """
 
 from __future__ import annotations
@@ -27,19 +30,20 @@ import dataclasses
 import functools
 import hashlib
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from disco_jax import _hlo
-from disco_jax.cost.allreduce import collective_ops, transfer_bytes
-from disco_jax.cost.work import ELEMENTWISE, Work, op_work
-
-if TYPE_CHECKING:
-    from disco_jax.backends import Backend
-
-# ELEMENTWISE (the opcode class, defined with the work counter) is read here by the backends.
-__all__ = ["ELEMENTWISE", "FREE", "IN_PLACE", "Gradient", "Graph", "Op", "build_graph"]
 
 FREE = frozenset("parameter constant get-tuple-element tuple bitcast after-all".split())
+
+
+class Compiler(Protocol):
+    """The compiler whose module a graph is, as the IR sees it: which opcodes its loop fusion holds.
+    `disco_jax.backends.Backend` implements it; the graph only carries it to the layers above."""
+
+    @property
+    def fusible(self) -> frozenset[str]: ...
 
 
 @dataclasses.dataclass
@@ -79,6 +83,21 @@ class Gradient:
 _cache = functools.partial(dataclasses.field, default_factory=dict, init=False, repr=False, compare=False)
 
 
+def per_graph[Value](compute: Callable[[Graph], Value]) -> Callable[[Graph], Value]:
+    """`compute(graph)`, computed once per graph and kept in its `derived` slot, keyed by the function:
+    the cost model's tables (`cost.work.work_per_op`...) cost the search a dict lookup, and the
+    graph knows nothing of how they are computed."""
+
+    @functools.wraps(compute)
+    def cached(graph: Graph) -> Value:
+        found = graph.derived.get(cached, graph)  # the graph itself: no value yet (None may be one)
+        if found is graph:
+            found = graph.derived[cached] = compute(graph)
+        return found
+
+    return cached
+
+
 @dataclasses.dataclass
 class Graph:
     module: _hlo.HloModuleText
@@ -93,7 +112,7 @@ class Graph:
     entry_values: dict[str, int]  # entry instruction name -> op id holding its value
     outputs: list[int]  # op ids of the module's output (several when ROOT was a multi-output fusion)
     fingerprint: str
-    backend: Backend  # the compiler whose module this is
+    backend: Compiler  # the compiler whose module this is (`disco_jax.backends.Backend`)
     # XLA's kernels in schedule order (XLA:GPU: `gpu_schedule.ScheduledKernel`s); () when unscheduled.
     xla_schedule: tuple = ()
     rules_applied: tuple = ()  # rules applied at the hook compiling it with XLA's plan (`_compile`)
@@ -101,6 +120,7 @@ class Graph:
     _signatures: dict[frozenset[int], str] = _cache()
     _consumers: dict[int, tuple[int, ...]] = _cache()
     _inputs: dict[frozenset[int], tuple[int, tuple[int, ...]]] = _cache()
+    derived: dict[Callable[[Graph], Any], Any] = _cache()  # what layers above computed (`per_graph`)
 
     def __post_init__(self):
         users: list[list[int]] = [[] for _ in self.ops]
@@ -122,26 +142,6 @@ class Graph:
     def opaque_kernels(self) -> list[frozenset[int]]:
         """One kernel per opaque op, in `opaque_ops` order (the same objects every time)."""
         return [frozenset([o]) for o in self.opaque_ops]
-
-    @functools.cached_property
-    def collective_ops(self) -> dict[int, tuple[str, int]]:
-        """Opaque collectives: op id -> (collective, bytes per device; `cost.allreduce.collective_ops`)."""
-        return collective_ops(self)
-
-    @functools.cached_property
-    def transfer_bytes(self) -> list[float]:
-        """Per gradient, the bytes its all-reduce's transfer counts (`cost.allreduce.transfer_bytes`)."""
-        return transfer_bytes(self)
-
-    @functools.cached_property
-    def op_work(self) -> list[Work]:
-        """Per op: its flops, elements, transcendentals and bytes (`disco_jax.cost.work.op_work`)."""
-        return [op_work(self, op.id) for op in self.ops]
-
-    @functools.cached_property
-    def op_flops(self) -> list[float]:
-        """Per op: its floating-point work (`Work.flops`)."""
-        return [w.flops for w in self.op_work]
 
     @functools.cached_property
     def free_sources(self) -> list[tuple[int, ...]]:
@@ -326,9 +326,9 @@ def _compat_key(inst: _hlo.Instruction, module: _hlo.HloModuleText, dtype: str) 
     )
 
 
-def build_graph(text: str, backend: Backend, *, merge_duplicates: bool = True) -> Graph:
-    """Parse a module captured at `backend`'s hook stage into the graph IR. The backend says which
-    ops its loop emitter fuses; the graph keeps it (`graph.backend`) for the search's questions.
+def build_graph(text: str, backend: Compiler, *, merge_duplicates: bool = True) -> Graph:
+    """Parse a module captured at `backend`'s hook stage into the graph IR, ops classified by what
+    its loop emitter fuses; the graph keeps it (`graph.backend`) for the layers above.
     `merge_duplicates=False`: every fusion's ops its own (a compiled module, `cost.compiled`)."""
     module = _hlo.parse_module(text)
     entry = module.entry

@@ -13,6 +13,18 @@ import hashlib
 import re
 from collections.abc import Iterator
 
+ELEMENTWISE = frozenset(
+    """
+abs add and atan2 cbrt ceil clamp compare complex convert cos count-leading-zeros divide erf exp
+exponential exponential-minus-one floor imag is-finite log log-plus-one logistic maximum minimum
+multiply negate not or popcnt power real reduce-precision remainder round-nearest-afz
+round-nearest-even rsqrt select shift-left shift-right-arithmetic shift-right-logical sign sin
+sqrt subtract tan tanh xor bitcast-convert stochastic-convert
+""".split()
+)
+"""Opcodes computing each output element from the same element of their operands (the backends'
+loop fusion holds them; the work counter counts one flop per element)."""
+
 DTYPE_BYTES = {
     "pred": 1,
     "s2": 1,

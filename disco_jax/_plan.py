@@ -45,7 +45,7 @@ class MachineKey:
     @classmethod
     def current(cls, devices=None) -> MachineKey:
         devices = list(devices) if devices is not None else jax.devices()
-        from disco_jax._profile_store import device_kind_key
+        from disco_jax._profile_db import device_kind_key
 
         return cls(jax.default_backend(), device_kind_key(devices[0]), len(devices), jax.process_count())
 

@@ -17,11 +17,11 @@ from typing import Any, NamedTuple
 
 import jax
 
-from disco_jax import _distributed, _files, _plan, _profile_store, _search, _strategy, _validate
+from disco_jax import _distributed, _files, _plan, _profile_db, _search, _strategy, _validate
 from disco_jax._compile import Captured, Runner, compile_strategy, compiled_stats, keeps_plan, rules_applied
 from disco_jax._console import Ui
 from disco_jax._options import Options, StepReport
-from disco_jax._profiling import calibrate, profile
+from disco_jax._profile_phase import calibrate, profile
 from disco_jax._strategy import Strategy
 from disco_jax._tuning import Tuned
 from disco_jax._tuning_devices import tune
@@ -44,7 +44,7 @@ class Profiled(NamedTuple):
     the devices, the simulator calibrated) and the profile database it was read from and added to."""
 
     cost_model: CostModel
-    database: _profile_store.ProfileDatabase
+    database: _profile_db.ProfileDatabase
 
 
 @dataclasses.dataclass
@@ -89,14 +89,14 @@ def search_phase(step: Captured, options: Options, report: StepReport, ui: Ui, p
 
 def profile_stage(step: Captured, options: Options, ui: Ui) -> Profiled:
     """The profile and calibrate stages: the default executable's kernels timed on the devices
-    (`_profiling.profile`), then the simulator calibrated against measured configurations."""
+    (`_profile_phase.profile`), then the simulator calibrated against measured configurations."""
     graph, machine = step.graph, step.machine
     default_runner = step.runner(step.default_compiled)
     ui.say(
         f"{graph.module.name}: profiling {len(graph.ops)} ops, {len(graph.gradients)} gradients "
         f"on {len(step.devices)} {machine.device_kind} devices"
     )
-    database = _profile_store.ProfileDatabase()
+    database = _profile_db.ProfileDatabase()
     cost_model = profile(step, default_runner, database, ui)
     cost_model.sources["calibration"] = calibrate(
         cost_model, step, default_runner, options.validation_pairs, ui
@@ -145,7 +145,7 @@ def measure_stage(step: Captured, profiled: Profiled, searched: Searched, option
     return Searched(best, info, searched.result, tuned)
 
 
-def store_kernel_times(database: _profile_store.ProfileDatabase, machine, times: dict[str, float]) -> None:
+def store_kernel_times(database: _profile_db.ProfileDatabase, machine, times: dict[str, float]) -> None:
     """Kernels the measured loop timed (the candidates' own) into the profile database, where
     the next search's table and the GNN's training data find them."""
     if not times:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from disco_jax import _distributed, _profiling, _search, _validate, cost
+from disco_jax import _distributed, _profile_phase, _search, _validate, cost
 from disco_jax._console import Ui
 from disco_jax._graph import Graph
 from disco_jax._ranking import CompiledRanking
@@ -182,7 +182,7 @@ def recalibrate(
 ) -> cost.Calibrated | None:
     """Fit the simulator's parameters (`disco_jax.cost.calibrate`) to every measured configuration
     given as (strategy, measured us, label), distinct by key: the ones the calibrate phase fits
-    (`_profiling.CALIBRATED`; the step's fixed cost stays as measured, else it would absorb
+    (`_profile_phase.CALIBRATED`; the step's fixed cost stays as measured, else it would absorb
     everything the configurations share and leave no compute). Sets `cost_model.params` when the
     fit reproduces the points better than the parameters it started from (a noisy point can make
     the least-squares optimum a degenerate one). Returns what `calibrate` fitted, None with fewer
@@ -201,7 +201,7 @@ def recalibrate(
             for s, st in zip(strategies, states)
         ]
 
-    free = _profiling.calibrated_free(len(measured))
+    free = _profile_phase.calibrated_free(len(measured))
     fitted = cost.calibrate(simulate_at, measured, free=free, start=cost_model.params, labels=labels)
     before = [abs(s - m) / m for s, m in zip(simulate_at(cost_model.params), measured)]
     if float(np.sum(np.square(before))) >= sum(p.error**2 for p in fitted.points):

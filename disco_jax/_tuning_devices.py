@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 
-from disco_jax import _distributed, _hlo, _profiling, _search, _validate, cost
+from disco_jax import _distributed, _hlo, _profile_phase, _search, _validate, cost
 from disco_jax._compile import Captured, Runner, compile_strategy, compiled_stats, keeps_plan
 from disco_jax._console import Ui
 from disco_jax._edit import prune
@@ -61,7 +61,7 @@ def device_measure(step: Captured, default_runner: Runner, tuning: TuningConfig)
         if step.scope is not None:  # judged by the slowest process, as validation does
             ratios = _distributed.slowest_pairs(f"{step.scope}/tuning/{index}/timing")(timing.ratios)
             timing = _validate.summarize([timing.default_us], [timing.plan_us], ratios)
-        times = _profiling.kernel_times(step, runner, strategy, steps=tuning.kernel_steps)
+        times = _profile_phase.kernel_times(step, runner, strategy, steps=tuning.kernel_steps)
         names = kernel_members(graph, strategy, graph.backend.rewriter.rewrite(graph, strategy))
         kernels = {names[n]: t for n, t in times.items() if n in names}
         counts = compiled_stats(runner.as_text())
@@ -83,7 +83,7 @@ def tune(
     """The search phase's measured loop on the devices: `candidates` per round, timed with half
     the validation's first look of pairs (at least 6)."""
     tuning = TuningConfig(candidates=candidates, pairs=max(6, validation_pairs // 2))
-    points = _profiling.calibration_points(step.graph, cost_model.sources)
+    points = _profile_phase.calibration_points(step.graph, cost_model.sources)
     measure, rank = device_measure(step, default_runner, tuning), CompiledRanking.of(step, cost_model)
     return measured_search(
         step.graph, cost_model, first, search, tuning, measure, scope=step.scope, points=points, ui=ui, rank=rank

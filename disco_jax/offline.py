@@ -35,7 +35,7 @@ import jax
 
 from disco_jax import _plan, _search, _strategy, backends
 from disco_jax._compile import CompiledProgram, Programs, capture_graph
-from disco_jax._profile_store import device_kind_key
+from disco_jax._profile_db import device_kind_key
 from disco_jax._ranking import RANKED_CANDIDATES, XLA_PROGRAM, ProgramCosts, rank_by_compiled_cost
 from disco_jax.cost import ChainEstimator, simulate
 from disco_jax.cost.compiled import CompiledCost

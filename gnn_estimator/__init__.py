@@ -21,7 +21,7 @@ Features (`FEATURE_VERSION` 1; weights of another version are refused):
   - log1p of output elements and bytes, and of the elements and bytes of all its operands;
   - log1p of the bytes it reads from outside the kernel (cloned small constants excluded);
   - exported flag and log1p of the bytes it writes out when exported;
-  - log1p of its flops estimate (`Graph.op_flops`), transcendental flag;
+  - log1p of its flops estimate (`cost.work.flops_per_op`), transcendental flag;
   - output rank, dtype group one-hot (f32, 16-bit/8-bit float, integer, pred, 64-bit);
   - whether it moves the minor-most (contiguous) dimension (transpose, reduce, broadcast), and
     log1p of a reduce's input/output element ratio;

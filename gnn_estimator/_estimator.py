@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from disco_jax._graph import Graph
-from disco_jax._profile_store import SHIPPED_PROFILE_DIR, sanitize_device_kind
+from disco_jax._profile_db import SHIPPED_PROFILE_DIR, sanitize_device_kind
 from gnn_estimator import _kernels
 from gnn_estimator._features import KernelFeaturizer
 from gnn_estimator._train import TrainedEstimator

@@ -10,7 +10,7 @@ A description is ``{"nodes": [...], "exports": [...]}`` with one node per op of 
 kernel, else ``[dtype, shape, cloned, input]`` for a value read from outside: ``cloned`` for small
 constants copied into the fusion, ``input`` numbers the kernel's distinct outside values), ``dims``
 (the `dimensions` attribute of reduce, broadcast, transpose, concatenate, reverse), ``flops`` (its
-`Graph.op_flops`) and ``time_us`` (the op's own profiled time, or null).
+`cost.work.flops_per_op`) and ``time_us`` (the op's own profiled time, or null).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 from disco_jax import _hlo
 from disco_jax._graph import Graph
 from disco_jax._rewrite import CLONE_CONSTANT_BYTES
-from disco_jax.cost.work import TRANSCENDENTAL, TRANSCENDENTAL_FLOPS
+from disco_jax.cost.work import TRANSCENDENTAL, TRANSCENDENTAL_FLOPS, flops_per_op
 from gnn_estimator import _kernels
 
 FEATURE_VERSION = 1
@@ -98,7 +98,7 @@ KERNEL_FEATURES: tuple[str, ...] = (
 total flops, largest op output, exported values, log of the sum of the known own times (0 when
 none is known) and the fraction
 of ops with a known time, number of distinct inputs, total evaluated elements, and evaluated
-work (evaluations weighted `TRANSCENDENTAL_FLOPS` = 8 for transcendental ops, as `Graph.op_flops` is)."""
+work (evaluations weighted `TRANSCENDENTAL_FLOPS` = 8 for transcendental ops, as `cost.work.flops_per_op` is)."""
 
 
 _COLUMN = {name: i for i, name in enumerate(NODE_FEATURES)}
@@ -116,7 +116,7 @@ def describe_kernel(graph: Graph, kernel: frozenset[int], op_times_us: Mapping[i
     rule of `_kernels.default_exports`; `op_times_us` gives known own times by op id."""
     order = sorted(kernel)
     position = {o: i for i, o in enumerate(order)}
-    flops = graph.op_flops
+    flops = flops_per_op(graph)
     inputs: dict[int, int] = {}
     nodes = []
     for o in order:
@@ -398,7 +398,7 @@ class KernelFeaturizer:
                 "dtype": spec.dtype,
                 "shape": list(spec.dims),
                 "dims": _dims_attr(op.inst),
-                "flops": float(graph.op_flops[o]),
+                "flops": float(flops_per_op(graph)[o]),
             }
             found = self._ops[o] = (_node_op(node, specs), operands)
         return found

@@ -5,7 +5,7 @@ Data flow: (graph, kernel) -> `_kernels.kernel_module_text` -> compiled through 
 shapes is lowered, and at the hook its module is replaced by the kernel module (the header line,
 with the entry computation layout, is copied from the dummy so the executable's signature matches)
 -> `time_kernels` runs many compiled kernels under `jax.profiler.trace` and reads each kernel's
-thunk time per execution from the trace (as `disco_jax._profile.measure_kernel_times` does for
+thunk time per execution from the trace (as `disco_jax._device_timing.measure_kernel_times` does for
 whole steps): median over the executions of a round, minimum over rounds.
 """
 
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from disco_jax import _capture, _hlo, _profile
+from disco_jax import _capture, _device_timing, _hlo
 from disco_jax._graph import Graph
 from gnn_estimator import _kernels
 
@@ -196,7 +196,7 @@ def _traced_times(kernels: Sequence[CompiledKernel], runs: Sequence[int], skip: 
         traces = [jax.profiler.ProfileData.from_file(str(p)) for p in sorted(Path(trace_dir).rglob("*.xplane.pb"))]
     executions: list[list[tuple[float, float]]] = []
     for k in kernels:
-        events = [e for e in _profile.module_op_events(traces, k.module_name) if e.op in k.instructions]
+        events = [e for e in _device_timing.module_op_events(traces, k.module_name) if e.op in k.instructions]
         if events and all(e.run is not None for e in events):  # XLA:CPU: one run_id per execution
             by_run: dict[object, list[tuple[float, float]]] = {}
             for e in events:

@@ -1,7 +1,7 @@
 """Simulator fidelity: does the calibrated simulator predict what it picks?
 
 For each zoo model (``tiny`` config) and platform, the script runs the search phase's profile and
-calibrate (`disco_jax._profiling`), then measures and simulates four configurations of the step:
+calibrate (`disco_jax._profile_phase`), then measures and simulates four configurations of the step:
 
 * ``JAX default``: XLA's executable;
 * ``per-gradient AR``: XLA's fusions, one all-reduce per gradient (our rewrite);
@@ -64,8 +64,8 @@ def measure_model(name: str, pairs: int, budget_s: float) -> dict | None:
     from disco_jax import _distributed, _search, _strategy, _validate, backends, cost, zoo
     from disco_jax._compile import capture, compile_strategy, compiled_stats
     from disco_jax._console import Ui
-    from disco_jax._profile_store import ProfileDatabase
-    from disco_jax._profiling import calibrate, calibration_strategies, profile
+    from disco_jax._profile_db import ProfileDatabase
+    from disco_jax._profile_phase import calibrate, calibration_strategies, profile
 
     started = time.perf_counter()
     spec = zoo.get_model(name, "tiny")
@@ -167,7 +167,7 @@ def old_model(graph, cost_model, calibration, strategies: dict):
 
 def gap_model(name: str, steps: int = 5) -> dict | None:
     """Where one model's step time goes: wall time; the null program's (the step's arguments and
-    results, no computation: `_profiling.null_program`); and from a profiler trace, per device
+    results, no computation: `_profile_phase.null_program`); and from a profiler trace, per device
     and step, the time inside the module's thunks, the all-reduces' share of it and the thunk
     count, and the span from the first thunk's start to the last one's end over all devices."""
     import tempfile
@@ -176,20 +176,20 @@ def gap_model(name: str, steps: int = 5) -> dict | None:
     import jax
     import optax
 
-    from disco_jax import _profile, _profiling, _validate, backends, zoo
+    from disco_jax import _device_timing, _profile_phase, _validate, backends, zoo
     from disco_jax._compile import capture
 
     spec = zoo.get_model(name, "tiny")
     step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(), "jit")
     captured = capture(step.lower(state, batch), backends.CPU, (state, batch), {})
     runner = captured.runner(captured.default_compiled)
-    null = _validate.time_interleaved(runner, _profiling.null_program(captured), pairs=20)
+    null = _validate.time_interleaved(runner, _profile_phase.null_program(captured), pairs=20)
     with tempfile.TemporaryDirectory(prefix="disco-jax-gap-") as trace_dir:
         with jax.profiler.trace(trace_dir):
             for _ in range(steps):
                 jax.block_until_ready(runner())
         traces = [jax.profiler.ProfileData.from_file(str(p)) for p in Path(trace_dir).rglob("*.xplane.pb")]
-    events = _profile.module_op_events(traces, captured.module_name)
+    events = _device_timing.module_op_events(traces, captured.module_name)
     if jax.process_index() != 0:
         return None
     executions: dict = {}
@@ -197,8 +197,8 @@ def gap_model(name: str, steps: int = 5) -> dict | None:
         executions.setdefault((e.device, e.run), []).append(e)
     busy, allreduce, thunks, spans = [], [], [], {}
     for (_, run), es in executions.items():
-        busy.append(_profile._union_length([(e.start_ns, e.end_ns) for e in es]))
-        allreduce.append(_profile._union_length([(e.start_ns, e.end_ns) for e in es if "all-reduce" in e.op]))
+        busy.append(_device_timing._union_length([(e.start_ns, e.end_ns) for e in es]))
+        allreduce.append(_device_timing._union_length([(e.start_ns, e.end_ns) for e in es if "all-reduce" in e.op]))
         thunks.append(len({e.op for e in es}))
         first, last = min(e.start_ns for e in es), max(e.end_ns for e in es)
         spans[run] = (min(first, spans.get(run, (first, last))[0]), max(last, spans.get(run, (first, last))[1]))
@@ -359,7 +359,10 @@ def print_platform(platform: str, results: list[dict]) -> None:
                 f"| {_old(x)} "
                 f"| {x['allreduces']} | {x['multi_op_fusions']} |"
             )
-    print("\n`*`: not one of the configurations the simulator was calibrated on (`_profiling.calibration_strategies`).")
+    print(
+        "\n`*`: not one of the configurations the simulator was calibrated on "
+        "(`_profile_phase.calibration_strategies`)."
+    )
     print(
         "\nCalibration per model (4 configurations; the step's fixed cost measured with a null program; "
         "all-reduce D, C and the per-tensor cost measured apart):\n"

@@ -40,7 +40,7 @@ import optax  # noqa: E402
 
 from disco_jax import SearchConfig, backends, backtracking_search, cost, start_candidates, zoo  # noqa: E402
 from disco_jax._compile import capture  # noqa: E402
-from disco_jax._profile_store import ProfileDatabase  # noqa: E402
+from disco_jax._profile_db import ProfileDatabase  # noqa: E402
 
 DEFAULT_MODELS = ("transformer:tiny", "bert:tiny", "resnet50:tiny", "bert:paper", "resnet50:paper")
 DEVICES = 8

@@ -46,8 +46,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from disco_jax import Graph, _compile, backends
-from disco_jax._profile_store import SHIPPED_PROFILE_DIR, device_kind_key
-from disco_jax.cost import kernel_io_bytes
+from disco_jax._profile_db import SHIPPED_PROFILE_DIR, device_kind_key
+from disco_jax.cost import flops_per_op, kernel_io_bytes
 from gnn_estimator import (
     compile_kernel,
     default_exports,
@@ -387,7 +387,7 @@ class Collector:
                     "repeat_error": timing.repeat_error,
                     "read_bytes": read,
                     "written_bytes": written,
-                    "flops": float(sum(graph.op_flops[o] for o in k)),
+                    "flops": float(sum(flops_per_op(graph)[o] for o in k)),
                     "device_kind": self.device_kind,
                     "backend": jax.default_backend(),
                     "jax_version": jax.__version__,

@@ -1,9 +1,9 @@
 """The compiled-program cost model against the graph-level simulator, on measured XLA:CPU steps.
 
 For each zoo model (``tiny`` config, the ``jit`` style, Adam) on ``cpu-8dev`` (8 CPU devices in one
-process), the search phase's own machinery runs: `_profiling.profile` (the default executable's
+process), the search phase's own machinery runs: `_profile_phase.profile` (the default executable's
 kernels traced, times by instruction name; the all-reduce fit, from the profile database) and
-`_profiling.calibrate` (the step and three more configurations measured in interleaved pairs
+`_profile_phase.calibrate` (the step and three more configurations measured in interleaved pairs
 against it, plus the null program). Then the default step is predicted by
 
 * the graph-level simulator (`cost.simulate` of XLA's plan on the captured graph, with the
@@ -14,7 +14,7 @@ against it, plus the null program). Then the default step is predicted by
 
 each treated the same way twice: **uncalibrated** (no device parameters: `SimulatorParams()`), and
 **calibrated** (each model fitted by `cost.calibrate` to the same measured configurations, with the
-same free parameters and the same measured step overhead as `_profiling.calibrate` fits the
+same free parameters and the same measured step overhead as `_profile_phase.calibrate` fits the
 graph-level simulator; the compiled model costs each configuration's compiled executable).
 Printed: the measured default step, each model's prediction and error, and each calibrated fit's
 misfit over the configurations.
@@ -38,10 +38,10 @@ import time  # noqa: E402
 
 import optax  # noqa: E402
 
-from disco_jax import _profiling, backends, cost, zoo  # noqa: E402
+from disco_jax import _profile_phase, backends, cost, zoo  # noqa: E402
 from disco_jax._compile import capture, compile_strategy  # noqa: E402
 from disco_jax._console import Ui  # noqa: E402
-from disco_jax._profile_store import ProfileDatabase  # noqa: E402
+from disco_jax._profile_db import ProfileDatabase  # noqa: E402
 
 DEFAULT_MODELS = ("mlp", "transformer", "rnnlm", "dlrm", "bert", "resnet50", "vgg19", "reformer")
 
@@ -54,10 +54,10 @@ def measure_model(name: str, pairs: int) -> dict:
     captured = capture(step.lower(state, batch), backends.CPU, (state, batch), {})
     graph, quiet = captured.graph, Ui(verbose=False)
     runner = captured.runner(captured.default_compiled)
-    model = _profiling.profile(captured, runner, ProfileDatabase(), quiet)
-    calibration = _profiling.calibrate(model, captured, runner, pairs, quiet)
+    model = _profile_phase.profile(captured, runner, ProfileDatabase(), quiet)
+    calibration = _profile_phase.calibrate(model, captured, runner, pairs, quiet)
     fitted_graph = calibration.fitted
-    strategies = _profiling.calibration_strategies(graph)
+    strategies = _profile_phase.calibration_strategies(graph)
     labels = [p.label for p in fitted_graph.points]
     measured = [p.measured_us for p in fitted_graph.points]
 

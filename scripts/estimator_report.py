@@ -23,7 +23,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from rich.console import Console
 
-from disco_jax._profile_store import SHIPPED_PROFILE_DIR, device_kind_key, sanitize_device_kind
+from disco_jax._profile_db import SHIPPED_PROFILE_DIR, device_kind_key, sanitize_device_kind
 from disco_jax.eval import gpus
 from gnn_estimator import (
     analytical_predict_us,

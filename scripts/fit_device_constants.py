@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from disco_jax._profile_store import SHIPPED_PROFILE_DIR, sanitize_device_kind
+from disco_jax._profile_db import SHIPPED_PROFILE_DIR, sanitize_device_kind
 from disco_jax.eval import gpus
 
 

@@ -15,7 +15,7 @@ first shows what the launch overhead adds.
 
 Per zoo model, at the paper config's per-device batch (global batch / 8, the cluster rows'
 program): the step is captured through the GPU backend (the graph the cluster rows search, with
-XLA's fusions), XLA's executable is profiled (`_profile.measure_kernel_times`, every kernel XLA
+XLA's fusions), XLA's executable is profiled (`_device_timing.measure_kernel_times`, every kernel XLA
 made and every opaque op), and each kernel is predicted by each. Printed per model and estimator:
 the summed kernel time against the measured one, the per-kernel median error, and the share of
 kernels within 10% (all of them, and those of 100 us or more). ``--json`` writes it all.
@@ -38,10 +38,10 @@ import jax
 import numpy as np
 import optax
 
-from disco_jax import _profile, backends, cost, zoo
+from disco_jax import _device_timing, backends, cost, zoo
 from disco_jax._compile import capture_graph
-from disco_jax._profile_store import device_kind_key
-from disco_jax._profiling import kernels_by_name
+from disco_jax._profile_db import device_kind_key
+from disco_jax._profile_phase import kernels_by_name
 from disco_jax.eval import clusters, gpus
 from disco_jax.eval.rows import PAPER_DEVICES
 
@@ -79,7 +79,7 @@ def model_row(name: str, config: str, estimators: dict) -> dict:
     started = time.perf_counter()
     graph, compiled = capture_graph(step.lower(state, data), backends.for_platform(jax.default_backend()))
     capture_s = time.perf_counter() - started
-    times = _profile.measure_kernel_times(compiled, (state, data), steps=5)
+    times = _device_timing.measure_kernel_times(compiled, (state, data), steps=5)
     wall = []
     for _ in range(10):
         t0 = time.perf_counter()

@@ -84,10 +84,10 @@ def global_args(compiled, host_leaves: list, treedef):
 
 
 def trace_summary(traces: list, module: str, calls: int) -> dict:
-    """Per instruction of `module` its mean device time per call (`_profile.kernel_times_from_trace`,
+    """Per instruction of `module` its mean device time per call (`_device_timing.kernel_times_from_trace`,
     what the profile phase reads), and the device events that name no instruction of the module,
     by name (a command buffer's kernels are one such event, or one event of the module)."""
-    from disco_jax._profile import kernel_times_from_trace, module_op_events
+    from disco_jax._device_timing import kernel_times_from_trace, module_op_events
 
     kernel_us = kernel_times_from_trace(traces, module, steps=calls)
     named = len(module_op_events(traces, module))
@@ -113,7 +113,7 @@ def trace_summary(traces: list, module: str, calls: int) -> dict:
 
 def record(name: str, compiled, args, *, calls: int = 30, traced: int = 5, meta: dict | None = None) -> dict:
     """Time and trace one compiled program (see the module docstring)."""
-    from disco_jax._profile import hlo_module_name
+    from disco_jax._device_timing import hlo_module_name
 
     text = compiled.as_text()
     module = hlo_module_name(text)

@@ -27,7 +27,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from disco_jax._profile_store import SHIPPED_PROFILE_DIR, device_kind_key, sanitize_device_kind
+from disco_jax._profile_db import SHIPPED_PROFILE_DIR, device_kind_key, sanitize_device_kind
 from gnn_estimator import (
     ModelConfig,
     evaluate,

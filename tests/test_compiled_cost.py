@@ -13,7 +13,7 @@ from _hlo_text import COLLECTIVES, module_kernels
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from disco_jax import _profile, backends, cost, targets, zoo
+from disco_jax import _device_timing, backends, cost, targets, zoo
 from disco_jax.eval import clusters, gpus
 
 H100_ROOFLINE = gpus.RooflineEstimator(gpus.H100_SXM)
@@ -162,7 +162,7 @@ def test_xla_cpu_program_costed_by_its_profiled_kernel_times():
     compiled = step.lower(state, batch).compile()
     text = compiled.as_text()
     compute, collectives = module_kernels(text)
-    times = _profile.measure_kernel_times(compiled, (state, batch), steps=2, warmup=1)
+    times = _device_timing.measure_kernel_times(compiled, (state, batch), steps=2, warmup=1)
     program = cost.compiled_program(text, backends.CPU)
     table = cost.measured_table(program, times)
     fallback = cost.AnalyticalEstimator()

@@ -343,13 +343,13 @@ ENTRY %main (x: f32[4,8], w: f32[8,2]) -> (f32[4], f32[4,2]) {
 def test_the_work_counter_counts_each_op_once_and_the_graph_caches_it():
     g = _graph.build_graph(WORK_HLO, backends.CPU)
     by_name = {op.name: op.id for op in g.ops}
-    work = g.op_work
+    work = cost.work_per_op(g)
     assert work[by_name["e"]] == cost.Work(flops=8.0 * 32, transcendental=32.0, bytes=128)
     assert work[by_name["t"]] == cost.Work(flops=0.0, elementwise=32.0, bytes=128)  # moves data: no flops
     assert work[by_name["r"]] == cost.Work(flops=32.0, elementwise=32.0, bytes=16)
     assert work[by_name["d"]] == cost.Work(flops=2.0 * 4 * 2 * 8, dot=2.0 * 4 * 2 * 8, bytes=32)
-    assert g.op_flops == [w.flops for w in work]
-    assert g.op_work is work  # computed once per graph
+    assert cost.flops_per_op(g) == [w.flops for w in work]
+    assert cost.work_per_op(g) is work  # computed once per graph, kept with it
     kernel = frozenset([by_name["e"], by_name["r"]])
     assert cost.kernel_work(g, kernel) == cost.KernelWork(128.0, 16.0 + 128.0, 32.0, 32.0, 0.0)
     np.testing.assert_array_equal(cost.kernel_features(g, kernel), [1.0, 272.0, 32.0, 32.0, 0.0])

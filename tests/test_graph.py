@@ -115,9 +115,10 @@ def test_cached_graph_queries_equal_a_fresh_computation():
         assert len(set(sources)) == len(sources) and set(sources) == _backward_through_free(graph, o)
         assert set(graph.consumers(o)) == _forward_through_free(graph, o)
         assert graph.consumers(o) is graph.consumers(o)  # cached on the graph
-        assert graph.op_work[o] == work.op_work(fresh, o)
-    assert graph.free_sources is graph.free_sources and graph.op_work is graph.op_work
-    assert graph.op_flops == [w.flops for w in graph.op_work]
+        assert work.work_per_op(graph)[o] == work.op_work(fresh, o)
+    assert graph.free_sources is graph.free_sources and work.work_per_op(graph) is work.work_per_op(graph)
+    assert work.work_per_op(fresh) is not work.work_per_op(graph)  # kept per graph object
+    assert work.flops_per_op(graph) == [w.flops for w in work.work_per_op(graph)]
     for gradient, mask in zip(graph.gradients, graph.reduced_dependencies):
         reached, stack = set(), [gradient.producer]
         while stack:

@@ -20,7 +20,7 @@ from disco_jax import (
     targets,
     zoo,
 )
-from disco_jax._profile_store import sanitize_device_kind
+from disco_jax._profile_db import sanitize_device_kind
 from disco_jax._search import SearchConfig
 from disco_jax.eval import clusters
 

@@ -53,10 +53,10 @@ def test_wheel_ships_and_loads_the_cpu_estimator_weights(tmp_path):
     env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"], "JAX_PLATFORMS": "cpu"}
     probe = (
         "import json, disco_jax, gnn_estimator\n"
-        "from disco_jax import _profile_store, cost\n"
+        "from disco_jax import _profile_db, cost\n"
         "from disco_jax.eval import nccl\n"
         "e = gnn_estimator.load_estimator('cpu')\n"
-        "print(json.dumps({'package': disco_jax.__file__, 'shipped': str(_profile_store.SHIPPED_PROFILE_DIR),"
+        "print(json.dumps({'package': disco_jax.__file__, 'shipped': str(_profile_db.SHIPPED_PROFILE_DIR),"
         " 'loaded': e is not None, 'plugins': [type(p).__name__ for p in cost.plugin_estimators('cpu')],"
         " 'nccl': nccl.__file__, 'allreduce_us': nccl.collective_model(8, 4, 'ib').time_us(1 << 20)}))\n"
     )

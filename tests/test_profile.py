@@ -13,9 +13,14 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from disco_jax import _compile, _console, _profiling, backends, cost
-from disco_jax._profile import hlo_module_name, kernel_times_from_trace, measure_allreduce_cost, measure_kernel_times
-from disco_jax._profile_store import (
+from disco_jax import _compile, _console, _profile_phase, backends, cost
+from disco_jax._device_timing import (
+    hlo_module_name,
+    kernel_times_from_trace,
+    measure_allreduce_cost,
+    measure_kernel_times,
+)
+from disco_jax._profile_db import (
     FORMAT_VERSION,
     Profile,
     ProfileDatabase,
@@ -285,7 +290,7 @@ def test_profile_builds_its_estimator_chain_from_the_plugin_registry(tmp_path):
     captured, database = _two_layer_step(64, tmp_path)
     cost.register_estimator("probe", _ProbeEstimator)
     try:
-        model = _profiling.profile(
+        model = _profile_phase.profile(
             captured, captured.runner(captured.default_compiled), database, _console.Ui(verbose=False)
         )
     finally:
@@ -305,10 +310,10 @@ def test_calibrate_fits_the_simulator_to_every_calibration_configuration(tmp_pat
     captured, database = _two_layer_step(32, tmp_path)
     runner = captured.runner(captured.default_compiled)
     ui = _console.Ui(verbose=False)
-    model = _profiling.profile(captured, runner, database, ui)
-    labels = list(_profiling.calibration_strategies(captured.graph))
+    model = _profile_phase.profile(captured, runner, database, ui)
+    labels = list(_profile_phase.calibration_strategies(captured.graph))
     assert labels[:2] == ["default", "per-gradient"] and len(labels) >= 3
-    calibration = _profiling.calibrate(model, captured, runner, 6, ui)
+    calibration = _profile_phase.calibrate(model, captured, runner, 6, ui)
     assert model.params == calibration.params and calibration.params.compute_scale > 0
     assert [p.label for p in calibration.points] == labels
     assert all(p.measured_us > 0 and p.simulated_us > 0 for p in calibration.points)
@@ -324,7 +329,7 @@ def test_the_profile_phase_traces_an_executable_compiled_with_the_backends_profi
     lowered = jax.jit(lambda v: jnp.sin(v) * 2).lower(x)
     captured = _compile.capture(lowered, backends.CPU, (x,), {})
     runner = captured.runner(captured.default_compiled)
-    assert _profiling.traced_runner(captured, runner) is runner
+    assert _profile_phase.traced_runner(captured, runner) is runner
     # XLA:GPU turns command buffers off for it, an option XLA parses per compile (a value that is
     # no command buffer kind is refused, so the empty one is applied, not ignored).
     from disco_jax import targets

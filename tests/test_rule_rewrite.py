@@ -16,6 +16,7 @@ from test_sharded_update import flax_adam_step
 
 from disco_jax import _capture, _compile, backends
 from disco_jax.cost import sharded
+from disco_jax.cost.allreduce import transfer_bytes
 from disco_jax.sharding import apply, rules, update
 
 
@@ -113,7 +114,7 @@ def test_the_sharded_adam_step_reduce_scatters_once_and_gathers_once(sharded_ada
     assert len(apply.scatterable(graph.module)) == 5
     # The simulator costs what runs: five gradients reduce-scattered, four all-gathers folded into
     # the fifth's latency.
-    assert sum(moved < g.nbytes for g, moved in zip(graph.gradients, graph.transfer_bytes)) == 5
+    assert sum(moved < g.nbytes for g, moved in zip(graph.gradients, transfer_bytes(graph))) == 5
     assert len(sharded.scattered_gradients(graph)) == 5 and len(sharded.grouped_gathers(graph)) == 4
     plain = _capture.capture(lowered)[1]  # the same program, no rule applied
     assert update.collectives(plain.as_text())["all-gather"] == 5

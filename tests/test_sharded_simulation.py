@@ -14,7 +14,7 @@ from test_weight_update_choice import layout_of
 from disco_jax import _strategy, backends, targets, zoo
 from disco_jax._compile import capture, capture_graph
 from disco_jax.cost import AllReduceCostModel, AnalyticalEstimator, chain, kernel_state, kernels, sharded, simulate
-from disco_jax.cost.allreduce import collective_time_us
+from disco_jax.cost.allreduce import collective_time_us, transfer_bytes
 from disco_jax.eval import clusters
 from disco_jax.sharding import choice, update
 
@@ -61,7 +61,7 @@ def test_a_sharded_bucket_gathers_after_its_update_and_updates_one_nth(flax_step
     # reduce-scatter per sharded bucket, at the line's scatter cost; the others stay all-reduces.
     assert graph.backend.forms_reduce_scatter
     scatters = sorted(b - a for _, label, a, b in split.events if label.startswith("reduce-scatter"))
-    per_scatter = [sum(graph.transfer_bytes[g] for g in b) for b in shard.buckets if b[0] in shard.sharded]
+    per_scatter = [sum(transfer_bytes(graph)[g] for g in b) for b in shard.buckets if b[0] in shard.sharded]
     assert scatters == pytest.approx(sorted(line.collective_time_us("reduce-scatter", n) for n in per_scatter))
     gathered = sum(graph.gradients[g].nbytes for g in shard.sharded)
     per_bucket = [sum(graph.gradients[g].nbytes for g in b) for b in shard.buckets if b[0] in shard.sharded]

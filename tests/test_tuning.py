@@ -17,8 +17,8 @@ from disco_jax import (
     _compile,
     _graph,
     _plan,
-    _profile_store,
-    _profiling,
+    _profile_db,
+    _profile_phase,
     _search,
     _search_phase,
     _strategy,
@@ -89,7 +89,7 @@ def test_recalibration_recovers_the_parameters_and_keeps_the_measured_step_overh
     model.params = cost.SimulatorParams(step_overhead_us=50.0)  # as the calibrate phase measured it
     truth = cost.SimulatorParams(compute_scale=3.0, comm_blocking=0.5, step_overhead_us=50.0)
     rng = random.Random(0)
-    strategies = list(_profiling.calibration_strategies(graph).values())
+    strategies = list(_profile_phase.calibration_strategies(graph).values())
     for move in (_strategy.split, _strategy.split_group, _strategy.merge_buckets, _strategy.split_bucket):
         s = move(graph, strategies[0], rng)
         strategies += [s] if s is not None else []
@@ -98,7 +98,7 @@ def test_recalibration_recovers_the_parameters_and_keeps_the_measured_step_overh
         for i, s in enumerate(strategies)
     ]
     fitted = _tuning.recalibrate(graph, model, points)
-    assert fitted.free == _profiling.CALIBRATED and fitted.misfit < 0.03
+    assert fitted.free == _profile_phase.CALIBRATED and fitted.misfit < 0.03
     assert model.params == fitted.params and model.params.step_overhead_us == 50.0
     assert model.params.compute_scale == pytest.approx(3.0, rel=0.15)
 
@@ -242,7 +242,7 @@ def test_optimize_distributed_compiles_times_and_records_its_candidates(tmp_path
         assert r["predicted_us"] > 0 and r["measured_us"] > 0 and r["predicted_ratio"] > 0 and r["measured_ratio"] > 0
     assert report.search["recalibration"]
     # The candidates' kernels went into the profile database beside those the profile phase timed.
-    stored = _profile_store.ProfileDatabase().load("cpu", "cpu", 8).kernel_times_us
+    stored = _profile_db.ProfileDatabase().load("cpu", "cpu", 8).kernel_times_us
     assert len(stored) == report.search["cost_model"]["kernel_times"] + sum(r["kernels_added"] for r in records)
     assert _plan.read_plan_file(report.plan_path).search["measured_candidates"] == records
     fastest = min(records, key=lambda r: r["measured_ratio"])

@@ -12,9 +12,9 @@ from test_sharded_update import FAST, flax_adam_step, train
 
 from disco_jax import _plan, _strategy, _validate, backends, optimize_distributed, targets, zoo
 from disco_jax._compile import capture, capture_graph
-from disco_jax._profile import measure_scatter_gather_cost
+from disco_jax._device_timing import measure_scatter_gather_cost
 from disco_jax.cost import AllReduceCostModel, sharded
-from disco_jax.cost.allreduce import collective_time_us, communication_bytes
+from disco_jax.cost.allreduce import collective_ops, collective_time_us, communication_bytes, transfer_bytes
 from disco_jax.cost.simulator import simulate
 from disco_jax.eval import clusters
 from disco_jax.sharding import apply, choice, update
@@ -89,7 +89,7 @@ def test_the_simulator_puts_the_sharded_updates_all_gathers_on_the_channel():
     layout, args = layout_of(step, params, opt_state, batches[0])
     lowered, _ = update.relower(step, layout, args, {}, (args, {}), default)
     graph = capture(lowered, backends.CPU, args, {}).graph
-    gathers = {o: c for o, c in graph.collective_ops.items() if c[0] == "all-gather"}
+    gathers = {o: c for o, c in collective_ops(graph).items() if c[0] == "all-gather"}
     param_bytes = sorted(x.nbytes for x in jax.tree.leaves(params) if x.shape[0] % 8 == 0)
     assert sorted(nbytes for _, nbytes in gathers.values()) == param_bytes
 
@@ -391,9 +391,9 @@ def test_on_xla_gpu_the_sharded_update_reduce_scatters_and_sends_what_the_replic
     # XLA:GPU forms the reduce-scatters itself: the hook applies no rule where its own would match.
     assert not backends.GPU.hook_rules and sharded.rules_applied == ()
     assert len(apply.scatterable(sharded.module)) == len(layout.groups)
-    scattered = [g for g, moved in zip(sharded.gradients, sharded.transfer_bytes) if moved < g.nbytes]
+    scattered = [g for g, moved in zip(sharded.gradients, transfer_bytes(sharded)) if moved < g.nbytes]
     assert len(scattered) == len(layout.groups)  # one per sharded parameter
-    assert all(moved == g.nbytes for g, moved in zip(replicated.gradients, replicated.transfer_bytes))
+    assert all(moved == g.nbytes for g, moved in zip(replicated.gradients, transfer_bytes(replicated)))
     before, after = communication_bytes(replicated, 8), communication_bytes(sharded, 8)
     assert after["reduce-scatter"] > 0 and after["all-gather"] == pytest.approx(after["reduce-scatter"])
     assert after["total"] == pytest.approx(before["total"])

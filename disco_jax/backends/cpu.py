@@ -15,7 +15,8 @@ import re
 
 from disco_jax import _hlo
 from disco_jax._edit import prune
-from disco_jax._graph import ELEMENTWISE, Graph
+from disco_jax._graph import Graph
+from disco_jax._hlo import ELEMENTWISE
 from disco_jax._rewrite import Emitter, fused_computation
 from disco_jax._strategy import BUCKET, GROUP, OPAQUE, Strategy, group_exports, kernel_dag
 from disco_jax.backends.base import Backend

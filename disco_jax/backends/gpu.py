@@ -23,7 +23,8 @@ import dataclasses
 import heapq
 
 from disco_jax import _hlo
-from disco_jax._graph import ELEMENTWISE, Graph
+from disco_jax._graph import Graph
+from disco_jax._hlo import ELEMENTWISE
 from disco_jax._strategy import Strategy, is_valid
 from disco_jax.backends.base import Backend
 from disco_jax.backends.gpu_schedule import with_xla_decisions

@@ -1,7 +1,7 @@
 """The cost model: what kernels and all-reduces cost, and the step simulator built on them.
 
 * `work`: the one work counter: flops, elements, transcendentals and bytes of an op
-  (`Work`, cached per graph as `Graph.op_work`) and of a kernel (`KernelWork`).
+  (`Work`, cached per graph: `work_per_op`) and of a kernel (`KernelWork`).
 * `estimators`: the `Estimator` protocol (kernels -> microseconds) and its implementations:
   measured table, analytical roofline, calibrated wrapper, per-kernel overhead, `chain`; plus the registry of
   estimator plugins (entry-point group ``disco_jax.estimators``; the GNN is one).
@@ -72,9 +72,11 @@ from disco_jax.cost.work import (
     TRANSCENDENTAL_FLOPS,
     KernelWork,
     Work,
+    flops_per_op,
     kernel_io_bytes,
     kernel_work,
     loop_work,
+    work_per_op,
 )
 
 __all__ = [
@@ -117,6 +119,8 @@ __all__ = [
     "kernel_state",
     "kernel_work",
     "loop_work",
+    "work_per_op",
+    "flops_per_op",
     "measured_table",
     "plugin_estimators",
     "register_estimator",

@@ -6,7 +6,7 @@ the total over devices), and `to_json()` for the plan file and reports. Two impl
 
 * `AllReduceCostModel`: DisCo's line T(bytes) = C * bytes + D, fitted robustly
   (`fit_allreduce_cost`: medians per size, Huber-weighted relative residuals) to all-reduces
-  timed on the real devices (`disco_jax._profile.measure_allreduce_cost`), with the spread of the
+  timed on the real devices (`disco_jax._device_timing.measure_allreduce_cost`), with the spread of the
   fit over its repetitions (`fit_allreduce_samples`);
 * `disco_jax.eval.nccl.FittedCollectives`: a simulated H100 cluster's collectives, fitted to
   published nccl-tests tables (every collective its own); `disco_jax.eval.clusters.ClusterAllReduce`:
@@ -26,6 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from disco_jax._graph import Graph, per_graph
 from disco_jax.cost.sharded import scattered_gradients
 
 
@@ -45,10 +46,11 @@ class AllReduceCost(Protocol):
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
 
-def collective_ops(graph) -> dict[int, tuple[str, int]]:
+@per_graph
+def collective_ops(graph: Graph) -> dict[int, tuple[str, int]]:
     """`graph`'s opaque collectives (not the gradients' all-reduces): op id -> (collective, bytes
     of the larger of its input and output per device); an async collective's '-done' half is
-    ("done", 0): it waits on the channel, and its '-start' carries the cost."""
+    ("done", 0): it waits on the channel, and its '-start' carries the cost. Computed once per graph."""
     out = {}
     for o in graph.opaque_ops:
         op = graph.ops[o]
@@ -59,11 +61,12 @@ def collective_ops(graph) -> dict[int, tuple[str, int]]:
     return out
 
 
-def transfer_bytes(graph) -> list[float]:
+@per_graph
+def transfer_bytes(graph: Graph) -> list[float]:
     """Per gradient of `graph`, the bytes its all-reduce's transfer counts: its own, or half where
     it runs as a reduce-scatter (`cost.sharded.scattered_gradients`: the sharded weight update's
     gradients, on XLA:GPU and, through the hook's rule, on XLA:CPU). A ring reduce-scatter sends
-    half of what an all-reduce sends, at the same latency."""
+    half of what an all-reduce sends, at the same latency. Computed once per graph."""
     scattered = scattered_gradients(graph)
     return [g.nbytes / 2 if g.id in scattered else float(g.nbytes) for g in graph.gradients]
 
@@ -79,15 +82,15 @@ RING_BYTES = {
 }
 
 
-def communication_bytes(graph, num_devices: int) -> dict[str, float]:
+def communication_bytes(graph: Graph, num_devices: int) -> dict[str, float]:
     """Bytes each device sends in one step of `graph`'s program, by collective (ring algorithms):
     the gradients' all-reduces (reduce-scatters where the compiler will make them, as
-    `Graph.transfer_bytes` says) and every other collective (`Graph.collective_ops`)."""
+    `transfer_bytes` says) and every other collective (`collective_ops`)."""
     out = {name: 0.0 for name in RING_BYTES}
-    for g, moved in zip(graph.gradients, graph.transfer_bytes):  # half: it becomes a reduce-scatter
+    for g, moved in zip(graph.gradients, transfer_bytes(graph)):  # half: it becomes a reduce-scatter
         name = "all-reduce" if moved == g.nbytes else "reduce-scatter"
         out[name] += RING_BYTES[name](num_devices) * g.nbytes
-    for name, nbytes in graph.collective_ops.values():
+    for name, nbytes in collective_ops(graph).values():
         if name != "done":  # an async collective's second half: its start sent the bytes
             out[name] += RING_BYTES[name](num_devices) * nbytes
     out["total"] = sum(out.values())
@@ -136,7 +139,7 @@ class AllReduceCostModel:
     moves over them (`fit_allreduce_samples`); not part of the model's identity.
     `scatter_gather`: the line (per_byte_us, latency_us) of one reduce-scatter or all-gather
     (bytes: the whole tensor), fitted to measured pairs of them
-    (`disco_jax._profile.measure_scatter_gather_cost`); None: half the all-reduce's per-byte time.
+    (`disco_jax._device_timing.measure_scatter_gather_cost`); None: half the all-reduce's per-byte time.
     """
 
     per_byte_us: float

@@ -39,8 +39,8 @@ from disco_jax.cost import events
 if TYPE_CHECKING:
     from disco_jax._graph import Graph
     from disco_jax.cost.allreduce import AllReduceCost
+    from disco_jax.cost.events import SimulatorParams
     from disco_jax.cost.kernels import KernelState
-    from disco_jax.cost.simulator import SimulatorParams
 
 
 def dependency_bound(graph: Graph, st: KernelState, params: SimulatorParams, allreduce: AllReduceCost) -> float | None:

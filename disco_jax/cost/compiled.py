@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 from disco_jax.cost.allreduce import AllReduceCost, collective_time_us
 from disco_jax.cost.estimators import ChainEstimator, Estimator, TableEstimator
-from disco_jax.cost.simulator import SimulatorParams
+from disco_jax.cost.events import SimulatorParams
 
 if TYPE_CHECKING:
     from disco_jax._graph import Graph
@@ -94,7 +94,7 @@ def compiled_program(text: str, backend: Backend) -> CompiledProgram:
 
 
 def measured_table(program: CompiledProgram, times_us: Mapping[str, float]) -> TableEstimator:
-    """Profiled kernel times by instruction name (`_profile.measure_kernel_times` of the executable
+    """Profiled kernel times by instruction name (`_device_timing.measure_kernel_times` of the executable
     `program` was read from) as a table by kernel signature: it answers for the same kernel in any
     program (names alone would not: another compile reuses them for other kernels). Kernels of
     one signature (the same computation, XLA:CPU's per-layer Adam fusions) get their mean."""

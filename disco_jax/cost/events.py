@@ -5,22 +5,65 @@ and all-gathers of sharded updates, opaque collectives) on one channel. Ties bet
 at the same time go to the earlier rank: program position (a group's last op, an all-reduce after
 its last gradient's producer), then a hash of the key. A state with a dependency cycle leaves
 kernels unrun: `run` returns None for it. `simulator.simulate` and `simulator.SimulatedCost`
-call it.
+call it. `SimulatorParams`, the device parameters `run` executes by, are defined here (the
+simulator fits them) so that the event core and the bound below it need nothing of the simulator.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
+from disco_jax._graph import Graph
 from disco_jax.cost import sharded
-from disco_jax.cost.allreduce import AllReduceCost, collective_time_us
+from disco_jax.cost.allreduce import (
+    AllReduceCost,
+    bucket_time_us,
+    collective_ops,
+    collective_time_us,
+    transfer_bytes,
+)
 from disco_jax.cost.kernels import BUCKET, GATHER, GROUP, KernelState
 
-if TYPE_CHECKING:
-    from disco_jax._graph import Graph
-    from disco_jax.cost.simulator import SimulatorParams
+
+@dataclasses.dataclass(frozen=True)
+class SimulatorParams:
+    """How the device executes, beyond kernel and all-reduce costs.
+
+    compute_scale: step time per estimated kernel time (the estimates are one device's kernels as
+    the trace times them; XLA:CPU's virtual devices share the host's cores, so the step waits for
+    every device's kernels: about devices / cores).
+    comm_blocking: fraction of an all-reduce's time during which it also holds the compute stream
+    (0 for a GPU's separate communication stream; XLA:CPU runs collectives on the executor's own
+    threads, so they block compute). kernel_overhead_us: added to every compute kernel (the
+    executor's dispatch of one thunk, which the kernel trace does not show). step_overhead_us:
+    added once per step (launching the executable, handing over arguments and results).
+    allreduce_tensor_us: what each tensor after the first adds to an all-reduce of several, in
+    place of the all-reduce cost's own (`AllReduceCostModel.per_tensor_us`, measured apart from
+    any step); None: the cost's own.
+    Each can be fitted per step by `calibrate` from measured runs of several strategies; the
+    defaults are the bare simulator of DisCo. JSON: the field names (plans record them; nothing
+    reads them back, so plans written before the overheads existed stay loadable)."""
+
+    compute_scale: float = 1.0
+    comm_blocking: float = 0.0
+    kernel_overhead_us: float = 0.0
+    step_overhead_us: float = 0.0
+    allreduce_tensor_us: float | None = None
+
+    def kernel_us(self, estimated_us: float) -> float:
+        """The simulated time of a compute kernel whose estimator says `estimated_us`."""
+        return float(estimated_us) * self.compute_scale + self.kernel_overhead_us
+
+    def bucket_us(self, allreduce: AllReduceCost, tensor_bytes: Sequence[int]) -> float:
+        """The simulated time of one all-reduce of these tensors (bytes of each, per device)."""
+        if self.allreduce_tensor_us is None:
+            return bucket_time_us(allreduce, tensor_bytes)
+        return allreduce.time_us(sum(tensor_bytes)) + self.allreduce_tensor_us * max(0, len(tensor_bytes) - 1)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
@@ -169,7 +212,8 @@ def _comm_us(graph: Graph, st: KernelState, k: int, params: SimulatorParams, all
     if kind == GATHER:  # the updated parameters, as large as their gradients
         return collective_time_us(allreduce, "all-gather", sum(graph.gradients[g].nbytes for g in members))
     if kind == BUCKET:
-        tensors = [graph.transfer_bytes[g] for g in members]
+        moved = transfer_bytes(graph)
+        tensors = [moved[g] for g in members]
         if isinstance(st.keys[k], tuple) and sharded.reduce_scatters(graph, allreduce):
             return collective_time_us(allreduce, "reduce-scatter", sum(tensors))
         # Gradients the program slices and the backend reduce-scatters leave the all-reduce for
@@ -181,7 +225,7 @@ def _comm_us(graph: Graph, st: KernelState, k: int, params: SimulatorParams, all
             collective_time_us(allreduce, "reduce-scatter", split) if split else 0.0
         )
     (o,) = members
-    collective, nbytes = graph.collective_ops[o]
+    collective, nbytes = collective_ops(graph)[o]
     time_us = collective_time_us(allreduce, collective, nbytes)
     if o in sharded.grouped_gathers(graph):  # its group's all-gather paid the latency
         time_us -= collective_time_us(allreduce, collective, 0)

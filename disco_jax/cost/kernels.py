@@ -29,6 +29,7 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from disco_jax.cost.allreduce import collective_ops
 from disco_jax.cost.sharded import UpdateRegions, regions_of
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ class KernelState:
 
     def _add(self, graph: Graph, key, members: frozenset[int], kind: str) -> int:
         anchor = _anchor(graph, members, kind, self.regions)
-        comm = kind in (BUCKET, GATHER) or (kind == OPAQUE and next(iter(members)) in graph.collective_ops)
+        comm = kind in (BUCKET, GATHER) or (kind == OPAQUE and next(iter(members)) in collective_ops(graph))
         entry = (key, members, kind, _NONE, set(), _rank(anchor, key), comm, None if not comm else 0.0)
         if self.free:
             k = self.free.pop()

@@ -24,13 +24,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import weakref
-from typing import TYPE_CHECKING
 
+from disco_jax._graph import Graph, per_graph
 from disco_jax.sharding import apply
-
-if TYPE_CHECKING:
-    from disco_jax._graph import Graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,26 +147,7 @@ def _parameters(graph: Graph, o: int) -> list[int]:
     return out
 
 
-_PER_GRAPH: dict[tuple[str, int], tuple[weakref.ref, object]] = {}
-
-
-def _once_per_graph(compute):
-    """`compute(graph)`, computed once per graph object."""
-
-    def cached(graph: Graph):
-        key = (compute.__name__, id(graph))
-        found = _PER_GRAPH.get(key)
-        if found is None or found[0]() is not graph:
-            for stale in [k for k, (ref, _) in _PER_GRAPH.items() if ref() is None]:
-                del _PER_GRAPH[stale]
-            found = _PER_GRAPH[key] = (weakref.ref(graph), compute(graph))
-        return found[1]
-
-    cached.__doc__ = f"`{compute.__name__}(graph)`, computed once per graph object."
-    return cached
-
-
-regions_of = _once_per_graph(update_regions)
+regions_of = per_graph(update_regions)
 
 
 def reduce_scatters(graph: Graph, allreduce) -> bool:
@@ -181,7 +158,7 @@ def reduce_scatters(graph: Graph, allreduce) -> bool:
     return graph.backend.forms_reduce_scatter if own is None else bool(own)
 
 
-@_once_per_graph
+@per_graph
 def scattered_gradients(graph: Graph) -> frozenset[int]:
     """The gradients of `graph` (a program that already slices them: the sharded update lowered)
     whose all-reduce runs as a reduce-scatter: where the compiler forms them
@@ -201,7 +178,7 @@ def scattered_gradients(graph: Graph) -> frozenset[int]:
     return frozenset(g.id for g in graph.gradients if g.result_name in matched)
 
 
-@_once_per_graph
+@per_graph
 def grouped_gathers(graph: Graph) -> frozenset[int]:
     """The all-gathers of `graph` the hook groups with an earlier one under XLA's plan
     (`Graph.rules_applied`, `grouped_all_gather`): one all-gather pays the group's latency, these

@@ -4,9 +4,10 @@
 and reports iteration time, compute and comm time, overlap and the full-overlap bound
 (`SimulatedStep`). A bucket's all-reduce costs what the all-reduce cost says for its tensors
 (`cost.allreduce.bucket_time_us`: on XLA:CPU every tensor of a variadic all-reduce pays the
-latency again). `SimulatorParams` are the device parameters beyond kernel and all-reduce costs
-(compute scale, the share of an all-reduce that blocks compute, a per-kernel and a per-step
-overhead), fitted to any number of measured runs by `calibrate`, which reports how well they fit
+latency again). `SimulatorParams` (defined with the event core, `cost.events`, which runs by them)
+are the device parameters beyond kernel and all-reduce costs (compute scale, the share of an
+all-reduce that blocks compute, a per-kernel and a per-step overhead), fitted to any number of
+measured runs by `calibrate`, which reports how well they fit
 (`Calibrated`: the misfit and every point). `CostModel` bundles what one search simulates with:
 a kernel estimator, an all-reduce cost and the parameters. docs/simulator-fidelity.md says why
 the model is what it is on XLA:CPU.
@@ -23,9 +24,10 @@ import numpy as np
 
 from disco_jax._strategy import BUCKET, GROUP, Strategy, emittable
 from disco_jax.cost import events, kernels, sharded
-from disco_jax.cost.allreduce import AllReduceCost, bucket_time_us
+from disco_jax.cost.allreduce import AllReduceCost
 from disco_jax.cost.bound import dependency_bound
 from disco_jax.cost.estimators import ChainEstimator, Estimator
+from disco_jax.cost.events import SimulatorParams
 from disco_jax.cost.kernels import KernelState
 
 if TYPE_CHECKING:
@@ -57,45 +59,8 @@ class SimulatedStep:
         return d
 
 
-@dataclasses.dataclass(frozen=True)
-class SimulatorParams:
-    """How the device executes, beyond kernel and all-reduce costs.
-
-    compute_scale: step time per estimated kernel time (the estimates are one device's kernels as
-    the trace times them; XLA:CPU's virtual devices share the host's cores, so the step waits for
-    every device's kernels: about devices / cores).
-    comm_blocking: fraction of an all-reduce's time during which it also holds the compute stream
-    (0 for a GPU's separate communication stream; XLA:CPU runs collectives on the executor's own
-    threads, so they block compute). kernel_overhead_us: added to every compute kernel (the
-    executor's dispatch of one thunk, which the kernel trace does not show). step_overhead_us:
-    added once per step (launching the executable, handing over arguments and results).
-    allreduce_tensor_us: what each tensor after the first adds to an all-reduce of several, in
-    place of the all-reduce cost's own (`AllReduceCostModel.per_tensor_us`, measured apart from
-    any step); None: the cost's own.
-    Each can be fitted per step by `calibrate` from measured runs of several strategies; the
-    defaults are the bare simulator of DisCo. JSON: the field names (plans record them; nothing
-    reads them back, so plans written before the overheads existed stay loadable)."""
-
-    compute_scale: float = 1.0
-    comm_blocking: float = 0.0
-    kernel_overhead_us: float = 0.0
-    step_overhead_us: float = 0.0
-    allreduce_tensor_us: float | None = None
-
-    def kernel_us(self, estimated_us: float) -> float:
-        """The simulated time of a compute kernel whose estimator says `estimated_us`."""
-        return float(estimated_us) * self.compute_scale + self.kernel_overhead_us
-
-    def bucket_us(self, allreduce: AllReduceCost, tensor_bytes: Sequence[int]) -> float:
-        """The simulated time of one all-reduce of these tensors (bytes of each, per device)."""
-        if self.allreduce_tensor_us is None:
-            return bucket_time_us(allreduce, tensor_bytes)
-        return allreduce.time_us(sum(tensor_bytes)) + self.allreduce_tensor_us * max(0, len(tensor_bytes) - 1)
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-
+BARE_PARAMS = SimulatorParams()
+"""DisCo's bare simulator: no scale, blocking or overheads (the defaults of `SimulatorParams`)."""
 PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SimulatorParams))
 # What `calibrate` fits by default, by how many measured configurations there are: always the
 # compute scale and the blocking (the two-point calibration); the overheads only with enough
@@ -167,7 +132,7 @@ def calibrate(
     measured: Sequence[float],
     *,
     free: Sequence[str] | None = None,
-    start: SimulatorParams = SimulatorParams(),
+    start: SimulatorParams = BARE_PARAMS,
     labels: Sequence[str] | None = None,
     blocking_grid: Sequence[float] = BLOCKING_GRID,
 ) -> Calibrated:
@@ -303,7 +268,7 @@ def simulate(
     strategy: Strategy,
     estimator: Estimator,
     allreduce: AllReduceCost,
-    params: SimulatorParams = SimulatorParams(),
+    params: SimulatorParams = BARE_PARAMS,
     *,
     state: KernelState | None = None,
     record: bool = False,
@@ -312,7 +277,7 @@ def simulate(
     """DisCo's simulator: a ready queue of compute kernels on one stream in dependency order;
     all-reduces on one channel in the order their gradients are produced, each starting when its
     last gradient is ready and the channel is free (and holding the compute stream for
-    `params.comm_blocking` of its time). The program's other collectives (`Graph.collective_ops`:
+    `params.comm_blocking` of its time). The program's other collectives (`cost.allreduce.collective_ops`:
     the all-gathers and reduce-scatters of a sharded weight update) share that channel, costed by
     `collective_time_us`. A compute kernel costs `params.kernel_us` of its
     estimate; the step's fixed cost `params.step_overhead_us` is added to the iteration time (and
@@ -368,7 +333,7 @@ def _label(graph: Graph, state: KernelState, k: int, allreduce: AllReduceCost) -
 class CostModel:
     """What the simulator needs, built once per search: estimator chain and all-reduce cost.
     `sources` says where each part came from (for the plan file). `kernel_times_us`: the profiled
-    times of XLA's executable by instruction name (`_profile.measure_kernel_times`), for the
+    times of XLA's executable by instruction name (`_device_timing.measure_kernel_times`), for the
     compiled-program model (`cost.compiled.measured_table`); not written to the plan."""
 
     estimator: ChainEstimator

@@ -1,7 +1,7 @@
 """What an op computes and moves: the one work counter of disco-jax.
 
 Every count of an op's flops, elements, transcendentals and bytes is made here, and everything
-that needs one reads it from here: the graph's `Graph.op_work` and `Graph.op_flops` (cached per
+that needs one reads it from here: `work_per_op(graph)` and `flops_per_op(graph)` (cached per
 graph), the analytical estimator's kernel features, the GPU roofline of `disco_jax.eval.clusters`,
 and the GNN's node features and analytical baseline (`gnn_estimator`).
 
@@ -13,8 +13,7 @@ and the GNN's node features and analytical baseline (`gnn_estimator`).
 * `KernelWork`: a kernel's bytes read and written (`kernel_io_bytes`) and the sum of its ops' work;
   `KernelWork.features()` is the analytical estimator's feature vector.
 
-This module reads HLO instructions only (`disco_jax._hlo`); the graph is duck-typed, so the graph
-IR can import it.
+This module reads HLO instructions (`disco_jax._hlo`) and the graph IR, which imports nothing of it.
 """
 
 from __future__ import annotations
@@ -22,24 +21,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from disco_jax import _hlo
+from disco_jax._graph import Graph, per_graph
+from disco_jax._hlo import ELEMENTWISE
 
-if TYPE_CHECKING:
-    from disco_jax._graph import Graph
-
-ELEMENTWISE = frozenset(
-    """
-abs add and atan2 cbrt ceil clamp compare complex convert cos count-leading-zeros divide erf exp
-exponential exponential-minus-one floor imag is-finite log log-plus-one logistic maximum minimum
-multiply negate not or popcnt power real reduce-precision remainder round-nearest-afz
-round-nearest-even rsqrt select shift-left shift-right-arithmetic shift-right-logical sign sin
-sqrt subtract tan tanh xor bitcast-convert stochastic-convert
-""".split()
-)
 TRANSCENDENTAL = frozenset(
     "exp exponential exponential-minus-one log log-plus-one logistic tanh sin cos tan erf power "
     "rsqrt sqrt cbrt atan2".split()
@@ -184,7 +172,7 @@ def instruction_work(inst: _hlo.Instruction, operands: Sequence[list[_hlo.Tensor
 
 
 def op_work(graph: Graph, o: int) -> Work:
-    """Work of op `o` of `graph` (read it through the graph's cache, `graph.op_work[o]`)."""
+    """Work of op `o` of `graph` (read it through the graph's cache, `work_per_op(graph)[o]`)."""
     op = graph.ops[o]
     operands = [graph.ops[v].inst.outputs for v in op.operands]
     if op.kind != "opaque":
@@ -201,6 +189,18 @@ def op_work(graph: Graph, o: int) -> Work:
     for inst in comp.instructions:
         total += instruction_work(inst, [shapes.get(name) for name in inst.operands])
     return dataclasses.replace(total, bytes=op.output_bytes)
+
+
+@per_graph
+def work_per_op(graph: Graph) -> list[Work]:
+    """Per op of `graph`: its flops, elements, transcendentals and bytes (`op_work`), computed once per graph."""
+    return [op_work(graph, op.id) for op in graph.ops]
+
+
+@per_graph
+def flops_per_op(graph: Graph) -> list[float]:
+    """Per op of `graph`: its floating-point work (`Work.flops`), computed once per graph."""
+    return [w.flops for w in work_per_op(graph)]
 
 
 # --------------------------------------------------------------------------- kernels
@@ -251,5 +251,5 @@ class KernelWork:
 def kernel_work(graph: Graph, members: frozenset[int]) -> KernelWork:
     """A kernel's bytes moved (`kernel_io_bytes`, default exports) and its ops' work."""
     read, written = kernel_io_bytes(graph, members)
-    work = graph.op_work
+    work = work_per_op(graph)
     return KernelWork.of(read, written, [work[o] for o in members])

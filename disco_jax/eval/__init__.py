@@ -8,5 +8,5 @@
 * `report` and `figures`: the report folder's README.md (prose in `report_template.md`) and PNGs.
 
 Not part of the library: `import disco_jax` does not import this package. It uses the library
-through its public names (`disco_jax._compile`, `disco_jax._profiling`, `optimize_distributed`).
+through its public names (`disco_jax._compile`, `disco_jax._profile_phase`, `optimize_distributed`).
 """

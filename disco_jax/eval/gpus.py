@@ -41,7 +41,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from disco_jax import Graph
-from disco_jax._profile_store import SHIPPED_PROFILE_DIR, sanitize_device_kind
+from disco_jax._profile_db import SHIPPED_PROFILE_DIR, sanitize_device_kind
 from disco_jax.cost import (
     ELEMENTWISE,
     TRANSCENDENTAL_FLOPS,
@@ -50,6 +50,7 @@ from disco_jax.cost import (
     chain,
     kernel_work,
     plugin_estimators,
+    work_per_op,
 )
 
 
@@ -121,8 +122,8 @@ def _plugins(device_kind: str) -> tuple[Estimator, ...]:
 def opaque_op_work(graph: Graph, o: int) -> tuple[float, float, float]:
     """(elementwise, transcendental, dot/conv) work of an opaque op, looking inside the
     computation of a custom fusion (XLA:CPU wraps convolutions and dots in `__ynn_fusion`s);
-    counted by `disco_jax.cost.work` and cached on the graph (`graph.op_work`)."""
-    work = graph.op_work[o]
+    counted by `disco_jax.cost.work` and cached per graph (`cost.work.work_per_op`)."""
+    work = work_per_op(graph)[o]
     return work.elementwise, work.transcendental, work.dot
 
 

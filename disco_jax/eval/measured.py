@@ -42,7 +42,7 @@ from disco_jax import ProfileDatabase, Strategy, _distributed, _validate, backen
 from disco_jax._compile import Captured, capture, compile_strategy, compiled_stats
 from disco_jax._console import Ui
 from disco_jax._output_check import Float64Run
-from disco_jax._profiling import calibrate, profile
+from disco_jax._profile_phase import calibrate, profile
 from disco_jax.eval import baselines
 from disco_jax.eval.rows import (
     DISCO,

@@ -12,7 +12,7 @@ memory limit, the step with the largest groups sharded until it fits (`leaf_sets
 again and captured (`update.relowered`), its per-device footprint read from its compiled
 executable, and its XLA plan simulated with the replicated step's cost model: the sharded update's
 all-gathers and reduce-scatters go on the communication channel at the measured scatter/gather line
-(`_profiling.with_scatter_gather`, stored with the all-reduce fit, so the chosen program's own
+(`_profile_phase.with_scatter_gather`, stored with the all-reduce fit, so the chosen program's own
 profile finds it), its update kernels cost what the estimator says for their 1/N shapes. Every
 sharded candidate the simulator prefers to the replicated update (simulated faster within the
 limit; under a limit the replicated program exceeds, every one within it) is then run against
@@ -33,7 +33,7 @@ from typing import Any
 
 import jax
 
-from disco_jax import _distributed, _plan, _profiling, _search, _strategy, _validate
+from disco_jax import _distributed, _plan, _profile_phase, _search, _strategy, _validate
 from disco_jax._compile import Captured
 from disco_jax.cost.allreduce import communication_bytes
 from disco_jax.cost.sharded import UpdateRegions, regions_of
@@ -195,7 +195,7 @@ def choose(
             {**info, "mode": "replicated", "reason": reason, **_limit_check(replicated, memory_limit, reason)},
         )
     cost_model, database = costs
-    allreduce = _profiling.with_scatter_gather(cost_model.allreduce, step, database, ui)
+    allreduce = _profile_phase.with_scatter_gather(cost_model.allreduce, step, database, ui)
     model = dataclasses.replace(cost_model, allreduce=allreduce)
     info["scatter_gather"] = {"per_byte_us": allreduce.scatter_gather[0], "latency_us": allreduce.scatter_gather[1]}
     sets = leaf_sets(layout, held, memory_limit, footprint(replicated.memory))

@@ -22,6 +22,7 @@ flattened and padded between steps would change the pytree the user's step takes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -36,6 +37,16 @@ UNEVEN = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Parameter:
+    """A parameter leaf the step updates from one group of optimizer state (`Layout.parameters`)."""
+
+    group: tuple[int, ...]
+    spec: P
+    output: int
+    path: str
+
+
 def find_parameters(origins, consumed, inputs, outputs, replicated, state, groups, num_shards, axis, path_of, spec_for):
     """(index -> Parameter, path -> why kept replicated) for the step whose outputs' elementwise
     origins are `origins` (`update.elementwise_origins`): the parameter leaves of the state
@@ -43,8 +54,6 @@ def find_parameters(origins, consumed, inputs, outputs, replicated, state, group
     updated leaf with no divisible dimension is named in the second result, as is the parameter
     of its group); `consumed`: the labels that reach other operations. `path_of(i)`: input leaf
     i's path; `spec_for(shape)`: its spec (None: no dimension divisible)."""
-    from disco_jax.sharding.update import Parameter
-
     whole_state, _ = choose_layout(None, inputs, outputs, replicated, 1, (origins, consumed))
     reason = UNEVEN.format(n=num_shards, axis=axis)
     kept = {path_of(i): reason for i in whole_state if i not in state}

@@ -41,6 +41,7 @@ from disco_jax.sharding.leaves import (  # noqa: F401  (the layout's reading of 
     spec_for,
     split_dimension,
 )
+from disco_jax.sharding.params import Parameter
 
 # The proven rules (`disco-jax rules`) a sharded update rests on; the plan cites them.
 JUSTIFYING_RULES = ("sharded_optimizer_state", "sharded_weight_update")
@@ -72,16 +73,6 @@ def check_weight_update(value: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------ enactment
-
-
-@dataclasses.dataclass(frozen=True)
-class Parameter:
-    """A parameter leaf the step updates from one group of optimizer state (`Layout.parameters`)."""
-
-    group: tuple[int, ...]
-    spec: P
-    output: int
-    path: str
 
 
 @dataclasses.dataclass(frozen=True)

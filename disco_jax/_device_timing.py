@@ -1,4 +1,4 @@
-"""Profiler (DisCo section 4.2): what kernels and all-reduces cost on the real devices.
+"""Device timing, the profiler (DisCo section 4.2): what kernels and all-reduces cost on the real devices.
 
 Two measurements feed the simulator:
 
@@ -8,7 +8,7 @@ Two measurements feed the simulator:
 - `measure_allreduce_cost` times float32 all-reduces of several sizes on a mesh, several times
   each, and fits DisCo's line T(bytes) = C * bytes + D robustly (`disco_jax.cost.AllReduceCostModel`,
   `fit_allreduce_samples`), with how far the fit moves over the repetitions.
-- `disco_jax._profile_store` keeps what was measured (`Profile`, `ProfileDatabase`).
+- `disco_jax._profile_db` keeps what was measured (`Profile`, `ProfileDatabase`).
 
 Data flow: compiled step -> trace -> {instruction name: us} -> (the caller turns names into kernel
 signatures) -> Profile.kernel_times_us -> ProfileDatabase.save -> JSON on disk -> ProfileDatabase.load

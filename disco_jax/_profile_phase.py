@@ -20,10 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from disco_jax import _distributed, _profile, _profile_store, _strategy, _validate, cost
+from disco_jax import _device_timing, _distributed, _profile_db, _strategy, _validate, cost
 from disco_jax._compile import Captured, Runner, compile_strategy
 from disco_jax._console import Ui
 from disco_jax._graph import Graph
+from disco_jax.cost.allreduce import collective_ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,17 +76,17 @@ def traced_runner(captured: Captured, runner: Runner, strategy: _strategy.Strate
 def kernel_times(captured: Captured, runner: Runner, strategy: _strategy.Strategy, steps: int) -> dict[str, float]:
     """Traced kernel times of a candidate's executable (`runner`), through `traced_runner`."""
     traced = traced_runner(captured, runner, strategy)
-    return _profile.measure_kernel_times(traced, (), steps=steps, warmup=1, module_name=captured.module_name)
+    return _device_timing.measure_kernel_times(traced, (), steps=steps, warmup=1, module_name=captured.module_name)
 
 
 def profile(
-    captured: Captured, default_runner: Runner, database: _profile_store.ProfileDatabase, ui: Ui
+    captured: Captured, default_runner: Runner, database: _profile_db.ProfileDatabase, ui: Ui
 ) -> cost.CostModel:
     """Measure kernel times of the default executable and the all-reduce fit on these devices,
     merge them into the profile database, and build the cost model."""
     graph, devices, machine = captured.graph, captured.devices, captured.machine
     traced = traced_runner(captured, default_runner)
-    times = _profile.measure_kernel_times(traced, (), module_name=captured.module_name)
+    times = _device_timing.measure_kernel_times(traced, (), module_name=captured.module_name)
     by_name = kernels_by_name(graph)
     table, measured = {}, {}
     for name, t in times.items():
@@ -104,19 +105,19 @@ def profile(
         where = f" in {jax.process_count()} processes" if multiprocess else ""
         ui.say(f"measuring all-reduce cost on {len(devices)} devices{where}")
         mesh = jax.sharding.Mesh(np.array(devices), ("all",))
-        allreduce, points = _profile.measure_allreduce_cost(mesh)  # a collective: every process runs it
-        if graph.collective_ops:
+        allreduce, points = _device_timing.measure_allreduce_cost(mesh)  # a collective: every process runs it
+        if collective_ops(graph):
             allreduce = with_scatter_gather(allreduce, captured, None, ui)
-        profile = _profile_store.Profile.for_devices(
+        profile = _profile_db.Profile.for_devices(
             devices,
             allreduce=None if multiprocess else allreduce,
             allreduce_points=[] if multiprocess else points,
             kernel_times_us=table,
         )
     else:
-        if graph.collective_ops:
+        if collective_ops(graph):
             allreduce = with_scatter_gather(allreduce, captured, None, ui)
-        profile = _profile_store.Profile.for_devices(
+        profile = _profile_db.Profile.for_devices(
             devices, allreduce=allreduce, allreduce_points=stored.allreduce_points, kernel_times_us=table
         )
     if jax.process_index() == 0:
@@ -158,11 +159,11 @@ def kernels_by_name(graph: Graph) -> dict[str, frozenset[int]]:
 def with_scatter_gather(
     allreduce: cost.AllReduceCostModel,
     captured: Captured,
-    database: _profile_store.ProfileDatabase | None,
+    database: _profile_db.ProfileDatabase | None,
     ui: Ui,
 ) -> cost.AllReduceCostModel:
     """`allreduce` with its reduce-scatter / all-gather line (`AllReduceCostModel.scatter_gather`),
-    measured on the step's devices when it has none (`_profile.measure_scatter_gather_cost`, a
+    measured on the step's devices when it has none (`_device_timing.measure_scatter_gather_cost`, a
     collective: every process runs it) and, given a `database`, stored with the all-reduce fit
     (in one process; a job measures over its transport every time, as for the all-reduce fit).
     `profile` stores it itself for a program that has such collectives."""
@@ -170,7 +171,7 @@ def with_scatter_gather(
         return allreduce
     devices = captured.devices
     ui.say(f"measuring reduce-scatter and all-gather cost on {len(devices)} devices")
-    line, _ = _profile.measure_scatter_gather_cost(jax.sharding.Mesh(np.array(devices), ("all",)))
+    line, _ = _device_timing.measure_scatter_gather_cost(jax.sharding.Mesh(np.array(devices), ("all",)))
     allreduce = dataclasses.replace(allreduce, scatter_gather=line)
     if database is not None and not _distributed.is_multiprocess() and jax.process_index() == 0:
         machine = captured.machine
@@ -178,7 +179,7 @@ def with_scatter_gather(
         same_fit = stored is not None and stored.allreduce == dataclasses.replace(allreduce, scatter_gather=None)
         points = stored.allreduce_points if same_fit else []
         try:
-            database.save(_profile_store.Profile.for_devices(devices, allreduce=allreduce, allreduce_points=points))
+            database.save(_profile_db.Profile.for_devices(devices, allreduce=allreduce, allreduce_points=points))
         except OSError as e:
             warnings.warn(f"disco-jax: could not store the profile: {e}", stacklevel=2)
     return allreduce

@@ -4,7 +4,7 @@
 signature, the all-reduce fit and its points); `ProfileDatabase` keeps profiles as JSON files:
 shipped ones in the package data `disco_jax/profiles/<device kind>/profile.json`, and the user's own
 in a cache directory (`$DISCO_JAX_PROFILE_DIR` or `~/.cache/disco-jax/profiles`) that takes
-precedence. `disco_jax._profile` measures; this module only stores and loads.
+precedence. `disco_jax._device_timing` measures; this module only stores and loads.
 """
 
 from __future__ import annotations
