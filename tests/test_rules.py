@@ -230,7 +230,7 @@ def test_cli_rules_exits_nonzero_when_a_rule_is_not_proven(monkeypatch, capsys):
     monkeypatch.setattr(rules, "RULES", (*rules.RULES, wrong))
     monkeypatch.setitem(rules._BY_NAME, wrong.name, wrong)
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["rules", "--json", "--timeout", str(WRONG_TIMEOUT_S)])
+        cli.main(["rules", "--json"])  # the CLI's own timeout: the true rules must prove within it on a loaded machine
     assert exit_.value.code == 1
     out = json.loads(capsys.readouterr().out)
     assert not out["all_proven"]
