@@ -270,11 +270,16 @@ class CompiledProgram:
 
 
 def compile_program(
-    lowered: jax.stages.Lowered, graph: Graph, name: str, strategy: Strategy | None, compiler_options: dict | None
+    lowered: jax.stages.Lowered,
+    graph: Graph | None,
+    name: str,
+    strategy: Strategy | None,
+    compiler_options: dict | None,
 ) -> CompiledProgram:
     """Compile one strategy of the step the way it is enacted: with `compiler_options` (XLA's own
-    program under them; `strategy` is not read) or, when they are None, by writing `strategy` into
-    the module at the hook (`compile_strategy`). A strategy the rewriter refuses, or a compile XLA
+    program under them; neither `strategy` nor `graph` is read, so a step never captured passes
+    None) or, when they are None, by writing `strategy` into the module at the hook
+    (`compile_strategy`). A strategy the rewriter refuses, or a compile XLA
     fails, gives a program marked 'not enacted' with the reason instead of an error."""
     enacted_by = "rewrite" if compiler_options is None else "compile options"
     options = {**graph.backend.rewrite_options} if compiler_options is None else dict(compiler_options)

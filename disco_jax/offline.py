@@ -34,7 +34,7 @@ from typing import Any
 import jax
 
 from disco_jax import _plan, _search, _strategy, backends
-from disco_jax._compile import CompiledProgram, Programs, capture_graph
+from disco_jax._compile import CompiledProgram, Programs, capture_graph, compile_program
 from disco_jax._profile_db import device_kind_key
 from disco_jax._ranking import RANKED_CANDIDATES, XLA_PROGRAM, ProgramCosts, rank_by_compiled_cost
 from disco_jax.cost import ChainEstimator, simulate
@@ -144,28 +144,14 @@ class UpdateCandidate:
         }
 
 
-def _compiled_xla(lowered) -> CompiledProgram:
-    """XLA's own program of `lowered` (every pass on), timed as `compile_program` times a compile."""
-    started, cpu = time.perf_counter(), time.process_time()
-    compiled = lowered.compile()
-    return CompiledProgram(
-        XLA_PROGRAM,
-        "compile options",
-        {},
-        "compiled",
-        compiled,
-        None,
-        time.perf_counter() - started,
-        time.process_time() - cpu,
-    )
-
-
 def weight_update_candidates(step, args: tuple, kwargs: dict, costs: ProgramCosts | None = None) -> list:
     """The step's weight updates (the replicated one first, then `SHARDED_UPDATES`), each
     lowered and compiled by XLA:GPU for the target, with its memory and, given `costs`, its
     compiled-program cost. An update that does not apply to the step is kept with `why_not`."""
     replicated = UpdateCandidate(REPLICATED, step.lower(*args, **kwargs), None)
     replicated.xla = _compiled_xla(replicated.lowered)
+    if replicated.xla.compiled is None:
+        raise ValueError(f"XLA:GPU could not compile the step for the target: {replicated.xla.reason}")
     candidates = [replicated]
     for label, build in SHARDED_UPDATES.items():
         lowered, layout, why = build(step, args, kwargs, replicated.xla.compiled)
@@ -179,9 +165,17 @@ def weight_update_candidates(step, args: tuple, kwargs: dict, costs: ProgramCost
             continue
         if c.xla is None:
             c.xla = _compiled_xla(c.lowered)
+        if c.xla.compiled is None:
+            c.why_not, c.xla = c.xla.reason, None
+            continue
         c.memory = update.memory(c.xla.compiled, held)
         c.cost = None if costs is None else costs(c.xla)
     return candidates
+
+
+def _compiled_xla(lowered) -> CompiledProgram:
+    """XLA's own program of `lowered` (every pass on): what runs without a fusion plan."""
+    return compile_program(lowered, None, XLA_PROGRAM, None, {})
 
 
 def _peak(compiled) -> int | None:

@@ -54,6 +54,8 @@ def test_every_weight_update_is_compiled_for_the_target_with_its_peak(candidates
     assert held < sharded.memory["params_and_state_bytes_per_device"]
     assert held * 4 < replicated.memory["params_and_state_bytes_per_device"]
     assert everything.layout.gathered and not sharded.layout.gathered
+    # ... and XLA:GPU's program gathers them: the parameters arrive sharded.
+    assert " all-gather" in everything.xla.text or "all-gather-start" in everything.xla.text
     assert everything.peak_bytes < replicated.peak_bytes
 
 

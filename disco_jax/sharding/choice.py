@@ -215,7 +215,8 @@ def choose(
         candidates.append(candidate(fn, step, layout, leaves, args, kwargs, backend, held))
     if memory_limit is not None and not any(within(c, memory_limit) for c in candidates):
         try:  # sharding the state is not enough: the parameters of the largest layers too
-            update.cited_rules(layout.subset(layout.all_leaves()))
+            for name in update.PARAMETER_RULES:
+                rules.require(name)
         except rules.RuleNotProven as e:
             info["parameters"] = f"not sharded: {e}"
         else:
@@ -270,7 +271,7 @@ def within(c: Candidate, limit: int | None) -> bool:
 def layers_by_size(layout: update.Layout, held: dict) -> list[tuple[int, ...]]:
     """The parameter leaves of each layer (`Layout.layers`) with their groups' state, the
     layers whose parameters hold most bytes first."""
-    names, param_of = layout.group_names(), {q.group: p for p, q in layout.parameters.items()}
+    names, param_of = layout.group_names(), layout.parameter_of
     out = []
     for members in layout.layers().values():
         groups = [names[n] for n in members if names[n] in param_of]

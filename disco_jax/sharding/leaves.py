@@ -70,9 +70,10 @@ def split_dimension(shape: tuple[int, ...], num_shards: int) -> int | None:
     return next((d for d, size in enumerate(shape) if size >= num_shards and size % num_shards == 0), None)
 
 
-def spec_for(shape: tuple[int, ...], axis: str, num_shards: int) -> P:
+def spec_for(shape: tuple[int, ...], axis: str, num_shards: int) -> P | None:
+    """The spec splitting `shape` over `axis` on its first divisible dimension (None: none is)."""
     d = split_dimension(shape, num_shards)
-    return P(*([None] * d), axis)
+    return None if d is None else P(*([None] * d), axis)
 
 
 def choose_layout(jaxpr, inputs: list, outputs: list, replicated: list[bool], num_shards: int, origins=None):

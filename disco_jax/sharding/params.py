@@ -72,8 +72,9 @@ def find_parameters(origins, consumed, inputs, outputs, replicated, state, group
             found.pop(p, None)
             continue
         seen.add(p)
-        if g in groups and spec_for(inputs[p].shape) is not None:
-            found[p] = Parameter(g, spec_for(inputs[p].shape), j, path_of(p))
+        spec = spec_for(inputs[p].shape) if g in groups else None
+        if spec is not None:
+            found[p] = Parameter(g, spec, j, path_of(p))
         else:
             kept[path_of(p)] = reason
     return found, kept

@@ -21,6 +21,7 @@ whatever the function computes).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import warnings
@@ -146,11 +147,18 @@ class Layout:
     def _bytes(self, avals: dict[int, Any], leaves) -> int:
         return sum(math.prod(avals[i].shape) * avals[i].dtype.itemsize // self.num_shards for i in leaves)
 
+    @property
+    def parameter_of(self) -> dict[tuple[int, ...], int]:
+        """State group -> the parameter leaf it updates (groups without one are absent)."""
+        return {q.group: p for p, q in self.parameters.items()}
+
     def group_names(self) -> dict[str, tuple[int, ...]]:
         """Name -> state group: a group is named by its parameter's path where it has one, else by
         its first leaf's path (the names `choices` and `leaves_for` use)."""
-        param_of = {q.group: q.path for q in self.parameters.values()}
-        return {param_of.get(g, self.paths.get(g[0], str(g))): g for g in self.groups}
+        param_of = self.parameter_of
+        return {
+            self.parameters[param_of[g]].path if g in param_of else self.paths.get(g[0], str(g)): g for g in self.groups
+        }
 
     def layers(self) -> dict[str, tuple[str, ...]]:
         """Layer -> names of its groups, in the order of the groups: a layer is a parameter's path
@@ -165,8 +173,7 @@ class Layout:
     def leaves_for(self, choices: dict[str, str]) -> tuple[int, ...]:
         """The leaves to shard for a choice per group (name -> 'replicated', 'state' or 'params';
         a group not named stays replicated): what `subset` takes."""
-        names, leaves = self.group_names(), []
-        param_of = {q.group: p for p, q in self.parameters.items()}
+        names, leaves, param_of = self.group_names(), [], self.parameter_of
         for name, choice in choices.items():
             if choice not in ("replicated", "state", "params"):
                 raise ValueError(f"choice for {name} must be 'replicated', 'state' or 'params', got {choice!r}")
@@ -181,7 +188,7 @@ class Layout:
     def choices(self) -> dict[str, str]:
         """Per sharded group (named by its parameter's path where it has one, else its first
         leaf's), its choice: 'state' (optimizer state sharded) or 'params' (parameter and state)."""
-        param_of = {q.group: p for p, q in self.parameters.items()}
+        param_of = self.parameter_of
         return {name: "params" if param_of.get(g) in self.inputs else "state" for name, g in self.group_names().items()}
 
     def to_json(self) -> dict:
@@ -248,7 +255,7 @@ def find_layout(
         return None, "no replicated optimizer state updated elementwise with a dimension divisible by the data axis"
     groups = leaf_groups(origins, state)
     path_of = lambda i: jax.tree_util.keystr(with_paths[i][0])  # noqa: E731
-    split = lambda shape: None if split_dimension(shape, num_shards) is None else spec_for(shape, axis, num_shards)  # noqa: E731
+    split = functools.partial(spec_for, axis=axis, num_shards=num_shards)
     parameters, kept_whole = params.find_parameters(
         origins, consumed, inputs, outputs, replicated, set(state), groups, num_shards, axis, path_of, split
     )
