@@ -31,10 +31,10 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 # under `--dist loadfile` (pyproject's addopts) the short files fill both workers at the end
 # rather than one long file running alone.
 LONGEST_FILES = (
-    "test_backends_gpu.py",
-    "test_compiled_cost.py",
-    "test_faults.py",
     "test_bench.py",
+    "test_backends_gpu.py",
+    "test_faults.py",
+    "test_compiled_cost.py",
     "test_tuning.py",
     "test_multihost.py",
     "test_weight_update_choice.py",
