@@ -29,12 +29,14 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 # Files whose tests take the most time (deviceless XLA:GPU compiles, searches in worker processes),
 # longest first (CPU seconds of `-n 0 --durations`, docs/testing.md). They run first, so that
 # under `--dist loadfile` (pyproject's addopts) the short files fill both workers at the end
-# rather than one long file running alone.
+# rather than one long file running alone. test_compiled_cost right after test_backends_gpu: the
+# worker that ran the shorter of the first two (test_backends_gpu) usually takes it next and finds
+# its transformer and RNNLM captured (`xla_gpu_zoo`, ~125 CPU seconds).
 LONGEST_FILES = (
     "test_bench.py",
     "test_backends_gpu.py",
-    "test_faults.py",
     "test_compiled_cost.py",
+    "test_faults.py",
     "test_tuning.py",
     "test_multihost.py",
     "test_weight_update_choice.py",
