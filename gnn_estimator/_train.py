@@ -12,6 +12,7 @@ which `_weights` saves and `GnnEstimator` serves.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -71,6 +72,16 @@ class Normalization:
         return batch_graphs(features, self.node_mean, self.node_std, self.kernel_mean, self.kernel_std, sizes)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _ensemble_log_us(config: ModelConfig, stacked_params, batch: GraphBatch) -> jax.Array:
+    """The members' mean predicted log time per graph of `batch`. One jitted function for every
+    estimator, the parameters an argument (not constants of the program): estimators of one config
+    (each search of a process loads its own) share its compiled shapes."""
+    model = FusedOpEstimator(config)
+    members = jax.vmap(lambda params, b: model.apply({"params": params}, b), in_axes=(0, None))
+    return jnp.mean(members(stacked_params, batch), axis=0)
+
+
 @dataclasses.dataclass
 class TrainedEstimator:
     """Everything needed to predict: network sizes, parameters (a list, one tree per ensemble
@@ -85,10 +96,8 @@ class TrainedEstimator:
     def __post_init__(self):
         if len(self.params) != self.config.members:
             raise ValueError(f"{len(self.params)} parameter sets for a {self.config.members}-member config")
-        model = FusedOpEstimator(self.config)
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *self.params)
-        members = jax.vmap(lambda params, batch: model.apply({"params": params}, batch), in_axes=(0, None))
-        self._apply = jax.jit(lambda batch: jnp.mean(members(stacked, batch), axis=0))
+        self._apply = functools.partial(_ensemble_log_us, self.config, stacked)
 
     def predict_us(self, features: Sequence[KernelFeatures], chunk: int = 256) -> np.ndarray:
         """Predicted microseconds per kernel (exp of the members' mean log time); one jitted

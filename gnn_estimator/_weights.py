@@ -8,6 +8,7 @@ feature list, whose parameters do not have the shapes the config implies, or tha
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -54,6 +55,12 @@ def write_weights(directory: str | os.PathLike, trained: TrainedEstimator) -> Pa
     return directory / METADATA_FILE
 
 
+@functools.cache
+def _parameter_shapes(config: ModelConfig):
+    """The parameter tree of `config`, shapes only (no initialization work; traced once per config)."""
+    return jax.eval_shape(lambda: init_ensemble(config))
+
+
 def read_weights(directory: str | os.PathLike) -> TrainedEstimator:
     """The estimator stored in `directory`; `FileNotFoundError` when a file is missing,
     `WeightsError` when the pair is for another feature version or is corrupt."""
@@ -89,7 +96,7 @@ def read_weights(directory: str | os.PathLike) -> TrainedEstimator:
         config = ModelConfig.from_json(metadata["model_config"])
         normalization = Normalization.from_json(metadata["normalization"])
         state = serialization.msgpack_restore(blob)
-        template = jax.eval_shape(lambda: init_ensemble(config))  # shapes only: no initialization work
+        template = _parameter_shapes(config)
         params = serialization.from_state_dict(template, state)
     except (KeyError, TypeError, ValueError) as err:
         raise WeightsError(f"weights in {directory} are unreadable: {err}") from None

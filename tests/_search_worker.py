@@ -5,6 +5,9 @@
 
 Prints the decorator's progress on stderr and one line `RESULT {json}` on stdout at the end
 (`outputs_match`: the decorated call's outputs against the unmodified step's, computed first).
+The replicated weight update: one program and one plan per search (the weight-update choice,
+which measures the sharded program too, is not what these faults are about; its own tests are
+in test_weight_update_choice.py).
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from _steps import make_step  # noqa: E402
 plan_dir, budget_s = sys.argv[1], float(sys.argv[2])
 step, args = make_step("jit", optimizer=optax.adam(1e-2))
 reference = step(*args)  # the unmodified step, compiled (and cached, where a cache is set) first
-wrapped = optimize_distributed(budget_s=budget_s, validation_pairs=4, plan_dir=plan_dir, verbose=True)(step)
+wrapped = optimize_distributed(
+    budget_s=budget_s, validation_pairs=4, plan_dir=plan_dir, verbose=True, weight_update="replicated"
+)(step)
 out = jax.block_until_ready(wrapped(*args))
 report = wrapped.last_report
 keys = ("phase", "search_ran", "applied", "plan_path", "fingerprint", "compile_status", "plan_counts")

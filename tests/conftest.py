@@ -26,6 +26,30 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
+# Files whose tests take the most time (deviceless XLA:GPU compiles, searches in worker processes),
+# longest first (CPU seconds of `-n 0 --durations`, docs/testing.md). They run first, so that
+# under `--dist loadfile` (pyproject's addopts) the short files fill both workers at the end
+# rather than one long file running alone. test_compiled_cost right after test_backends_gpu: the
+# worker that ran the shorter of the first two (test_backends_gpu) usually takes it next and finds
+# its transformer and RNNLM captured (`xla_gpu_zoo`, ~125 CPU seconds).
+LONGEST_FILES = (
+    "test_bench.py",
+    "test_backends_gpu.py",
+    "test_compiled_cost.py",
+    "test_faults.py",
+    "test_tuning.py",
+    "test_multihost.py",
+    "test_weight_update_choice.py",
+    "test_gnn_estimator.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest files first (`LONGEST_FILES`), the rest in collection order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture(autouse=True)
 def _isolated_caches(tmp_path, monkeypatch):
     """Every test gets its own plan and profile directories and ENABLE_SEARCH unset."""

@@ -13,7 +13,18 @@ import optax
 import pytest
 from _hlo_text import module_kernels
 
-from disco_jax import _capture, _compile, _graph, _plan, _ranking, _validate, backends, optimize_distributed, zoo
+from disco_jax import (
+    _capture,
+    _compile,
+    _graph,
+    _pipeline,
+    _plan,
+    _ranking,
+    _validate,
+    backends,
+    optimize_distributed,
+    zoo,
+)
 from disco_jax._files import write_json_atomic
 from disco_jax.cost import ChainEstimator, CostModel, sharded
 from disco_jax.eval import baselines, bench, clusters, headroom, report, report_measured, report_text, rows
@@ -38,9 +49,8 @@ def test_decorated_tiny_model_trains_and_equals_the_unmodified_step(name, style,
     regrouped, so the step must equal the unmodified one."""
     spec = zoo.get_model(name, "tiny")
     step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), mesh, style)
-    lowered = step.lower(state, batch)
-    text, default = _capture.capture(lowered)
-    graph = _graph.build_graph(text, backends.CPU)
+    captured = _compile.capture(step.lower(state, batch), backends.CPU, (state, batch), {})
+    graph, default = captured.graph, captured.default_compiled
     reference = default(state, batch)
     strategy = baselines.jax_op_fusion(graph).strategy
     machine = _plan.MachineKey.current(_compile.step_devices((state, batch), {}))
@@ -48,9 +58,9 @@ def test_decorated_tiny_model_trains_and_equals_the_unmodified_step(name, style,
         _plan.Plan(graph.fingerprint, graph.module.name, machine, False, strategy.to_json(graph), "made by a test"),
         tmp_path,
     )
-    # The decorator captures the same module again; reuse ours to keep the test fast (the plan
-    # compile still goes through the hook, which checks the module's fingerprint).
-    monkeypatch.setattr(_capture, "capture", lambda lowered, *a, **k: (text, default))
+    # The decorator would capture the same module again (one more compile); it is given ours
+    # (the plan compile still goes through the hook, which checks the module's fingerprint).
+    monkeypatch.setattr(_pipeline, "capture", lambda lowered, *a, **k: captured)
 
     decorated = optimize_distributed(search=False, plan_dir=tmp_path, verbose=False)(step)
     new_state, loss = decorated(state, batch)
