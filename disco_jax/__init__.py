@@ -12,6 +12,7 @@ from disco_jax._graph import Graph, build_graph
 from disco_jax._pipeline import StepReport, search_enabled
 from disco_jax._plan import Plan, PlanWarning, find_plan, read_plan_file
 from disco_jax._profile_db import Profile, ProfileDatabase
+from disco_jax._program import Program, build_program
 from disco_jax._search import SearchConfig, SearchResult, backtracking_search
 from disco_jax._strategy import Strategy, start_candidates, unfused, xla_default
 from disco_jax.cost import (
@@ -45,6 +46,7 @@ __all__ = [
     "Plan",
     "PlanMismatchError",
     "PlanWarning",
+    "Program",
     "Profile",
     "ProfileDatabase",
     "SearchConfig",
@@ -57,6 +59,7 @@ __all__ = [
     "backends",
     "backtracking_search",
     "build_graph",
+    "build_program",
     "chain",
     "cost",
     "find_plan",

@@ -3,10 +3,10 @@
 These are the pipeline's hands (and the evaluation harness's, through the same public names):
 
 * `compile_strategy` compiles the step with a strategy written into its module at the backend's
-  hook stage (`graph.backend.rewriter`);
-* every compile of a step, XLA's own plan (`capture_graph`) and each strategy's, gets the proven
+  hook stage (`program.backend.rewriter`);
+* every compile of a step, XLA's own plan (`capture_program`) and each strategy's, gets the proven
   sharding rules the backend applies at the hook (`Backend.hook_rules`, `sharding.apply`): what
-  was applied where is `Graph.rules_applied` for XLA's plan and `rules_applied(graph, strategy)`
+  was applied where is `Program.rules_applied` for XLA's plan and `rules_applied(program, strategy)`
   for a strategy's, and `keeps_plan` checks that XLA compiled the collectives the hook returned;
 * `Runner` calls a compiled step repeatedly with fresh copies of the inputs it donates;
 * `compiled_stats` counts what a compiled module holds (the truth of a plan: all-reduces and
@@ -17,7 +17,8 @@ These are the pipeline's hands (and the evaluation harness's, through the same p
 * `rank_by_compiled_cost` orders a search's best candidates, and XLA's own program, by what
   their compiled programs cost (`cost.compiled`): how a plan is chosen wherever one is chosen;
 * `step_devices` lists the devices a call's arrays live on;
-* `capture` turns a lowered step into a `Captured` program: the graph and XLA's own executable.
+* `capture` turns a lowered step into a `Captured` program: the `Program` (graph and backend) and
+  XLA's own executable.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import jax
 from disco_jax import _capture, _hlo, _output_check, _validate
 from disco_jax._graph import Graph, build_graph
 from disco_jax._plan import MachineKey
+from disco_jax._program import Program
 from disco_jax._strategy import Strategy
 from disco_jax.backends import Backend
 from disco_jax.sharding import apply
@@ -139,9 +141,10 @@ _HOOK_RESULTS: dict[str, tuple[tuple[dict, ...], dict[str, int]]] = {}
 _HOOK_RESULTS_KEPT = 256
 
 
-def _rewritten(graph: Graph, strategy: Strategy, tag: str) -> str:
+def _rewritten(program: Program, strategy: Strategy, tag: str) -> str:
     """The module text the hook returns for `strategy`: its rewrite, with the hook rules."""
-    applied = with_hook_rules(graph.backend, graph.backend.rewriter.rewrite(graph, strategy))
+    backend = program.backend
+    applied = with_hook_rules(backend, backend.rewriter.rewrite(program, strategy))
     counts = {"all-reduce": len(strategy.buckets), "reduce-scatter": 0}  # the rewrite's, no rule applied
     if applied.applications:
         counts = {"all-reduce": 0, "reduce-scatter": 0}
@@ -154,31 +157,31 @@ def _rewritten(graph: Graph, strategy: Strategy, tag: str) -> str:
     return applied.text
 
 
-def _hook_result(graph: Graph, strategy: Strategy) -> tuple[tuple[dict, ...], dict[str, int]]:
-    tag = plan_tag(graph.fingerprint, strategy.to_json(graph))
+def _hook_result(program: Program, strategy: Strategy) -> tuple[tuple[dict, ...], dict[str, int]]:
+    tag = plan_tag(program.graph.fingerprint, strategy.to_json(program.graph))
     if tag not in _HOOK_RESULTS:
-        _rewritten(graph, strategy, tag)
+        _rewritten(program, strategy, tag)
     return _HOOK_RESULTS[tag]
 
 
-def rules_applied(graph: Graph, strategy: Strategy) -> list[dict]:
+def rules_applied(program: Program, strategy: Strategy) -> list[dict]:
     """The sharding rules applied at the hook to `strategy`'s module: per application its rule,
     the instructions it matched (`at`) and the instruction it made (`result`)."""
-    return list(_hook_result(graph, strategy)[0])
+    return list(_hook_result(program, strategy)[0])
 
 
-def keeps_plan(counts: dict[str, int], graph: Graph, strategy: Strategy) -> bool:
+def keeps_plan(counts: dict[str, int], program: Program, strategy: Strategy) -> bool:
     """Whether a compiled strategy (`compiled_stats` of it) holds the all-reduces the hook
     returned (one per bucket, less those the hook rules turned into reduce-scatters) and, where
     the pipeline applies rules itself, its reduce-scatters."""
-    planned = _hook_result(graph, strategy)[1]
+    planned = _hook_result(program, strategy)[1]
     if counts["all-reduce"] != planned["all-reduce"]:
         return False
-    return not graph.backend.hook_rules or counts.get("reduce-scatter", 0) == planned["reduce-scatter"]
+    return not program.backend.hook_rules or counts.get("reduce-scatter", 0) == planned["reduce-scatter"]
 
 
 def compile_strategy(
-    lowered: jax.stages.Lowered, graph: Graph, strategy: Strategy, compiler_options: dict | None = None
+    lowered: jax.stages.Lowered, program: Program, strategy: Strategy, compiler_options: dict | None = None
 ) -> tuple[Any, str]:
     """Compile the step with `strategy` rewritten into its module at the hook (and the backend's
     hook rules applied to it). `compiler_options` (e.g. `backends.gpu.collective_options(...)`)
@@ -189,8 +192,9 @@ def compile_strategy(
     cache key carries the plan's digest); or
     'fingerprint-mismatch' when the module at the hook is not the one the plan was made for
     (it is then compiled unmodified)."""
+    graph, backend = program.graph, program.backend
     tag = plan_tag(graph.fingerprint, strategy.to_json(graph))
-    text = _rewritten(graph, strategy, tag)
+    text = _rewritten(program, strategy, tag)
     status = ["cached"]
 
     def handler(module_text: str) -> str | None:
@@ -200,7 +204,7 @@ def compile_strategy(
         status[0] = "rewritten"
         return text
 
-    options = {**graph.backend.rewrite_options, **(compiler_options or {})}
+    options = {**backend.rewrite_options, **(compiler_options or {})}
     if compiler_options:
         tag += ":" + hashlib.sha256(json.dumps(compiler_options, sort_keys=True).encode()).hexdigest()[:16]
     compiled = _capture.compile_with_hook(
@@ -208,8 +212,8 @@ def compile_strategy(
         handler,
         cache_tag=tag,
         compiler_options=options,
-        platform=graph.backend.platform,
-        stage=graph.backend.hook_stage,
+        platform=backend.platform,
+        stage=backend.hook_stage,
     )
     return compiled, status[0]
 
@@ -271,22 +275,22 @@ class CompiledProgram:
 
 def compile_program(
     lowered: jax.stages.Lowered,
-    graph: Graph | None,
+    program: Program | None,
     name: str,
     strategy: Strategy | None,
     compiler_options: dict | None,
 ) -> CompiledProgram:
     """Compile one strategy of the step the way it is enacted: with `compiler_options` (XLA's own
-    program under them; neither `strategy` nor `graph` is read, so a step never captured passes
+    program under them; neither `strategy` nor `program` is read, so a step never captured passes
     None) or, when they are None, by writing `strategy` into the module at the hook
     (`compile_strategy`). A strategy the rewriter refuses, or a compile XLA
     fails, gives a program marked 'not enacted' with the reason instead of an error."""
     enacted_by = "rewrite" if compiler_options is None else "compile options"
-    options = {**graph.backend.rewrite_options} if compiler_options is None else dict(compiler_options)
+    options = {**program.backend.rewrite_options} if compiler_options is None else dict(compiler_options)
     started, cpu = time.perf_counter(), time.process_time()
     try:
         if compiler_options is None:
-            compiled, status = compile_strategy(lowered, graph, strategy)
+            compiled, status = compile_strategy(lowered, program, strategy)
         else:
             compiled, status = lowered.compile(compiler_options=options or None), "compiled"
     except (ValueError, jax.errors.JaxRuntimeError) as e:
@@ -308,12 +312,12 @@ def compile_program(
 
 
 class Programs:
-    """The compiled programs of one lowered step (`lowered`, captured as `graph`), each compiled
+    """The compiled programs of one lowered step (`lowered`, captured as `program`), each compiled
     once: a program under compile options is shared by every strategy enacted with them, a
     rewritten one by every equal strategy (rows of several clusters share one target's programs)."""
 
-    def __init__(self, lowered: jax.stages.Lowered, graph: Graph):
-        self.lowered, self.graph = lowered, graph
+    def __init__(self, lowered: jax.stages.Lowered, program: Program):
+        self.lowered, self.program = lowered, program
         self._by_key: dict[tuple, CompiledProgram] = {}
 
     def compile(self, name: str, strategy: Strategy | None, compiler_options: dict | None) -> CompiledProgram:
@@ -323,7 +327,7 @@ class Programs:
         else:
             key = ("compile options", json.dumps(compiler_options, sort_keys=True, default=str))
         if key not in self._by_key:
-            self._by_key[key] = compile_program(self.lowered, self.graph, name, strategy, compiler_options)
+            self._by_key[key] = compile_program(self.lowered, self.program, name, strategy, compiler_options)
         found = self._by_key[key]
         return found if found.name == name else dataclasses.replace(found, name=name, same_program_as=found.name)
 
@@ -334,15 +338,16 @@ class Programs:
 
 @dataclasses.dataclass
 class Captured:
-    """One program of a decorated step, captured: the lowered step, its module as a graph at the
-    backend's hook stage, XLA's own executable, the call's dynamic arguments (what executables
-    take), the devices they live on, and the machine key plans are stored under. `scope` names
+    """One program of a decorated step, captured: the lowered step, its `Program` (the module as
+    a graph at the backend's hook stage, with the backend), XLA's own executable, the call's
+    dynamic arguments (what executables take), the devices they live on, and the machine key
+    plans are stored under. `scope` names
     the program's multi-process exchanges (None in a single process). `exact`: the float64 run of
     the call (`_output_check.Float64Run`), shared by every program of the call; None where the
     function is not known (the ulp tolerance then judges candidates' outputs)."""
 
     lowered: jax.stages.Lowered
-    graph: Graph
+    program: Program
     default_compiled: Any
     args: tuple
     kwargs: dict
@@ -362,6 +367,16 @@ class Captured:
         return _output_check.OutputCheck(self.runner(self.default_compiled), run_nudged, self.exact)
 
     @property
+    def graph(self) -> Graph:
+        """The program's graph IR (`program.graph`)."""
+        return self.program.graph
+
+    @property
+    def backend(self) -> Backend:
+        """The compiler the program is captured for (`program.backend`)."""
+        return self.program.backend
+
+    @property
     def module_name(self) -> str:
         """The module's name as XLA compiles it (profiler traces name kernels under it)."""
         return _capture.module_name(self.lowered)
@@ -372,7 +387,7 @@ class Captured:
         `_capture.CACHE_KEY_OPTION`), a separate executable that others are timed against. Where
         the backend applies hook rules, they are applied to the copy as to `default_compiled`
         (compiled afresh then: a cached executable would skip the hook)."""
-        backend = self.graph.backend
+        backend = self.backend
         if backend.hook_rules:
             return _capture.compile_with_hook(
                 self.lowered,
@@ -392,16 +407,16 @@ class Captured:
         )
 
 
-def capture_graph(
+def capture_program(
     lowered: jax.stages.Lowered, backend: Backend, compiler_options: dict | None = None
-) -> tuple[Graph, Any]:
-    """The step's graph at `backend`'s hook stage and XLA's unmodified executable, from one
-    compile. Where the hook stage comes before XLA's own fusion and combining (XLA:GPU), the
-    graph also carries those decisions, read at the backend's `decisions_stage` of the same
+) -> tuple[Program, Any]:
+    """The step's program (its graph at `backend`'s hook stage) and XLA's unmodified executable,
+    from one compile. Where the hook stage comes before XLA's own fusion and combining (XLA:GPU),
+    the graph also carries those decisions, read at the backend's `decisions_stage` of the same
     compile. Needs no device: a step lowered for compile-only devices (`disco_jax.targets`)
     captures the same way. The compile runs with the backend's `decisions_options` (XLA's plan as
     the graph can express it); the executable is XLA's under them, with the backend's hook rules
-    applied (`Graph.rules_applied` says where)."""
+    applied (`Program.rules_applied` says where)."""
     stages = (backend.hook_stage,) + ((backend.decisions_stage,) if backend.decisions_stage else ())
     options = {**backend.decisions_options, **(compiler_options or {})} or None
     applied: list[apply.Applied] = []
@@ -412,19 +427,18 @@ def capture_graph(
         platform=backend.platform,
         rewrites={backend.hook_stage: hook_rules_handler(backend, applied)},
     )
-    graph = build_graph(texts[backend.hook_stage], backend)
-    graph.rules_applied = applied[-1].applications if applied else ()
+    graph = build_graph(texts[backend.hook_stage], backend.fusible)
     if backend.decisions_stage and backend.read_decisions is not None:
         graph = backend.read_decisions(graph, texts[backend.decisions_stage])
-    return graph, compiled
+    return Program(graph, backend, applied[-1].applications if applied else ()), compiled
 
 
 def capture(lowered: jax.stages.Lowered, backend: Backend, args: tuple, kwargs: dict) -> Captured:
     """Capture `lowered` at `backend`'s hook stage and compile it with XLA's plan (one compile;
     the backend's hook rules applied, as to every program of the step).
     `args`/`kwargs`: the call's dynamic arguments."""
-    graph, default_compiled = capture_graph(lowered, backend)
+    program, default_compiled = capture_program(lowered, backend)
     if backend.decisions_options:  # the unmodified step is XLA's own, all its passes on
         default_compiled = lowered.compile()
     devices = step_devices(args, kwargs)
-    return Captured(lowered, graph, default_compiled, args, kwargs, devices, MachineKey.current(devices))
+    return Captured(lowered, program, default_compiled, args, kwargs, devices, MachineKey.current(devices))

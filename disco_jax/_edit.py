@@ -10,8 +10,9 @@ touched is re-examined, never every group of the strategy:
   computes that op itself); removing one re-homes its ops and may kill others, so the dead check
   runs over a worklist: the touched groups and the homes of the producers of every member of a
   changed group (only their exports can have changed);
-* the exports of those groups are what the backend must be able to emit (`Backend.emittable`): an
-  edit the backend cannot emit is refused there, so moves do not produce such candidates.
+* the exports of those groups are what the program's compiler must be able to emit
+  (`Backend.emittable`): an edit it cannot emit is refused there, so moves do not produce such
+  candidates.
 
 A removed group's slot is taken by the last group (swap-remove), so only the ops of two groups are
 re-indexed. `group_index(groups, num_ops)` builds the index from scratch (what the property test
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from disco_jax._graph import Graph
+    from disco_jax._program import Program
 
 
 def group_index(groups: Sequence[frozenset[int]], num_ops: int) -> tuple[tuple[int, ...], ...]:
@@ -49,10 +51,12 @@ def prune(graph: Graph, group: frozenset[int], homed: Iterable[int]) -> frozense
 
 
 class StrategyEdit:
-    """Groups, homes and the group index of a strategy being changed, copied from the parent."""
+    """Groups, homes and the group index of a strategy of `program` being changed, copied from the parent."""
 
-    def __init__(self, graph: Graph, groups: Sequence[frozenset[int]], homes: Sequence[int], index: Sequence[tuple]):
-        self.graph = graph
+    def __init__(
+        self, program: Program, groups: Sequence[frozenset[int]], homes: Sequence[int], index: Sequence[tuple]
+    ):
+        self.program, self.graph = program, program.graph
         self.groups = list(groups)
         self.homes = list(homes)
         self.index = list(index)
@@ -227,7 +231,7 @@ class StrategyEdit:
 
     def normalize(self) -> bool:
         """Prune the touched groups, remove the groups that became dead, and check that the
-        backend can emit every group whose exports may have changed; False when it cannot."""
+        compiler can emit every group whose exports may have changed; False when it cannot."""
         graph = self.graph
         for gi in sorted(self.touched):
             g = self.groups[gi]
@@ -252,7 +256,7 @@ class StrategyEdit:
             self.remove_group(dead, [checked])
         checked = {gi for gi in checked if gi < len(self.groups)}
         exports = [self.exports(gi) for gi in sorted(checked)]
-        return graph.backend.emittable(graph, None, exports)
+        return self.program.backend.emittable(graph, None, exports)
 
     def _dead(self, gi: int) -> bool:
         """No consumer reads from the group, and each op it homes is held by another group."""

@@ -74,7 +74,7 @@ def apply(step: Captured, plan: _plan.Plan, options: Options, report: StepReport
     graph = step.graph
     try:
         strategy = Strategy.from_json(graph, plan.strategy)
-        compiled, status = compile_strategy(step.lowered, graph, strategy)
+        compiled, status = compile_strategy(step.lowered, step.program, strategy)
     except ValueError as e:
         warnings.warn(
             f"disco-jax: plan {report.plan_path} cannot be applied ({e}); running the unmodified step",
@@ -85,7 +85,7 @@ def apply(step: Captured, plan: _plan.Plan, options: Options, report: StepReport
         return step.default_compiled
     counts = compiled_stats(compiled.as_text())
     report.compile_status, report.plan_counts = status, counts
-    if status == "fingerprint-mismatch" or not keeps_plan(counts, graph, strategy):
+    if status == "fingerprint-mismatch" or not keeps_plan(counts, step.program, strategy):
         warnings.warn(
             f"disco-jax: the compiled step has {counts['all-reduce']} all-reduces and {counts['reduce-scatter']} "
             f"reduce-scatters, not the plan's ({len(strategy.buckets)} buckets); running the unmodified step",
@@ -96,7 +96,7 @@ def apply(step: Captured, plan: _plan.Plan, options: Options, report: StepReport
         return step.default_compiled
     if "offline" in plan.search and not plan.measured:
         return first_run(step, plan, strategy, compiled, options, report, ui)
-    report.applied, report.reason, report.rules_applied = True, plan.reason, rules_applied(graph, strategy)
+    report.applied, report.reason, report.rules_applied = True, plan.reason, rules_applied(step.program, strategy)
     ui.say(
         f"{graph.module.name}: applied plan {os.path.basename(report.plan_path)} "
         f"({counts['all-reduce']} all-reduces, {counts['fusion']} fusions)"

@@ -1,11 +1,11 @@
 """The graph IR: a captured HLO module as primitive ops, data edges and gradients.
 
-`build_graph(text, backend)` opens XLA's own loop fusions of the entry computation into their instructions
-("primitive ops"), merges the copies XLA made when it duplicated a producer into several fusions
-(so a producer is one op, possibly fused into several groups), and records:
+`build_graph(text, fusible)` opens XLA's own loop fusions of the entry computation into their
+instructions ("primitive ops"), merges the copies XLA made when it duplicated a producer into several
+fusions (so a producer is one op, possibly fused into several groups), and records:
 
 * `Op`: one primitive op, with its kind:
-  - ``fusible``: an op the backend's loop fusion can hold (`Backend.fusible`);
+  - ``fusible``: an op the compiler's loop fusion can hold (`fusible`: `Backend.fusible`);
   - ``opaque``: a kernel we never fuse across (dots, custom fusions, control flow, custom calls,
     collectives other than the gradient all-reduces);
   - ``free``: no kernel of its own (parameter, constant, get-tuple-element, tuple, bitcast);
@@ -19,9 +19,10 @@ Everything downstream (strategy, simulator, rewrite) works on op ids of one `Gra
 structural questions: `free_sources`, `consumers(op)`, `reduced_dependencies`, `xla_holders`,
 `kernel_signature(kernel)`, `kernel_reads(kernel)`; each is computed once per graph and cached on it.
 
-The IR is the bottom of the package: it imports only `_hlo`. What an op costs (work, transfer bytes, the
-other collectives) is `disco_jax.cost`'s knowledge: functions over a graph, cached on it by `per_graph`.
-The compiler is kept as a `Compiler` (the protocol `disco_jax.backends.Backend` implements).
+The IR is the bottom of the package: it imports only `_hlo`, and holds no backend and no cost. The
+compiler a graph was captured for travels beside it in a `disco_jax._program.Program`; what an op
+costs (work, transfer bytes, the other collectives) is `disco_jax.cost`'s knowledge: functions over a
+graph, cached on it by `per_graph` (those that also read the compiler: over a program, `per_program`).
 """
 
 from __future__ import annotations
@@ -31,19 +32,11 @@ import functools
 import hashlib
 import re
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from disco_jax import _hlo
 
 FREE = frozenset("parameter constant get-tuple-element tuple bitcast after-all".split())
-
-
-class Compiler(Protocol):
-    """The compiler whose module a graph is, as the IR sees it: which opcodes its loop fusion holds.
-    `disco_jax.backends.Backend` implements it; the graph only carries it to the layers above."""
-
-    @property
-    def fusible(self) -> frozenset[str]: ...
 
 
 @dataclasses.dataclass
@@ -83,16 +76,18 @@ class Gradient:
 _cache = functools.partial(dataclasses.field, default_factory=dict, init=False, repr=False, compare=False)
 
 
-def per_graph[Value](compute: Callable[[Graph], Value]) -> Callable[[Graph], Value]:
+def per_graph[Record, Value](compute: Callable[[Record], Value]) -> Callable[[Record], Value]:
     """`compute(graph)`, computed once per graph and kept in its `derived` slot, keyed by the function:
     the cost model's tables (`cost.work.work_per_op`...) cost the search a dict lookup, and the
-    graph knows nothing of how they are computed."""
+    graph knows nothing of how they are computed. Any record with a `derived` slot caches the same
+    way: a `_program.Program` keeps the tables that read its compiler too (`_program.per_program`)."""
 
     @functools.wraps(compute)
-    def cached(graph: Graph) -> Value:
-        found = graph.derived.get(cached, graph)  # the graph itself: no value yet (None may be one)
-        if found is graph:
-            found = graph.derived[cached] = compute(graph)
+    def cached(record: Record) -> Value:
+        derived = record.derived  # type: ignore[attr-defined]
+        found = derived.get(cached, record)  # the record itself: no value yet (None may be one)
+        if found is record:
+            found = derived[cached] = compute(record)
         return found
 
     return cached
@@ -112,10 +107,8 @@ class Graph:
     entry_values: dict[str, int]  # entry instruction name -> op id holding its value
     outputs: list[int]  # op ids of the module's output (several when ROOT was a multi-output fusion)
     fingerprint: str
-    backend: Compiler  # the compiler whose module this is (`disco_jax.backends.Backend`)
     # XLA's kernels in schedule order (XLA:GPU: `gpu_schedule.ScheduledKernel`s); () when unscheduled.
     xla_schedule: tuple = ()
-    rules_applied: tuple = ()  # rules applied at the hook compiling it with XLA's plan (`_compile`)
     # Caches of the queries below that take an argument (the others are cached properties).
     _signatures: dict[frozenset[int], str] = _cache()
     _consumers: dict[int, tuple[int, ...]] = _cache()
@@ -326,9 +319,9 @@ def _compat_key(inst: _hlo.Instruction, module: _hlo.HloModuleText, dtype: str) 
     )
 
 
-def build_graph(text: str, backend: Compiler, *, merge_duplicates: bool = True) -> Graph:
-    """Parse a module captured at `backend`'s hook stage into the graph IR, ops classified by what
-    its loop emitter fuses; the graph keeps it (`graph.backend`) for the layers above.
+def build_graph(text: str, fusible: frozenset[str], *, merge_duplicates: bool = True) -> Graph:
+    """Parse a module captured at a compiler's hook stage into the graph IR, ops classified by what
+    its loop emitter fuses (`fusible`: `Backend.fusible`; the graph keeps no backend).
     `merge_duplicates=False`: every fusion's ops its own (a compiled module, `cost.compiled`)."""
     module = _hlo.parse_module(text)
     entry = module.entry
@@ -379,7 +372,7 @@ def build_graph(text: str, backend: Compiler, *, merge_duplicates: bool = True) 
     def entry_kind(inst: _hlo.Instruction) -> str:
         if inst.opcode in FREE:
             return "free"
-        if inst.opcode in backend.fusible and len(inst.outputs) == 1 and not inst.attr("control-predecessors"):
+        if inst.opcode in fusible and len(inst.outputs) == 1 and not inst.attr("control-predecessors"):
             return "fusible"
         return "opaque"
 
@@ -432,7 +425,7 @@ def build_graph(text: str, backend: Compiler, *, merge_duplicates: bool = True) 
                 if g.result_name.startswith(f"{g.source}."):
                     gradients[g.id] = dataclasses.replace(g, result_name=inst.name)
             continue
-        if _openable(inst, module, backend.fusible):
+        if _openable(inst, module, fusible):
             comp = module.computation(inst.attr("calls").lstrip("%"))
             inner: dict[str, int] = {}
             members: list[int] = []
@@ -496,5 +489,4 @@ def build_graph(text: str, backend: Compiler, *, merge_duplicates: bool = True) 
         value,
         outputs,
         _hlo.fingerprint(text),
-        backend,
     )

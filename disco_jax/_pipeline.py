@@ -171,7 +171,7 @@ def _phase(
     graph = step.graph
     report.fingerprint, report.module, report.graph = graph.fingerprint, graph.module.name, graph.summary()
     report.default_counts = compiled_stats(step.default_compiled.as_text())
-    report.rules_applied = list(graph.rules_applied)
+    report.rules_applied = list(step.program.rules_applied)
     if step.scope is None:
         agree(step, report)
     if not graph.gradients and not graph.fusible_ops:  # one device still has fusion to decide

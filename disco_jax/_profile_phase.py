@@ -24,6 +24,7 @@ from disco_jax import _device_timing, _distributed, _profile_db, _strategy, _val
 from disco_jax._compile import Captured, Runner, compile_strategy
 from disco_jax._console import Ui
 from disco_jax._graph import Graph
+from disco_jax._program import Program
 from disco_jax.cost.allreduce import collective_ops
 
 
@@ -63,13 +64,13 @@ def traced_runner(captured: Captured, runner: Runner, strategy: _strategy.Strate
     `strategy`): the same program compiled again with the backend's `profile_options` where it
     has any (XLA:GPU: command buffers off, so each kernel is a trace event of its own), else
     `runner` itself."""
-    options = dict(captured.graph.backend.profile_options)
+    options = dict(captured.backend.profile_options)
     if not options:
         return runner
     if strategy is None:
         compiled = captured.lowered.compile(compiler_options=options)
     else:
-        compiled, _ = compile_strategy(captured.lowered, captured.graph, strategy, options)
+        compiled, _ = compile_strategy(captured.lowered, captured.program, strategy, options)
     return captured.runner(compiled, runner.args, runner.kwargs)
 
 
@@ -185,13 +186,14 @@ def with_scatter_gather(
     return allreduce
 
 
-def calibration_strategies(graph) -> dict[str, _strategy.Strategy]:
+def calibration_strategies(program: Program) -> dict[str, _strategy.Strategy]:
     """The configurations the simulator is fitted to, by label: XLA's plan; its fusions with one
     all-reduce per gradient (how much an all-reduce costs the step, and how much of it hides);
     no op fusion with XLA's all-reduces (what a kernel costs beyond its traced time: many more,
     smaller kernels); and no op fusion with one all-reduce per gradient. Configurations that
     coincide on this graph (one gradient, nothing fused) are measured once; one the backend could
     not emit is left out."""
+    graph = program.graph
     default = _strategy.xla_default(graph)
     per_gradient = [(g.id,) for g in graph.gradients]
     unfused = _strategy.unfused(graph)
@@ -203,7 +205,7 @@ def calibration_strategies(graph) -> dict[str, _strategy.Strategy]:
     }
     out, seen = {}, set()
     for label, s in candidates.items():
-        if s.key() not in seen and (label == "default" or _strategy.is_valid(graph, s)):
+        if s.key() not in seen and (label == "default" or _strategy.is_valid(program, s)):
             seen.add(s.key())
             out[label] = s
     return out
@@ -245,14 +247,14 @@ def calibrate(
     `calibration_strategies`. Every program is timed in interleaved pairs against XLA's executable
     (its time: the median ratio to XLA's, times the median of XLA's own times). Sets
     `cost_model.params`."""
-    graph = captured.graph
-    strategies = calibration_strategies(graph)
+    program = captured.program
+    strategies = calibration_strategies(program)
     pairs = max(6, pairs)
     ratios, default_samples = {"default": 1.0}, []
     for label, s in strategies.items():
         if label == "default":
             continue
-        compiled, _ = compile_strategy(captured.lowered, graph, s)
+        compiled, _ = compile_strategy(captured.lowered, program, s)
         timing = _validate.time_interleaved(default_runner, captured.runner(compiled), pairs=pairs)
         ratios[label] = timing.ratio
         default_samples.append(timing.default_us)
@@ -265,12 +267,12 @@ def calibrate(
         step_overhead_us=null.ratio * default_us,
         allreduce_tensor_us=float(getattr(cost_model.allreduce, "per_tensor_us", 0.0)),
     )
-    states = {label: cost.kernel_state(graph, s) for label, s in strategies.items()}
+    states = {label: cost.kernel_state(program, s) for label, s in strategies.items()}
 
     def simulate_at(p: cost.SimulatorParams) -> list[float]:
         model = cost_model
         return [
-            cost.simulate(graph, strategies[x], model.estimator, model.allreduce, p, state=states[x]).iteration_us
+            cost.simulate(program, strategies[x], model.estimator, model.allreduce, p, state=states[x]).iteration_us
             for x in labels
         ]
 
@@ -295,7 +297,7 @@ def calibrate(
     )
 
 
-def calibration_points(graph: Graph, sources: dict) -> list[tuple[_strategy.Strategy, float, str]]:
+def calibration_points(program: Program, sources: dict) -> list[tuple[_strategy.Strategy, float, str]]:
     """What the calibrate phase measured besides XLA's plan (`calibration_strategies`,
     its points by label), as (strategy, measured ratio to XLA's plan, label)."""
     found = sources.get("calibration") or {}
@@ -303,7 +305,7 @@ def calibration_points(graph: Graph, sources: dict) -> list[tuple[_strategy.Stra
     default_us = measured.get("default") or found.get("measured_default_us")
     if not default_us:
         return []
-    strategies = calibration_strategies(graph)
+    strategies = calibration_strategies(program)
     return [
         (strategies[label], us / default_us, label)
         for label, us in measured.items()

@@ -112,15 +112,15 @@ class CompiledRanking:
         """A ranking where the step's graph is read before XLA's own fusion
         (`Backend.decisions_stage`: XLA:GPU), whose groups are then not the kernels XLA compiles;
         None elsewhere (XLA:CPU: the graph's groups are the executable's kernels)."""
-        return cls(step, cost_model) if step.graph.backend.decisions_stage is not None else None
+        return cls(step, cost_model) if step.backend.decisions_stage is not None else None
 
     def __call__(self, candidates: list[tuple[Strategy, float]]) -> list[tuple[Strategy, float]]:
         step, model = self.step, self.cost_model
         ranked = rank_by_compiled_cost(
             self.xla,
             candidates,
-            lambda label, s: compile_program(step.lowered, step.graph, label, s, None),
-            step.graph.backend,
+            lambda label, s: compile_program(step.lowered, step.program, label, s, None),
+            step.backend,
             model.estimator,
             model.allreduce,
             params=model.params,

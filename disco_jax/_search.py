@@ -25,7 +25,7 @@ import random
 import time
 from collections.abc import Callable, Collection, Mapping
 
-from disco_jax._graph import Graph
+from disco_jax._program import Program
 from disco_jax._strategy import MOVES, Move, Strategy, start_candidates
 
 MODES = ("backtracking", "restarts", "mcmc")
@@ -122,7 +122,7 @@ def _fewer_collections():
 
 
 def backtracking_search(
-    graph: Graph,
+    program: Program,
     cost: Callable[[Strategy], float | None],
     config: SearchConfig = SearchConfig(),
     *,
@@ -130,19 +130,19 @@ def backtracking_search(
     starts: list[Strategy] | None = None,
     progress: Callable[[float, int, float], None] | None = None,
 ) -> SearchResult:
-    """Search from `starts` (default: XLA's plan, the unfused graph and their variants; a later
-    round of the measured search starts from its best measured candidate).
+    """Search `program`'s strategies from `starts` (default: XLA's plan, the unfused graph and
+    their variants; a later round of the measured search starts from its best measured candidate).
 
     `cost(strategy)` returns the simulated iteration time, or None for an invalid strategy; a
     `cost.many(strategies, parent=)` (`cost.SimulatedCost`), when there is one, costs the
     candidates of one step together, from the state of the strategy their moves started from.
     `progress(best_cost, evaluated, elapsed_s)` is called after every step."""
     with _fewer_collections():
-        return _search(graph, cost, config, moves, starts, progress)
+        return _search(program, cost, config, moves, starts, progress)
 
 
 def _search(
-    graph: Graph,
+    program: Program,
     cost: Callable[[Strategy], float | None],
     config: SearchConfig,
     moves: Mapping[str, Move],
@@ -166,7 +166,7 @@ def _search(
         elif entry > kept[0]:
             heapq.heapreplace(kept, entry)
 
-    for s in starts if starts is not None else start_candidates(graph):
+    for s in starts if starts is not None else start_candidates(program.graph):
         key = s.key()
         new = key not in seen
         c = cost(s)
@@ -205,7 +205,7 @@ def _search(
         for move in moves.values():
             candidate = root
             for _ in range(rng.randint(0, config.beta)):
-                nxt = move(graph, candidate, rng)
+                nxt = move(program, candidate, rng)
                 if nxt is not None:
                     candidate = nxt
             if candidate is root:

@@ -111,10 +111,10 @@ def search_stage(step: Captured, profiled: Profiled, options: Options, ui: Ui) -
     default = _strategy.xla_default(graph)
     if jax.process_index() != 0:
         return Searched(default, {})
-    default_us = cost_model.simulate(graph, default).iteration_us
-    cost = cost_model.evaluator(graph)
+    default_us = cost_model.simulate(step.program, default).iteration_us
+    cost = cost_model.evaluator(step.program)
     result = ui.search(
-        lambda progress: _search.backtracking_search(graph, cost, options.search, progress=progress),
+        lambda progress: _search.backtracking_search(step.program, cost, options.search, progress=progress),
         options.search,
         default_us,
     )
@@ -162,15 +162,15 @@ def validate_stage(step: Captured, profiled: Profiled, searched: Searched, optio
     with the measured loop's evidence."""
     graph, cost_model, tuned = step.graph, profiled.cost_model, searched.tuned
     default, best = _strategy.xla_default(graph), searched.best
-    sim_default = cost_model.simulate(graph, default, record=True)
-    sim_best = cost_model.simulate(graph, best, record=True)
+    sim_default = cost_model.simulate(step.program, default, record=True)
+    sim_best = cost_model.simulate(step.program, best, record=True)
     simulated = {"default": sim_default.to_json(), "plan": sim_best.to_json()}
     timelines = {"default": sim_default.events, "plan": sim_best.events}
     if best.key() == default.key():
         reason = "the search found nothing better than XLA's plan in simulation"
         verdict = Verdict(True, tuned.reason or reason, tuned.evidence) if tuned else Verdict(True, reason, {})
         return Validated(verdict, None, simulated, timelines)
-    compiled, _ = compile_strategy(step.lowered, graph, best)
+    compiled, _ = compile_strategy(step.lowered, step.program, best)
     runner = step.runner(step.default_compiled)
     ratio = sim_best.iteration_us / sim_default.iteration_us
     verdict = validate(step, runner, best, compiled, options.validation_pairs, ratio)
@@ -193,7 +193,9 @@ def plan_of(step: Captured, searched: Searched, validated: Validated, report: St
         measured=verdict.measured,
         search=searched.info,
         weight_update=report.weight_update or {},
-        rules_applied=list(graph.rules_applied) if verdict.use_default else rules_applied(graph, searched.best),
+        rules_applied=(
+            list(step.program.rules_applied) if verdict.use_default else rules_applied(step.program, searched.best)
+        ),
     )
     if step.scope is not None:
         plan = _plan.Plan.from_json(_distributed.broadcast_json(f"{step.scope}/plan", plan.to_json()))
@@ -241,7 +243,7 @@ def validate(
             measured,
             counts,
         )
-    if not keeps_plan(counts, graph, best):
+    if not keeps_plan(counts, step.program, best):
         return Verdict(True, "rejected: XLA did not keep the planned collectives", measured, counts)
     low, high = timing.ratio_ci95
     return Verdict(

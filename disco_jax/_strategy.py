@@ -1,6 +1,6 @@
 """A joint fusion strategy and the search moves that change it.
 
-A `Strategy` says, over one `Graph`:
+A `Strategy` says, over one `Graph` (op and gradient ids; its structural functions take the graph):
 
 * `groups`: fusion groups of fusible ops. A group of two or more ops becomes one loop fusion; a
   group of one op is that op unfused. Groups may overlap: an op in several groups is recomputed in
@@ -16,6 +16,8 @@ A `Strategy` says, over one `Graph`:
   sharded or none. The rewrite does not enact it: the program is lowered again with the state
   sharded (`sharding.choice`), and only the simulator reads it on the replicated graph.
 
+The moves, and whatever asks whether the compiler can emit a strategy (`emittable`, `kernel_dag`,
+`is_valid`), take the `_program.Program`: the graph with the compiler it was captured for.
 `kernel_dag` turns a strategy into kernels (groups, opaque ops, all-reduce buckets) with their
 dependencies in a topological order, or None for a cycle; the rewrite emits in that order. The
 simulator keeps its own kernel graph (`cost.kernels.KernelState`), which the search derives from a
@@ -34,6 +36,7 @@ from disco_jax._edit import StrategyEdit, group_index
 
 if TYPE_CHECKING:
     from disco_jax._graph import Graph
+    from disco_jax._program import Program
 
 GROUP, OPAQUE, BUCKET = "group", "opaque", "bucket"
 
@@ -191,16 +194,18 @@ def group_exports(graph: Graph, s: Strategy) -> list[list[int]]:
     return exports
 
 
-def emittable(graph: Graph, s: Strategy, exports: list[list[int]] | None = None) -> bool:
-    """Can the graph's backend emit every fused group of `s` (`Backend.emittable`)."""
-    return graph.backend.emittable(graph, s, exports if exports is not None else group_exports(graph, s))
+def emittable(program: Program, s: Strategy, exports: list[list[int]] | None = None) -> bool:
+    """Can the program's compiler emit every fused group of `s` (`Backend.emittable`)."""
+    graph = program.graph
+    return program.backend.emittable(graph, s, exports if exports is not None else group_exports(graph, s))
 
 
-def kernel_dag(graph: Graph, s: Strategy) -> KernelDag | None:
+def kernel_dag(program: Program, s: Strategy) -> KernelDag | None:
     """Kernels and their dependencies; None when the strategy is invalid: a dependency cycle,
     or a fused group XLA cannot emit (`emittable`)."""
-    if s.index is None and not emittable(graph, s):
+    if s.index is None and not emittable(program, s):
         return None
+    graph = program.graph
     sources, reads, gradients = graph.free_sources, graph.kernel_reads, graph.gradients
     num_groups, opaque = len(s.groups), graph.opaque_ops
     bucket_sets = [frozenset(b) for b in s.buckets]
@@ -248,27 +253,28 @@ def kernel_dag(graph: Graph, s: Strategy) -> KernelDag | None:
 # --------------------------------------------------------------------------- moves
 
 
-def normalize(graph: Graph, s: Strategy) -> Strategy | None:
+def normalize(program: Program, s: Strategy) -> Strategy | None:
     """`s` normalized from scratch, as a move leaves its result: every group pruned, groups no
     consumer reads from dropped (`StrategyEdit.normalize` with every group touched). None if the
-    backend cannot emit the result."""
-    edit = StrategyEdit(graph, s.groups, s.homes, group_index(s.groups, len(s.homes)))
+    compiler cannot emit the result."""
+    edit = StrategyEdit(program, s.groups, s.homes, group_index(s.groups, len(s.homes)))
     edit.touched.update(range(len(s.groups)))
     return _finish(s, edit)
 
 
 def _finish(s: Strategy, edit: StrategyEdit) -> Strategy | None:
     if not edit.normalize():
-        return None  # the backend could not emit a group the move changed
+        return None  # the compiler could not emit a group the move changed
     rehomed = None if s.rehomed is None else s.rehomed | edit.rehomed
     return Strategy(tuple(edit.groups), tuple(edit.homes), s.buckets, s.origin, s.sharded, tuple(edit.index), rehomed)
 
 
-def fuse_producer(graph: Graph, s: Strategy, rng: random.Random, duplicate: bool) -> Strategy | None:
+def fuse_producer(program: Program, s: Strategy, rng: random.Random, duplicate: bool) -> Strategy | None:
     """DisCo moves (i)/(ii): fuse a random group with the home group of one of its producers."""
+    graph = program.graph
     gi = rng.randrange(len(s.groups))
     group = s.groups[gi]
-    no_producer = graph.backend.no_producer_fusion
+    no_producer = program.backend.no_producer_fusion
     producers = sorted(
         {
             s.homes[v]
@@ -283,9 +289,9 @@ def fuse_producer(graph: Graph, s: Strategy, rng: random.Random, duplicate: bool
     producer = s.groups[pi]
     if any(graph.ops[o].opcode in no_producer and any(u in group for u in graph.users[o]) for o in producer):
         return None
-    if not fusible_together(graph, group | producer):
+    if not fusible_together(program, group | producer):
         return None
-    edit = StrategyEdit(graph, s.groups, s.homes, s.group_index())
+    edit = StrategyEdit(program, s.groups, s.homes, s.group_index())
     if not duplicate and edit.reaches(pi, gi, s.buckets):
         return None  # the merged kernel would feed a kernel it waits for: a cycle
     edit.set_group(gi, group | producer)
@@ -299,14 +305,14 @@ def fuse_producer(graph: Graph, s: Strategy, rng: random.Random, duplicate: bool
     return _finish(s, edit)
 
 
-def fusible_together(graph: Graph, members: frozenset[int]) -> bool:
+def fusible_together(program: Program, members: frozenset[int]) -> bool:
     """Can the compiler be made to fuse `members` into one kernel? A rewriter that emits fusions
     (XLA:CPU) emits any group. XLA:GPU's own fusion passes form the kernels and the rewriter only
     cuts edges (`Backend.emits_fusions`), so there a group must lie inside one of XLA's fusions: a
     plan fusing more is costed as fused but compiles apart, and the search would chase it."""
-    if graph.backend.emits_fusions:
+    if program.backend.emits_fusions:
         return True
-    holders, common = graph.xla_holders, None
+    holders, common = program.graph.xla_holders, None
     for o in members:
         common = holders.get(o, frozenset()) if common is None else common & holders.get(o, frozenset())
         if not common:
@@ -314,8 +320,9 @@ def fusible_together(graph: Graph, members: frozenset[int]) -> bool:
     return True
 
 
-def split_group(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | None:
+def split_group(program: Program, s: Strategy, rng: random.Random) -> Strategy | None:
     """Undo fusion: cut a random fused group in two at a random point of its op order."""
+    graph = program.graph
     fused = [gi for gi, g in enumerate(s.groups) if len(g) > 1]
     if not fused:
         return None
@@ -323,7 +330,7 @@ def split_group(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | Non
     ordered = sorted(s.groups[gi])
     cut = rng.randrange(1, len(ordered))
     parts = components(graph, ordered[:cut]) + components(graph, ordered[cut:])
-    edit = StrategyEdit(graph, s.groups, s.homes, s.group_index())
+    edit = StrategyEdit(program, s.groups, s.homes, s.group_index())
     edit.set_group(gi, parts[0])
     for part in parts[1:]:
         pi = edit.add_group(part)
@@ -359,8 +366,9 @@ def _bucket_order(graph: Graph, s: Strategy) -> list[int]:
     return sorted(range(len(buckets)), key=lambda b: max(map(producer, buckets[b])))
 
 
-def merge_buckets(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | None:
+def merge_buckets(program: Program, s: Strategy, rng: random.Random) -> Strategy | None:
     """DisCo move (iii): combine a random all-reduce with a neighbour in gradient order."""
+    graph = program.graph
     if len(s.buckets) < 2:
         return None
     order = _bucket_order(graph, s)
@@ -384,8 +392,9 @@ def merge_buckets(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | N
     return dataclasses.replace(s, buckets=tuple(buckets))
 
 
-def split_bucket(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | None:
+def split_bucket(program: Program, s: Strategy, rng: random.Random) -> Strategy | None:
     """Inverse of merge: cut a random all-reduce in two along gradient production order."""
+    graph = program.graph
     multi = [i for i, b in enumerate(s.buckets) if len(b) > 1]
     if not multi:
         return None
@@ -396,7 +405,7 @@ def split_bucket(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | No
     return dataclasses.replace(s, buckets=tuple(buckets))
 
 
-def shard_update(graph: Graph, s: Strategy, rng: random.Random, shardable: frozenset[int]) -> Strategy | None:
+def shard_update(program: Program, s: Strategy, rng: random.Random, shardable: frozenset[int]) -> Strategy | None:
     """Shard the weight update of a random bucket's gradients, or make a sharded one replicated
     again (the bucket's gradients must all be in `shardable`: `cost.sharded.UpdateRegions`)."""
     choices = [b for b in s.buckets if all(g in shardable for g in b)]
@@ -417,28 +426,30 @@ def sharding_all(s: Strategy, shardable: frozenset[int]) -> Strategy:
 
 def with_sharding(shardable: frozenset[int], moves: dict | None = None) -> dict:
     """The search's moves plus `shard_update` over `shardable` gradients."""
-    return {**(MOVES if moves is None else moves), "shard_update": lambda g, s, r: shard_update(g, s, r, shardable)}
+    return {**(MOVES if moves is None else moves), "shard_update": lambda p, s, r: shard_update(p, s, r, shardable)}
 
 
-def split(graph: Graph, s: Strategy, rng: random.Random) -> Strategy | None:
+def split(program: Program, s: Strategy, rng: random.Random) -> Strategy | None:
     """The split move: open up a fusion or an all-reduce that XLA (or the search) formed."""
     first, second = (split_group, split_bucket) if rng.random() < 0.5 else (split_bucket, split_group)
-    return first(graph, s, rng) or second(graph, s, rng)
+    return first(program, s, rng) or second(program, s, rng)
 
 
-Move = Callable[["Graph", Strategy, random.Random], "Strategy | None"]
+Move = Callable[["Program", Strategy, random.Random], "Strategy | None"]
 
 MOVES: dict[str, Move] = {
-    "fuse": lambda g, s, r: fuse_producer(g, s, r, duplicate=False),
-    "fuse_duplicate": lambda g, s, r: fuse_producer(g, s, r, duplicate=True),
+    "fuse": lambda p, s, r: fuse_producer(p, s, r, duplicate=False),
+    "fuse_duplicate": lambda p, s, r: fuse_producer(p, s, r, duplicate=True),
     "merge_allreduce": merge_buckets,
     "split": split,
 }
 
 
-def is_valid(graph: Graph, s: Strategy) -> bool:
+def is_valid(program: Program, s: Strategy) -> bool:
     """Every fusible op has a home group holding it, groups hold fusible ops only, every gradient
-    is in exactly one bucket of compatible gradients, and the kernel graph has no cycle."""
+    is in exactly one bucket of compatible gradients, the compiler can emit its fused groups and
+    the kernel graph has no cycle."""
+    graph = program.graph
     for o in graph.fusible_ops:
         h = s.homes[o]
         if not 0 <= h < len(s.groups) or o not in s.groups[h]:
@@ -452,4 +463,4 @@ def is_valid(graph: Graph, s: Strategy) -> bool:
         return False
     if any(len({g in s.sharded for g in b}) != 1 for b in s.buckets):
         return False
-    return emittable(graph, s) and kernel_dag(graph, s) is not None
+    return emittable(program, s) and kernel_dag(program, s) is not None

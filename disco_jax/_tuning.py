@@ -34,7 +34,7 @@ import numpy as np
 
 from disco_jax import _distributed, _profile_phase, _search, _validate, cost
 from disco_jax._console import Ui
-from disco_jax._graph import Graph
+from disco_jax._program import Program
 from disco_jax._ranking import CompiledRanking
 from disco_jax._strategy import Strategy, kernel_dag, xla_default
 
@@ -178,7 +178,7 @@ def measured_table(cost_model: cost.CostModel) -> cost.TableEstimator:
 
 
 def recalibrate(
-    graph: Graph, cost_model: cost.CostModel, points: Sequence[tuple[Strategy, float, str]]
+    program: Program, cost_model: cost.CostModel, points: Sequence[tuple[Strategy, float, str]]
 ) -> cost.Calibrated | None:
     """Fit the simulator's parameters (`disco_jax.cost.calibrate`) to every measured configuration
     given as (strategy, measured us, label), distinct by key: the ones the calibrate phase fits
@@ -189,15 +189,15 @@ def recalibrate(
     than two configurations."""
     unique: dict = {}
     for s, us, label in points:
-        if us > 0 and kernel_dag(graph, s) is not None:
-            unique.setdefault(s.key(), (s, cost.kernel_state(graph, s), float(us), label))
+        if us > 0 and kernel_dag(program, s) is not None:
+            unique.setdefault(s.key(), (s, cost.kernel_state(program, s), float(us), label))
     if len(unique) < 2:
         return None
     strategies, states, measured, labels = zip(*unique.values())
 
     def simulate_at(params: cost.SimulatorParams) -> list[float]:
         return [
-            cost.simulate(graph, s, cost_model.estimator, cost_model.allreduce, params, state=st).iteration_us
+            cost.simulate(program, s, cost_model.estimator, cost_model.allreduce, params, state=st).iteration_us
             for s, st in zip(strategies, states)
         ]
 
@@ -218,7 +218,7 @@ class MeasuredSearch:
 
     def __init__(
         self,
-        graph: Graph,
+        program: Program,
         cost_model: cost.CostModel,
         first: _search.SearchResult,
         search: _search.SearchConfig,
@@ -227,9 +227,9 @@ class MeasuredSearch:
         ui: Ui | None = None,
         rank: CompiledRanking | None = None,
     ):
-        self.graph, self.cost_model, self.search, self.tuning = graph, cost_model, search, tuning
+        self.program, self.cost_model, self.search, self.tuning = program, cost_model, search, tuning
         self.points, self.ui, self.rank = list(points), ui or Ui(False), rank
-        self.default = xla_default(graph)
+        self.default = xla_default(program.graph)
         self.started = time.perf_counter()
         self.budget_s = tuning.loop_budget_s(search)
         self.records: list[Record] = []
@@ -246,7 +246,7 @@ class MeasuredSearch:
         self.queue = self.pick(first)
 
     def simulate(self, s: Strategy) -> float | None:
-        r = self.cost_model.simulate(self.graph, s)
+        r = self.cost_model.simulate(self.program, s)
         return None if r is None else r.iteration_us
 
     def cost(self, s: Strategy) -> float | None:
@@ -314,7 +314,7 @@ class MeasuredSearch:
         over every configuration measured: XLA's plan, those measured before the loop, and each
         candidate at its measured ratio times XLA's median measured step."""
         started = time.perf_counter()
-        graph, table = self.graph, measured_table(self.cost_model)
+        graph, table = self.program.graph, measured_table(self.cost_model)
         for r in self.fresh:
             for members, t in (r.measurement.kernel_times if r.measurement is not None else {}).items():
                 signature = graph.kernel_signature(members)
@@ -331,7 +331,7 @@ class MeasuredSearch:
             ]
             points += [(r.strategy, r.measured_ratio * reference, r.strategy.origin) for r in measured]
             try:
-                fitted = recalibrate(graph, self.cost_model, points)
+                fitted = recalibrate(self.program, self.cost_model, points)
             except ValueError as e:  # keep the parameters the search ran with
                 self.recalibration = {"error": str(e)}
             else:
@@ -356,7 +356,7 @@ class MeasuredSearch:
         left = self.budget_s - self.elapsed()
         budget = max(0.05, min(self.tuning.research_share * self.search.budget_s, left / 2))
         config = dataclasses.replace(self.search, budget_s=budget, seed=self.search.seed + self.round)
-        result = _search.backtracking_search(self.graph, self.cost, config, starts=starts)
+        result = _search.backtracking_search(self.program, self.cost, config, starts=starts)
         self.queue = self.pick(result)
         self.seconds["searching"] += result.seconds
         self.rounds.append(
@@ -396,7 +396,7 @@ class MeasuredSearch:
 
 
 def measured_search(
-    graph: Graph,
+    program: Program,
     cost_model: cost.CostModel,
     first: _search.SearchResult | None,
     search: _search.SearchConfig,
@@ -411,7 +411,8 @@ def measured_search(
     """Run the loop with `measure` (`device_measure` on the devices; tests pass their own).
     Process 0 is the one given `first` (its search phase's search): it picks, learns and gets the
     `Tuned`; in a multi-process job (`scope`) the others measure what it broadcasts and get None."""
-    loop = MeasuredSearch(graph, cost_model, first, search, tuning, points, ui, rank) if first is not None else None
+    loop = MeasuredSearch(program, cost_model, first, search, tuning, points, ui, rank) if first is not None else None
+    graph = program.graph
     timeout_s = _distributed.sync_timeout_s() + tuning.loop_budget_s(search) + search.budget_s
     for index in itertools.count():
         strategy = loop.next() if loop is not None else None

@@ -51,7 +51,7 @@ def device_measure(step: Captured, default_runner: Runner, tuning: TuningConfig)
 
     def measure(strategy: Strategy) -> Measurement:
         index = next(count)
-        runner = step.runner(compile_strategy(step.lowered, graph, strategy)[0])
+        runner = step.runner(compile_strategy(step.lowered, step.program, strategy)[0])
         outputs = step.output_check.compare(
             runner(),
             bitwise=regroups_only(graph, strategy),
@@ -62,10 +62,10 @@ def device_measure(step: Captured, default_runner: Runner, tuning: TuningConfig)
             ratios = _distributed.slowest_pairs(f"{step.scope}/tuning/{index}/timing")(timing.ratios)
             timing = _validate.summarize([timing.default_us], [timing.plan_us], ratios)
         times = _profile_phase.kernel_times(step, runner, strategy, steps=tuning.kernel_steps)
-        names = kernel_members(graph, strategy, graph.backend.rewriter.rewrite(graph, strategy))
+        names = kernel_members(graph, strategy, step.backend.rewriter.rewrite(step.program, strategy))
         kernels = {names[n]: t for n, t in times.items() if n in names}
         counts = compiled_stats(runner.as_text())
-        return Measurement(timing, kernels, counts["all-reduce"], outputs, keeps_plan(counts, graph, strategy))
+        return Measurement(timing, kernels, counts["all-reduce"], outputs, keeps_plan(counts, step.program, strategy))
 
     return measure
 
@@ -83,8 +83,8 @@ def tune(
     """The search phase's measured loop on the devices: `candidates` per round, timed with half
     the validation's first look of pairs (at least 6)."""
     tuning = TuningConfig(candidates=candidates, pairs=max(6, validation_pairs // 2))
-    points = _profile_phase.calibration_points(step.graph, cost_model.sources)
+    points = _profile_phase.calibration_points(step.program, cost_model.sources)
     measure, rank = device_measure(step, default_runner, tuning), CompiledRanking.of(step, cost_model)
     return measured_search(
-        step.graph, cost_model, first, search, tuning, measure, scope=step.scope, points=points, ui=ui, rank=rank
+        step.program, cost_model, first, search, tuning, measure, scope=step.scope, points=points, ui=ui, rank=rank
     )

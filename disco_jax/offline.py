@@ -5,7 +5,7 @@ compile-only GPU devices (`disco_jax.targets.mesh("h100-sxm", 8)`), and on a mac
 GPU:
 
 1. compiles the step with XLA:GPU for those devices, capturing its module at the GPU backend's
-   hook stage and XLA:GPU's own fusion and combining (`_compile.capture_graph`);
+   hook stage and XLA:GPU's own fusion and combining (`_compile.capture_program`);
 2. searches a plan on the simulator with the cluster's cost models (`disco_jax.eval.clusters`:
    the GPU's roofline, NVLink ring all-reduce; `cluster=` for another topology);
 3. compiles the search's best few distinct candidates through the GPU rewriter and XLA's own
@@ -34,8 +34,9 @@ from typing import Any
 import jax
 
 from disco_jax import _plan, _search, _strategy, backends
-from disco_jax._compile import CompiledProgram, Programs, capture_graph, compile_program
+from disco_jax._compile import CompiledProgram, Programs, capture_program, compile_program
 from disco_jax._profile_db import device_kind_key
+from disco_jax._program import Program
 from disco_jax._ranking import RANKED_CANDIDATES, XLA_PROGRAM, ProgramCosts, rank_by_compiled_cost
 from disco_jax.cost import ChainEstimator, simulate
 from disco_jax.cost.compiled import CompiledCost
@@ -101,8 +102,8 @@ class UpdateCandidate:
     """One weight update of the step as XLA:GPU compiles it for the target: its lowered program,
     the layout of what it shards (None: replicated), XLA's own program of it (`xla`, every pass
     on: what runs without a fusion plan), its per-device memory (`update.memory`: XLA's memory
-    analysis and the bytes of parameters and state held) and its compiled-program cost. `graph`:
-    its module at the hook stage, captured only where it is needed (the chosen program's search,
+    analysis and the bytes of parameters and state held) and its compiled-program cost. `program`:
+    its module at the hook stage (`_program.Program`), captured only where it is needed (the chosen program's search,
     the replicated program's fingerprint)."""
 
     label: str
@@ -111,7 +112,7 @@ class UpdateCandidate:
     xla: CompiledProgram | None = None
     memory: dict = dataclasses.field(default_factory=dict)
     cost: CompiledCost | None = None
-    graph: Any = None
+    program: Program | None = None
     why_not: str | None = None  # where the update does not apply to this step
 
     @property
@@ -120,8 +121,8 @@ class UpdateCandidate:
         return choice.footprint(self.memory)
 
     def captured(self) -> UpdateCandidate:
-        if self.graph is None:
-            self.graph, _ = capture_graph(self.lowered, backends.GPU)
+        if self.program is None:
+            self.program, _ = capture_program(self.lowered, backends.GPU)
         return self
 
     def layout_json(self) -> dict:
@@ -225,8 +226,8 @@ def choose_weight_update(candidates: list[UpdateCandidate], limit: int) -> dict:
 def decision_plan(replicated: UpdateCandidate, machine: _plan.MachineKey, decided: dict, chosen) -> _plan.Plan:
     """The replicated program's plan when another update was chosen: no fusion plan of its own
     (the chosen program's plan has it), the decision in `weight_update` (`choice.recall` reads it)."""
-    graph = replicated.captured().graph
-    chosen_graph = chosen.captured().graph
+    graph = replicated.captured().program.graph
+    chosen_graph = chosen.captured().program.graph
     info = {**decided, "program": chosen_graph.fingerprint}
     reason = f"weight update {decided['chosen']}: the plan is program {chosen_graph.fingerprint}'s"
     return _plan.Plan(graph.fingerprint, graph.module.name, machine, True, None, reason, weight_update=info)
@@ -277,48 +278,49 @@ def plan_for_target(
         clock = time.perf_counter()
 
     if memory_limit_bytes is None:
-        program = UpdateCandidate(REPLICATED, step.lower(*args, **kwargs), None)
+        chosen = UpdateCandidate(REPLICATED, step.lower(*args, **kwargs), None)
         decision = None
     else:
         candidates = weight_updates or weight_update_candidates(step, args, kwargs, costs)
         lap("weight updates compiled and costed")
         decision = choose_weight_update(candidates, memory_limit_bytes)
-        program = next(c for c in candidates if c.label == decision["chosen"])
-    program.captured()
+        chosen = next(c for c in candidates if c.label == decision["chosen"])
+    chosen.captured()
     lap("capture")
     config = config or _search.SearchConfig()
-    plan = _fusion_plan(program, cluster, machine, estimator, allreduce, costs, config, ranked, memory_limit_bytes)
+    plan = _fusion_plan(chosen, cluster, machine, estimator, allreduce, costs, config, ranked, memory_limit_bytes)
     lap("search and ranking")
     if decision is not None:
-        plan.weight_update = {**decision, **program.layout_json()}
+        plan.weight_update = {**decision, **chosen.layout_json()}
         replicated = candidates[0]
-        if program is not replicated:  # what the decorator finds first: the replicated program's plan
-            _plan.save_plan(decision_plan(replicated, machine, plan.weight_update, program), plan_dir)
+        if chosen is not replicated:  # what the decorator finds first: the replicated program's plan
+            _plan.save_plan(decision_plan(replicated, machine, plan.weight_update, chosen), plan_dir)
             lap("replicated program captured (its fingerprint)")
     plan.search["offline"]["seconds"] = seconds
     _plan.save_plan(plan, plan_dir)
     return plan
 
 
-def _fusion_plan(program, cluster, machine, estimator, allreduce, costs, config, ranked: int, limit) -> _plan.Plan:
+def _fusion_plan(candidate, cluster, machine, estimator, allreduce, costs, config, ranked: int, limit) -> _plan.Plan:
     """Steps 2-3 of the module docstring on one program: the search on its graph, its best
     `ranked` candidates and XLA's own program compiled and ranked by the compiled-program model.
     Under a memory `limit` a candidate whose own executable exceeds it is not chosen (a plan
     regroups collectives, which moves buffers' lifetimes)."""
-    graph, lowered = program.graph, program.lowered
+    program, lowered = candidate.program, candidate.lowered
+    graph = program.graph
 
     def cost(s: _strategy.Strategy) -> float | None:
-        result = simulate(graph, s, estimator, allreduce)
+        result = simulate(program, s, estimator, allreduce)
         return None if result is None else result.iteration_us
 
     default = _strategy.xla_default(graph)
     default_us = cost(default)
     if default_us is None:
         raise ValueError("XLA:GPU's own plan, as read onto the graph, is not a valid strategy")
-    result = _search.backtracking_search(graph, cost, config, starts=[default, *_strategy.start_candidates(graph)])
-    programs = Programs(lowered, graph)
+    result = _search.backtracking_search(program, cost, config, starts=[default, *_strategy.start_candidates(graph)])
+    programs = Programs(lowered, program)
     ranked_programs = rank_by_compiled_cost(
-        program.xla or programs.compile(XLA_PROGRAM, None, {}),  # what runs without a plan
+        candidate.xla or programs.compile(XLA_PROGRAM, None, {}),  # what runs without a plan
         result.top(ranked, exclude={default.key()}),
         lambda label, s: programs.compile(label, s, None),
         backends.GPU,

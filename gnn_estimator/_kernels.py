@@ -1,7 +1,8 @@
 """Fused kernels of a graph: which values they export, random sampling, standalone HLO modules.
 
 A kernel is a frozenset of fusible op ids of one `Graph` (as in `disco_jax._strategy`). This module
-holds the pure functions the estimator's data pipeline needs:
+holds the pure functions the estimator's data pipeline needs (those that depend on the compiler, what
+it fuses and how its rewriter emits a kernel, take the `disco_jax.Program`):
 
 * `default_exports`: the ops a kernel hands to the rest of the program (the same rule as
   `disco_jax.cost.kernel_io_bytes`: ops read outside the kernel, else its last op);
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 
 from disco_jax import _hlo
 from disco_jax._graph import Graph
+from disco_jax._program import Program
 from disco_jax._rewrite import fused_computation, kernel_inputs, member_instructions
 
 
@@ -69,23 +71,24 @@ def is_convex(graph: Graph, kernel: frozenset[int]) -> bool:
     return True
 
 
-def _can_feed(graph: Graph, producer: int) -> bool:
-    op = graph.ops[producer]
-    return op.kind == "fusible" and op.opcode not in graph.backend.no_producer_fusion
+def _can_feed(program: Program, producer: int) -> bool:
+    op = program.graph.ops[producer]
+    return op.kind == "fusible" and op.opcode not in program.backend.no_producer_fusion
 
 
-def random_kernel(graph: Graph, rng: random.Random, length: int, start: int | None = None) -> frozenset[int]:
+def random_kernel(program: Program, rng: random.Random, length: int, start: int | None = None) -> frozenset[int]:
     """DisCo's sample: start from a random fusible op, then `length - 1` times fuse the kernel
     with one random fusible producer of its members (never a reduce, concatenate, pad or iota,
     which a consumer would recompute per element). Stops early when no producer is left; the
     result may be smaller than `length` and is not necessarily convex (check `is_convex`)."""
+    graph = program.graph
     fusible = graph.fusible_ops
     if not fusible:
         raise ValueError("graph has no fusible ops")
     members = {rng.choice(fusible) if start is None else start}
     for _ in range(length - 1):
         producers = sorted(
-            {v for o in members for v in graph.ops[o].operands if v not in members and _can_feed(graph, v)}
+            {v for o in members for v in graph.ops[o].operands if v not in members and _can_feed(program, v)}
         )
         if not producers:
             break
@@ -126,7 +129,7 @@ def measurable(graph: Graph, kernel: frozenset[int]) -> bool:
     return True
 
 
-def kernel_module_text(graph: Graph, kernel: frozenset[int], header: str) -> tuple[str, list[int], list[int]]:
+def kernel_module_text(program: Program, kernel: frozenset[int], header: str) -> tuple[str, list[int], list[int]]:
     """A standalone HLO module running `kernel` the way the core's rewrite emits it.
 
     One op is emitted bare (XLA compiles it as its own kernel); several ops become one kLoop fusion
@@ -138,6 +141,7 @@ def kernel_module_text(graph: Graph, kernel: frozenset[int], header: str) -> tup
     of the entry parameters in order, exported op ids in result order). The kernel instruction
     (the fusion, the lone op, or the tuple of bare ops) is named `KERNEL_INSTRUCTION`.
     """
+    graph = program.graph
     exports = default_exports(graph, kernel)
     inner, params, constants = kernel_inputs(graph, kernel, "k", lambda i: f"arg.{i}")
     entry_params = [
@@ -160,7 +164,7 @@ def kernel_module_text(graph: Graph, kernel: frozenset[int], header: str) -> tup
                 is_root=True,
             )
         ]
-    elif not graph.backend.emits_fusions:
+    elif not program.backend.emits_fusions:
         # XLA:GPU forms the fusions itself (its rewriter only cuts): the kernel is the ops bare,
         # and what XLA's fusion passes make of them is what it costs.
         entry_body = constants + member_instructions(graph, kernel, inner, "k")

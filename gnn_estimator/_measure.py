@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from disco_jax import _capture, _device_timing, _hlo
-from disco_jax._graph import Graph
+from disco_jax._program import Program
 from gnn_estimator import _kernels
 
 _NUMPY_DTYPES = {
@@ -81,11 +81,12 @@ class CompiledKernel:
     instructions: tuple[str, ...]
 
 
-def compile_kernel(graph: Graph, kernel: frozenset[int], rng: np.random.Generator) -> CompiledKernel:
-    """Compile `kernel` (a measurable set of fusible op ids, see `_kernels.measurable`) alone."""
+def compile_kernel(program: Program, kernel: frozenset[int], rng: np.random.Generator) -> CompiledKernel:
+    """Compile `kernel` (a measurable set of fusible op ids of `program`'s graph, see
+    `_kernels.measurable`) alone, as `program`'s compiler emits it."""
     # A dummy with the kernel's entry signature; its name makes the module name unique in traces.
-    text_probe, params, exports = _kernels.kernel_module_text(graph, kernel, "HloModule probe")
-    in_specs, out_specs = _kernels.kernel_boundary_specs(graph, params, exports)
+    text_probe, params, exports = _kernels.kernel_module_text(program, kernel, "HloModule probe")
+    in_specs, out_specs = _kernels.kernel_boundary_specs(program.graph, params, exports)
     outputs = [(tuple(s.dims), numpy_dtype(s.dtype)) for s in out_specs]
 
     def dummy(*args):
@@ -99,7 +100,7 @@ def compile_kernel(graph: Graph, kernel: frozenset[int], rng: np.random.Generato
 
     def replace(text: str) -> str:
         header = text.splitlines()[0]
-        return _kernels.kernel_module_text(graph, kernel, header)[0]
+        return _kernels.kernel_module_text(program, kernel, header)[0]
 
     compiled = _capture.compile_with_hook(lowered, replace, cache_tag=f"{module_name}-{text_probe}")
     return CompiledKernel(compiled, args, module_name, _compiled_kernels(compiled.as_text()))

@@ -72,7 +72,7 @@ def measure_model(name: str, pairs: int, budget_s: float) -> dict | None:
     step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(), "jit")
     args = (state, batch)
     captured = capture(step.lower(*args), backends.CPU, args, {})
-    graph = captured.graph
+    program, graph = captured.program, captured.graph
     quiet = Ui(verbose=False)
     default_runner = captured.runner(captured.default_compiled)
     cost_model = profile(captured, default_runner, ProfileDatabase(), quiet)
@@ -80,12 +80,12 @@ def measure_model(name: str, pairs: int, budget_s: float) -> dict | None:
     default = _strategy.xla_default(graph)
 
     def simulated_us(s):
-        r = cost_model.simulate(graph, s)
+        r = cost_model.simulate(program, s)
         return None if r is None else r.iteration_us
 
     best = default
     if jax.process_index() == 0:
-        result = _search.backtracking_search(graph, simulated_us, _search.SearchConfig(budget_s=budget_s, seed=0))
+        result = _search.backtracking_search(program, simulated_us, _search.SearchConfig(budget_s=budget_s, seed=0))
         best = result.best
     if _distributed.is_multiprocess():
         found = _distributed.broadcast_json(_distributed.new_scope("fidelity") + "/strategy", best.to_json(graph))
@@ -94,9 +94,9 @@ def measure_model(name: str, pairs: int, budget_s: float) -> dict | None:
     no_fusion_options = backends.CPU.baseline_options["JAX_no_fusion"]
     configurations = {
         "JAX default": (default, captured.default_compiled),
-        "per-gradient AR": (per_gradient, compile_strategy(captured.lowered, graph, per_gradient)[0]),
+        "per-gradient AR": (per_gradient, compile_strategy(captured.lowered, program, per_gradient)[0]),
         "no fusion": (_strategy.unfused(graph), captured.lowered.compile(compiler_options=dict(no_fusion_options))),
-        "search plan": (best, compile_strategy(captured.lowered, graph, best)[0]),
+        "search plan": (best, compile_strategy(captured.lowered, program, best)[0]),
     }
     timings = {}
     for label, (_, compiled) in configurations.items():
@@ -105,9 +105,9 @@ def measure_model(name: str, pairs: int, budget_s: float) -> dict | None:
     if jax.process_index() != 0:
         return None
     default_us = float(np.median([t.default_us for t in timings.values()]))
-    bare = cost_model.simulate(graph, default, params=cost.SimulatorParams())
-    calibrated_on = {s.key() for s in calibration_strategies(graph).values()}
-    old = old_model(graph, cost_model, calibration, {"default": default, "per-gradient": per_gradient})
+    bare = cost_model.simulate(program, default, params=cost.SimulatorParams())
+    calibrated_on = {s.key() for s in calibration_strategies(program).values()}
+    old = old_model(program, cost_model, calibration, {"default": default, "per-gradient": per_gradient})
     rows = []
     for label, (strategy, compiled) in configurations.items():
         t = timings[label]
@@ -142,7 +142,7 @@ def measure_model(name: str, pairs: int, budget_s: float) -> dict | None:
     }
 
 
-def old_model(graph, cost_model, calibration, strategies: dict):
+def old_model(program, cost_model, calibration, strategies: dict):
     """The simulator as it was before (for comparison, on the same measurements): a bucket costs
     one latency whatever its tensors, no step overhead, compute scale and blocking fitted to the
     two calibration points XLA's plan and one all-reduce per gradient."""
@@ -155,7 +155,7 @@ def old_model(graph, cost_model, calibration, strategies: dict):
         return lambda s: None
 
     def at(p, s):
-        r = cost.simulate(graph, s, cost_model.estimator, bucket, p)
+        r = cost.simulate(program, s, cost_model.estimator, bucket, p)
         return None if r is None else r.iteration_us
 
     fitted = cost.calibrate(

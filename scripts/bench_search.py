@@ -53,7 +53,7 @@ def log(message: str) -> None:
 def capture_model(name: str, config: str):
     spec = zoo.get_model(name, config)
     lowered = zoo.lower_abstract(spec, optax.adam(1e-3), zoo.data_mesh(DEVICES), "jit")
-    return capture(lowered, backends.CPU, (), {}).graph
+    return capture(lowered, backends.CPU, (), {}).program
 
 
 def profiled_cost_model(graph, use_gnn: bool) -> tuple[cost.CostModel, str]:
@@ -84,14 +84,14 @@ def profiled_cost_model(graph, use_gnn: bool) -> tuple[cost.CostModel, str]:
     return cost.CostModel(cost.chain(*estimators), allreduce, {}), f"{names} ({len(measured)} XLA kernels in the table)"
 
 
-def cluster_cost_model(graph, cluster_name: str):
+def cluster_cost_model(program, cluster_name: str):
     from disco_jax.eval import baselines, clusters
 
     cluster = clusters.get_cluster(cluster_name)
     estimator = cost.ChainEstimator([cluster.kernel_estimator()])
     model = cost.CostModel(estimator, cluster.allreduce_model(), {})
     extra = baselines.all_baselines(
-        graph, combine=baselines.xla_gpu_buckets, kernel_time_us=lambda ks: estimator.estimate(graph, ks)
+        program, combine=baselines.xla_gpu_buckets, kernel_time_us=lambda ks: estimator.estimate(program.graph, ks)
     )
     return model, [b.strategy for b in extra], f"{cluster_name} ({estimator.name})"
 
@@ -99,14 +99,15 @@ def cluster_cost_model(graph, cluster_name: str):
 def run_model(name: str, config: str, args) -> list[dict]:
     started = time.perf_counter()
     log(f"{name}:{config}: capturing")
-    graph = capture_model(name, config)
+    program = capture_model(name, config)
+    graph = program.graph
     log(f"{name}:{config}: {len(graph.ops)} ops captured in {time.perf_counter() - started:.1f} s")
     records = []
     for mode in args.mode.split(","):
         # A new cost model per mode: its estimators' caches would flatter the modes run later.
         extra = []
         if config == "paper":
-            model, extra, kernels = cluster_cost_model(graph, args.cluster)
+            model, extra, kernels = cluster_cost_model(program, args.cluster)
         else:
             model, kernels = profiled_cost_model(graph, not args.no_gnn)
         starts, seen = [], set()
@@ -114,11 +115,12 @@ def run_model(name: str, config: str, args) -> list[dict]:
             if s.key() not in seen:
                 seen.add(s.key())
                 starts.append(s)
-        records.append(search(name, config, graph, kernels, model.evaluator(graph), starts, mode, args))
+        records.append(search(name, config, program, kernels, model.evaluator(program), starts, mode, args))
     return records
 
 
-def search(name, config, graph, kernels, evaluate, starts, mode, args) -> dict:
+def search(name, config, program, kernels, evaluate, starts, mode, args) -> dict:
+    graph = program.graph
     search_config = SearchConfig(budget_s=args.budget_s, seed=args.seed, mode=mode)
 
     last = [0.0]
@@ -131,7 +133,7 @@ def search(name, config, graph, kernels, evaluate, starts, mode, args) -> dict:
     profiler = cProfile.Profile() if args.cprofile else None
     if profiler is not None:
         profiler.enable()
-    result = backtracking_search(graph, evaluate, search_config, starts=starts, progress=progress)
+    result = backtracking_search(program, evaluate, search_config, starts=starts, progress=progress)
     if profiler is not None:
         profiler.disable()
         path = f"{args.cprofile}.{name}.{config}.{mode}"

@@ -45,7 +45,7 @@ import optax
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from disco_jax import Graph, _compile, backends
+from disco_jax import Graph, Program, _compile, backends
 from disco_jax._profile_db import SHIPPED_PROFILE_DIR, device_kind_key
 from disco_jax.cost import flops_per_op, kernel_io_bytes
 from gnn_estimator import (
@@ -295,10 +295,10 @@ def _zoo_models() -> list[ModelDef]:
     return out
 
 
-def capture_graph(model: ModelDef) -> Graph:
-    """The step's graph on this machine's backend, with XLA's own fusions (the ``xla`` kernels)."""
-    graph, _ = _compile.capture_graph(model.build(), backends.for_platform(jax.default_backend()))
-    return graph
+def capture_program(model: ModelDef) -> Program:
+    """The step's program on this machine's backend, with XLA's own fusions (the ``xla`` kernels)."""
+    program, _ = _compile.capture_program(model.build(), backends.for_platform(jax.default_backend()))
+    return program
 
 
 # --------------------------------------------------------------------------- sampling
@@ -316,15 +316,16 @@ def _log_uniform_length(rng: random.Random, max_len: int) -> int:
     return int(math.exp(rng.uniform(math.log(2), math.log(max_len + 1))))
 
 
-def _candidates(graph, kind: str, rng: random.Random, max_len: int):
+def _candidates(program: Program, kind: str, rng: random.Random, max_len: int):
     """Random kernels, lazily and endlessly: DisCo's sampling from size-weighted start ops."""
+    graph = program.graph
     if kind == "random":
         # Most fusible ops of a step are tiny (biases, scalars): start from an op with at least
         # 4096 output elements three times in four, so kernel times span microseconds to ms.
         big = [o for o in graph.fusible_ops if graph.ops[o].inst.outputs[0].elements >= 4096]
         while True:
             start = rng.choice(big) if big and rng.random() < 0.75 else None
-            yield random_kernel(graph, rng, _log_uniform_length(rng, max_len), start=start)
+            yield random_kernel(program, rng, _log_uniform_length(rng, max_len), start=start)
 
 
 # --------------------------------------------------------------------------- collection
@@ -351,12 +352,12 @@ class Collector:
         self.failures = 0
 
     def measure(
-        self, model: ModelDef, graph, kernels: list[frozenset[int]], kind: str, op_times: dict[int, float]
+        self, model: ModelDef, program: Program, kernels: list[frozenset[int]], kind: str, op_times: dict[int, float]
     ) -> list[dict]:
-        compiled, kept = [], []
+        graph, compiled, kept = program.graph, [], []
         for k in kernels:
             try:
-                compiled.append(compile_kernel(graph, k, self.np_rng))
+                compiled.append(compile_kernel(program, k, self.np_rng))
                 kept.append(k)
             except Exception as err:  # a kernel XLA rejects is skipped, and counted
                 self.failures += 1
@@ -431,13 +432,14 @@ def collect_model(
 ) -> int:
     """Sample, time and append one model's kernels; returns how many were added. Past `deadline`
     (a `time.time()`) no new batch is started: what was measured is kept, and a rerun resumes."""
-    graph = capture_graph(model)
+    program = capture_program(model)
+    graph = program.graph
     rng = random.Random(f"{seed}-{model.name}")
     added = 0
 
     def flush(kernels: list[frozenset[int]], kind: str, op_times: dict[int, float]) -> None:
         nonlocal added
-        for r in collector.measure(model, graph, kernels, kind, op_times):
+        for r in collector.measure(model, program, kernels, kind, op_times):
             done[r["key"]] = r
             added += 1
         progress.update(task, completed=min(sum(1 for r in done.values() if r["kind"] != "single"), per_model))
@@ -482,7 +484,7 @@ def collect_model(
     run("xla", (g for g in graph.xla_groups if len(g) > 1), per_model // 3, op_times, len(graph.xla_groups))
     have_xla = sum(1 for r in done.values() if r["kind"] == "xla")
     progress.update(task, description=f"{model.name} (random)")
-    run("random", _candidates(graph, "random", rng, max_len), per_model - have_xla, op_times, 30 * per_model)
+    run("random", _candidates(program, "random", rng, max_len), per_model - have_xla, op_times, 30 * per_model)
     return added
 
 

@@ -39,7 +39,7 @@ from disco_jax import (
     targets,
     zoo,
 )
-from disco_jax._compile import capture_graph, compile_strategy
+from disco_jax._compile import capture_program, compile_strategy
 from disco_jax._strategy import xla_default
 from disco_jax.eval import clusters, gpus, rows
 
@@ -59,10 +59,11 @@ def estimator_for(cluster: clusters.Cluster, constants: str):
     return cost.chain(*gnn, gpus.RooflineEstimator(device))
 
 
-def graph_reading(graph, estimator, allreduce) -> dict:
+def graph_reading(program, estimator, allreduce) -> dict:
     """The graph-level simulator on XLA's program read back onto the graph: its time, and its
     kernel groups split by whether they lie on a kernel XLA scheduled (and what each part costs)."""
-    sim = simulate(graph, xla_default(graph), estimator, allreduce)
+    graph = program.graph
+    sim = simulate(program, xla_default(graph), estimator, allreduce)
     scheduled = {k.name for k in graph.xla_schedule}
     groups = [frozenset(g) for g in graph.xla_groups]
     times = estimator.estimate(graph, groups)
@@ -112,17 +113,18 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     spec = zoo.get_model(args.model, "paper")
     lowered = zoo.lower_abstract(spec, optax.adam(1e-3), targets.mesh(cluster.target, rows.PAPER_DEVICES), "jit")
-    graph, compiled = capture_graph(lowered, backends.GPU)
-    programs = {"default": (graph, compiled.as_text())}
+    program, compiled = capture_program(lowered, backends.GPU)
+    programs = {"default": (program, compiled.as_text())}
     out = {"model": args.model, "cluster": cluster.name, "capture_s": time.perf_counter() - started}
     print(f"captured in {out['capture_s']:.0f} s", flush=True)
     if args.budget > 0:  # searched on the first constants' graph-level simulator
         estimator = ChainEstimator([estimator_for(cluster, args.constants[0])])
-        search_cost = CostModel(estimator, allreduce, {}).evaluator(graph)
-        result = backtracking_search(graph, search_cost, SearchConfig(budget_s=args.budget, seed=0))
-        plan_compiled, status = compile_strategy(lowered, graph, result.best)
+        search_cost = CostModel(estimator, allreduce, {}).evaluator(program)
+        result = backtracking_search(program, search_cost, SearchConfig(budget_s=args.budget, seed=0))
+        plan_compiled, status = compile_strategy(lowered, program, result.best)
         text = plan_compiled.as_text()
-        programs["searched"] = (backends.GPU.read_decisions(graph, text), text)
+        read = backends.GPU.read_decisions(program.graph, text)
+        programs["searched"] = (dataclasses.replace(program, graph=read), text)
         out["search"] = {"status": status, "constants": args.constants[0], "searched_us": search_cost(result.best)}
         print(f"searched and compiled ({status}) at {time.perf_counter() - started:.0f} s", flush=True)
     for constants in args.constants:

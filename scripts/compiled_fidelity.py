@@ -57,14 +57,14 @@ def measure_model(name: str, pairs: int) -> dict:
     model = _profile_phase.profile(captured, runner, ProfileDatabase(), quiet)
     calibration = _profile_phase.calibrate(model, captured, runner, pairs, quiet)
     fitted_graph = calibration.fitted
-    strategies = _profile_phase.calibration_strategies(graph)
+    strategies = _profile_phase.calibration_strategies(captured.program)
     labels = [p.label for p in fitted_graph.points]
     measured = [p.measured_us for p in fitted_graph.points]
 
     # The compiled model: each configuration's executable, the trace's kernels by name first.
     texts = {"default": captured.default_compiled.as_text()}
     for label in labels[1:]:
-        texts[label] = compile_strategy(captured.lowered, graph, strategies[label])[0].as_text()
+        texts[label] = compile_strategy(captured.lowered, captured.program, strategies[label])[0].as_text()
     programs = {label: cost.compiled_program(text, backends.CPU) for label, text in texts.items()}
     analytical = cost.AnalyticalEstimator(tuple(model.sources["analytical"]["coefficients"]))
     estimator = cost.chain(cost.measured_table(programs["default"], model.kernel_times_us), analytical)
@@ -74,7 +74,8 @@ def measure_model(name: str, pairs: int) -> dict:
 
     def graph_at(params: cost.SimulatorParams) -> list[float]:
         return [
-            cost.simulate(graph, strategies[x], model.estimator, model.allreduce, params).iteration_us for x in labels
+            cost.simulate(captured.program, strategies[x], model.estimator, model.allreduce, params).iteration_us
+            for x in labels
         ]
 
     start = cost.SimulatorParams(

@@ -21,7 +21,7 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
 import optax  # noqa: E402
 
 from disco_jax import ChainEstimator, backends, targets, zoo  # noqa: E402
-from disco_jax._compile import Programs, capture_graph  # noqa: E402
+from disco_jax._compile import Programs, capture_program  # noqa: E402
 from disco_jax.eval import baselines, clusters  # noqa: E402
 from disco_jax.eval.rows import PAPER_DEVICES  # noqa: E402
 
@@ -39,18 +39,18 @@ def model_programs(model: str, config: str, cluster: clusters.Cluster) -> dict:
     spec = zoo.get_model(model, config)
     lowered = zoo.lower_abstract(spec, optax.adam(1e-3), targets.mesh(cluster.target, PAPER_DEVICES), "jit")
     started = time.perf_counter()
-    graph, _ = capture_graph(lowered, backends.GPU)
+    program, _ = capture_program(lowered, backends.GPU)
     capture_s = time.perf_counter() - started
     estimator = ChainEstimator([cluster.kernel_estimator()])
     candidates = baselines.all_baselines(
-        graph, combine=backends.GPU.xla_buckets, kernel_time_us=lambda ks: estimator.estimate(graph, ks)
+        program, combine=backends.GPU.xla_buckets, kernel_time_us=lambda ks: estimator.estimate(program.graph, ks)
     )
-    compiled = baselines.compile_baselines(Programs(lowered, graph), candidates)
+    compiled = baselines.compile_baselines(Programs(lowered, program), candidates)
     return {
         "model": model,
         "config": config,
         "target": cluster.target,
-        "gradients": len(graph.gradients),
+        "gradients": len(program.graph.gradients),
         "capture_s": capture_s,
         "baselines": {
             name: {**p.to_json(), "buckets": len(b.strategy.buckets)}

@@ -4,7 +4,7 @@ same step for the same device kind (issue 15; docs/gpu-hook-stages.md records a 
 For each zoo model, the data-parallel Adam step is lowered from shapes (`zoo.lower_abstract`) twice:
 over the real GPU (`zoo.data_mesh(1)`) and over one compile-only GPU of the shipped target whose
 device kind matches (`disco_jax.targets`, in a child process with `JAX_PLATFORMS=cpu`). Each is
-compiled once through disco-jax's hook with the GPU backend's options (`_compile.capture_graph`),
+compiled once through disco-jax's hook with the GPU backend's options (`_compile.capture_program`),
 and per stage the script records: entry instructions, opcode counts, fusions by kind, custom-call
 targets, `is_scheduled`, the graph IR's summary, and the compiled module's `compiled_stats`. It
 prints a table of both sides and every field that differs.
@@ -76,7 +76,9 @@ def side(kind: str, models: list[str], config: str) -> dict:
         options = dict(backend.decisions_options)
         texts, compiled = _capture.capture_stages(lowered, STAGES, options, platform=backend.platform)
         compile_s = time.perf_counter() - started
-        graph = backend.read_decisions(build_graph(texts[backend.hook_stage], backend), texts[backend.decisions_stage])
+        graph = backend.read_decisions(
+            build_graph(texts[backend.hook_stage], backend.fusible), texts[backend.decisions_stage]
+        )
         out["models"][name] = {
             "compile_s": round(compile_s, 2),
             "stages": {s: stage_summary(texts[s]) for s in STAGES},

@@ -39,7 +39,7 @@ import numpy as np
 import optax
 
 from disco_jax import _device_timing, backends, cost, zoo
-from disco_jax._compile import capture_graph
+from disco_jax._compile import capture_program
 from disco_jax._profile_db import device_kind_key
 from disco_jax._profile_phase import kernels_by_name
 from disco_jax.eval import clusters, gpus
@@ -77,7 +77,8 @@ def model_row(name: str, config: str, estimators: dict) -> dict:
     batch = spec.default_global_batch // PAPER_DEVICES if config == "paper" else spec.default_global_batch
     step, state, data = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(1), global_batch_size=batch)
     started = time.perf_counter()
-    graph, compiled = capture_graph(step.lower(state, data), backends.for_platform(jax.default_backend()))
+    program, compiled = capture_program(step.lower(state, data), backends.for_platform(jax.default_backend()))
+    graph = program.graph
     capture_s = time.perf_counter() - started
     times = _device_timing.measure_kernel_times(compiled, (state, data), steps=5)
     wall = []

@@ -213,7 +213,7 @@ def run_launch(out: Output, lengths: list[int], sizes: list[int]) -> None:
 # steps: XLA's default step and disco-jax's plan on this one GPU
 
 
-def search_plan(lowered, graph, devices: int, budget_s: float):
+def search_plan(lowered, program, devices: int, budget_s: float):
     """disco-jax's plan for the captured step: the graph simulator with the cluster's costs, the
     backtracking search from XLA's plan and the start candidates (as `offline.plan_for_target`)."""
     from disco_jax import _search, _strategy
@@ -224,12 +224,13 @@ def search_plan(lowered, graph, devices: int, budget_s: float):
     estimator, allreduce = ChainEstimator([cluster.kernel_estimator()]), cluster.allreduce_model()
 
     def cost(s):
-        result = simulate(graph, s, estimator, allreduce)
+        result = simulate(program, s, estimator, allreduce)
         return None if result is None else result.iteration_us
 
+    graph = program.graph
     default = _strategy.xla_default(graph)
     config = _search.SearchConfig(budget_s=budget_s)
-    result = _search.backtracking_search(graph, cost, config, starts=[default, *_strategy.start_candidates(graph)])
+    result = _search.backtracking_search(program, cost, config, starts=[default, *_strategy.start_candidates(graph)])
     return result.best, {"default_sim_us": cost(default), "plan_sim_us": result.best_cost, **result.stats()}
 
 
@@ -239,7 +240,7 @@ def step_programs(name: str, config: str, devices, budget_s: float, sharded: boo
     from jax.sharding import Mesh
 
     from disco_jax import backends, zoo
-    from disco_jax._compile import capture_graph, compile_strategy
+    from disco_jax._compile import capture_program, compile_strategy
     from disco_jax.eval.rows import PAPER_DEVICES
 
     spec = zoo.get_model(name, config)
@@ -253,9 +254,9 @@ def step_programs(name: str, config: str, devices, budget_s: float, sharded: boo
     host = host_values(leaves)
     lowered = step.lower(*args_abstract)
     t0 = time.perf_counter()
-    graph = None
-    if budget_s > 0:  # the graph is what the search reads
-        graph, _ = capture_graph(lowered, backends.for_platform(jax.default_backend()))
+    program = None
+    if budget_s > 0:  # the program's graph is what the search reads
+        program, _ = capture_program(lowered, backends.for_platform(jax.default_backend()))
     capture_s = time.perf_counter() - t0
     rows = []
     t0 = time.perf_counter()
@@ -266,9 +267,9 @@ def step_programs(name: str, config: str, devices, budget_s: float, sharded: boo
     print(f"{name}: default recorded, capture {capture_s:.1f} s", flush=True)
     if budget_s > 0:
         try:
-            best, search = search_plan(lowered, graph, n, budget_s)
+            best, search = search_plan(lowered, program, n, budget_s)
             t0 = time.perf_counter()
-            compiled, status = compile_strategy(lowered, graph, best)
+            compiled, status = compile_strategy(lowered, program, best)
             extra = {"status": status, "search": search, "compile_s": time.perf_counter() - t0, **info}
             rows.append(record("plan", compiled, args, meta=extra))
         except Exception as err:  # noqa: BLE001

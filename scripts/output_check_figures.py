@@ -58,7 +58,7 @@ def figures(model: str, optimizer: str) -> dict:
     captured = _compile.capture(step.lower(*args), backends.CPU, args, {})
     captured.exact = Float64Run(step, args, {})
     check = captured.output_check
-    compiled, _ = _compile.compile_strategy(captured.lowered, captured.graph, _strategy.unfused(captured.graph))
+    compiled, _ = _compile.compile_strategy(captured.lowered, captured.program, _strategy.unfused(captured.graph))
     plan = compiled(*args)
     new = check.compare(plan)
     old = _validate.compare_outputs(check.default(), plan, bitwise=False, floor=None)

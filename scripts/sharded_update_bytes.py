@@ -20,7 +20,7 @@ import argparse  # noqa: E402
 import optax  # noqa: E402
 
 from disco_jax import backends, zoo  # noqa: E402
-from disco_jax._compile import capture_graph  # noqa: E402
+from disco_jax._compile import capture_program  # noqa: E402
 from disco_jax.cost.allreduce import communication_bytes  # noqa: E402
 from disco_jax.sharding import update  # noqa: E402
 
@@ -36,14 +36,14 @@ def main() -> None:
     mesh = zoo.data_mesh(DEVICES)
     step_args = zoo.abstract_state_and_batch(spec, optimizer, mesh)
     step = zoo.build_train_step(spec, optimizer, mesh, "jit")
-    replicated, compiled = capture_graph(step.lower(*step_args), backends.CPU)
+    replicated, compiled = capture_program(step.lower(*step_args), backends.CPU)
     lowered, _, reason = update.relower_positional(step, step_args, compiled)
     if lowered is None:
         raise SystemExit(f"{args.model}: no optimizer state to shard ({reason})")
-    sharded, _ = capture_graph(lowered, backends.CPU)
+    sharded, _ = capture_program(lowered, backends.CPU)
     print(f"{args.model} {args.config}, MB sent per device per step ({DEVICES} devices, ring):")
-    for label, graph in (("replicated", replicated), ("sharded", sharded)):
-        sent = {k: f"{v / 1e6:,.1f}" for k, v in communication_bytes(graph, DEVICES).items() if v}
+    for label, program in (("replicated", replicated), ("sharded", sharded)):
+        sent = {k: f"{v / 1e6:,.1f}" for k, v in communication_bytes(program, DEVICES).items() if v}
         print(f"  {label:10s} {sent}")
 
 

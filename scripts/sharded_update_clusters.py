@@ -28,7 +28,7 @@ import jax
 import optax
 
 from disco_jax import ChainEstimator, backends, simulate, targets, zoo
-from disco_jax._compile import capture_graph
+from disco_jax._compile import capture_program
 from disco_jax._strategy import xla_default
 from disco_jax.cost.allreduce import communication_bytes
 from disco_jax.eval import clusters
@@ -47,15 +47,15 @@ def programs(name: str) -> dict:
     args = zoo.abstract_state_and_batch(spec, optimizer, mesh)
     step = zoo.build_train_step(spec, optimizer, mesh, "jit")
     started = time.perf_counter()
-    replicated, compiled = capture_graph(step.lower(*args), backends.GPU)
+    replicated, compiled = capture_program(step.lower(*args), backends.GPU)
     lowered, layout, reason = update.relower_positional(step, args, compiled)
     if lowered is None:
         raise RuntimeError(f"{name}: no optimizer state to shard ({reason})")
-    sharded, sharded_compiled = capture_graph(lowered, backends.GPU)
+    sharded, sharded_compiled = capture_program(lowered, backends.GPU)
     avals = dict(enumerate(jax.tree.leaves(args)))
     state = layout.state_bytes(avals) * layout.num_shards
     return {
-        "graphs": {"replicated": replicated, "sharded": sharded},
+        "programs": {"replicated": replicated, "sharded": sharded},
         "state_bytes": {"replicated": state, "sharded": layout.state_bytes(avals)},
         "collectives": {
             "replicated": update.collectives(compiled.as_text()),
@@ -69,17 +69,17 @@ def programs(name: str) -> dict:
 
 def row(name: str) -> dict:
     captured = programs(name)
-    out = {k: v for k, v in captured.items() if k != "graphs"}
+    out = {k: v for k, v in captured.items() if k != "programs"}
     out["comm_bytes_per_device"] = {
-        mode: communication_bytes(graph, PAPER_DEVICES)["total"] for mode, graph in captured["graphs"].items()
+        mode: communication_bytes(program, PAPER_DEVICES)["total"] for mode, program in captured["programs"].items()
     }
     out["simulated_us"] = {}
     for platform in PLATFORMS:
         cluster = clusters.get_cluster(platform)
         estimator, allreduce = ChainEstimator([cluster.kernel_estimator()]), cluster.allreduce_model()
         times = {}
-        for mode, graph in captured["graphs"].items():
-            sim = simulate(graph, xla_default(graph), estimator, allreduce)
+        for mode, program in captured["programs"].items():
+            sim = simulate(program, xla_default(program.graph), estimator, allreduce)
             times[mode] = None if sim is None else sim.iteration_us
         out["simulated_us"][platform] = times
     return out

@@ -5,7 +5,7 @@ three ways: replicated (XLA's data-parallel step), every group's optimizer state
 `Layout.all_leaves(parameters=False)`) and every group's parameters and state sharded (ZeRO-3,
 `Layout.all_leaves()`), and the footprint of each executable is printed (argument + output + temp -
 alias bytes per device, `sharding.choice.footprint`), with its collectives. `--target cpu`: 8
-virtual CPU devices (the hook's rules applied as in the decorator, `_compile.capture_graph`; the
+virtual CPU devices (the hook's rules applied as in the decorator, `_compile.capture_program`; the
 first step's outputs compared with the replicated step's); `--target h100`: a deviceless XLA:GPU
 compile for 8 H100s (`disco_jax.targets.mesh`). Leaves kept replicated (no dimension divisible by
 8) are counted.
@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from disco_jax import backends, targets, zoo  # noqa: E402
-from disco_jax._compile import capture_graph  # noqa: E402
+from disco_jax._compile import capture_program  # noqa: E402
 from disco_jax.sharding import choice, update  # noqa: E402
 
 CHOICES = {"replicated": None, "state": False, "params+state": True}
@@ -42,7 +42,7 @@ def programs(name: str, config: str, on_host: bool) -> dict:
         mesh = targets.mesh("h100-sxm", 8)
         args, backend = zoo.abstract_state_and_batch(spec, opt, mesh), backends.GPU
         step = zoo.build_train_step(spec, opt, mesh, "jit")
-    _, default = capture_graph(step.lower(*args), backend)
+    _, default = capture_program(step.lower(*args), backend)
     out = {"replicated": (default, args, None)}
     for label, parameters in list(CHOICES.items())[1:]:
         lowered, layout, reason = update.relower_positional(
@@ -51,7 +51,7 @@ def programs(name: str, config: str, on_host: bool) -> dict:
         if lowered is None:
             out[label] = (None, None, reason)
             continue
-        _, compiled = capture_graph(lowered, backend)
+        _, compiled = capture_program(lowered, backend)
         out[label] = (compiled, layout.reshard(args, {})[0], layout)
     return {"step": step, "args": args, "programs": out}
 

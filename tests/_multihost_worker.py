@@ -71,7 +71,7 @@ def per_gradient(graph):
 
 
 def store_plan(step, args, plan_dir: str, use_default: bool) -> None:
-    graph = _graph.build_graph(_capture.capture(step.lower(*args))[0], backends.CPU)
+    graph = _graph.build_graph(_capture.capture(step.lower(*args))[0], backends.CPU.fusible)
     machine = _plan.MachineKey.current(_compile.step_devices(args, {}))
     strategy = None if use_default else per_gradient(graph).to_json(graph)
     _plan.save_plan(

@@ -66,7 +66,7 @@ def store_per_gradient_plan(step, args, plan_dir):
     Returns (plan, number of gradients)."""
     from disco_jax import _capture, _compile, _graph, _plan, _strategy, backends
 
-    graph = _graph.build_graph(_capture.capture(step.lower(*args))[0], backends.CPU)
+    graph = _graph.build_graph(_capture.capture(step.lower(*args))[0], backends.CPU.fusible)
     s = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "test")
     machine = _plan.MachineKey.current(_compile.step_devices(args, {}))
     plan = _plan.Plan(graph.fingerprint, graph.module.name, machine, False, s.to_json(graph), "made by a test")

@@ -62,7 +62,7 @@ def _isolated_caches(tmp_path, monkeypatch):
 @pytest.fixture(scope="session")
 def xla_gpu_zoo():
     """`get(model)`: a tiny zoo model's Adam step compiled deviceless for 8 H100s and captured
-    (`_compile.capture_graph`: XLA's program as the rows' JAX_default), as (lowered, graph,
+    (`_compile.capture_program`: XLA's program as the rows' JAX_default), as (lowered, program,
     compiled module text); each model compiled once per session, for every test module that reads it."""
     import optax
 
@@ -74,8 +74,8 @@ def xla_gpu_zoo():
         if model not in cache:
             spec = zoo.get_model(model, "tiny")
             lowered = zoo.lower_abstract(spec, optax.adam(1e-3), targets.mesh("h100-sxm", 8), "jit")
-            graph, compiled = _compile.capture_graph(lowered, backends.GPU)
-            cache[model] = (lowered, graph, compiled.as_text())
+            program, compiled = _compile.capture_program(lowered, backends.GPU)
+            cache[model] = (lowered, program, compiled.as_text())
         return cache[model]
 
     return get

@@ -17,13 +17,13 @@ from disco_jax.eval import baselines
 @pytest.fixture(scope="module")
 def captured():
     lowered = zoo.lower_abstract(zoo.get_model("mlp", "tiny"), optax.sgd(0.1), targets.mesh("h100-sxm", 8))
-    graph, compiled = _compile.capture_graph(lowered, backends.GPU)
-    return lowered, graph, compiled.as_text()
+    program, compiled = _compile.capture_program(lowered, backends.GPU)
+    return lowered, program, compiled.as_text()
 
 
 def _compile_plan(captured, strategy, options=None):
-    lowered, graph, _ = captured
-    compiled, status = _compile.compile_strategy(lowered, graph, strategy, options)
+    lowered, program, _ = captured
+    compiled, status = _compile.compile_strategy(lowered, program, strategy, options)
     assert status == "rewritten"
     return compiled.as_text()
 
@@ -61,7 +61,8 @@ def test_targets_h100_and_a100_give_compile_only_devices():
 
 
 def test_capture_is_before_combining_and_reads_xla_gpu_decisions(captured):
-    _, graph, default_text = captured
+    _, program, default_text = captured
+    graph = program.graph
     # PRE_SCHEDULER: unfused, one all-reduce per gradient.
     entry = graph.module.entry.instructions
     assert not any(i.opcode == "fusion" for i in entry)
@@ -82,19 +83,22 @@ def test_capture_is_before_combining_and_reads_xla_gpu_decisions(captured):
 
 
 def test_scheduled_kernels_refuse_an_unscheduled_module(captured):
-    _, graph, _ = captured
+    _, program, _ = captured
+    graph = program.graph
     with pytest.raises(ValueError, match="not a scheduled module"):
         gpu_schedule.scheduled_kernels(graph, graph.module.to_text())
 
 
 def test_xla_default_plan_compiles_to_xla_gpu_program(captured):
-    _, graph, default_text = captured
+    _, program, default_text = captured
+    graph = program.graph
     text = _compile_plan(captured, _strategy.xla_default(graph))
     assert _compile.compiled_stats(text) == _compile.compiled_stats(default_text)
 
 
 def test_every_bucket_is_one_all_reduce_with_its_gradients(captured):
-    _, graph, _ = captured
+    _, program, _ = captured
+    graph = program.graph
     order = sorted(g.id for g in graph.gradients)
     buckets = [tuple(order[:2]), tuple(order[2:5]), (order[5],), tuple(order[6:])]
     text = _compile_plan(captured, _strategy.with_buckets(_strategy.xla_default(graph), buckets, "four"))
@@ -103,14 +107,16 @@ def test_every_bucket_is_one_all_reduce_with_its_gradients(captured):
 
 
 def test_per_gradient_buckets_survive_the_combiner(captured):
-    _, graph, _ = captured
+    _, program, _ = captured
+    graph = program.graph
     buckets = [(g.id,) for g in graph.gradients]
     text = _compile_plan(captured, _strategy.with_buckets(_strategy.xla_default(graph), buckets, "each"))
     assert _reduced_elements(text) == sorted(_gradient_elements(graph, b) for b in buckets)
 
 
 def test_unfused_plan_leaves_no_multi_op_loop_fusion(captured):
-    _, graph, default_text = captured
+    _, program, default_text = captured
+    graph = program.graph
     assert _compile.compiled_stats(default_text)["multi_op_loop_fusions"] > 0
     text = _compile_plan(captured, _strategy.unfused(graph))
     stats = _compile.compiled_stats(text)
@@ -119,7 +125,8 @@ def test_unfused_plan_leaves_no_multi_op_loop_fusion(captured):
 
 
 def test_splitting_one_xla_fusion_cuts_exactly_there(captured):
-    _, graph, default_text = captured
+    _, program, default_text = captured
+    graph = program.graph
     xla = _strategy.xla_default(graph)
     # The optimizer update of one weight: XLA fuses multiply and add into one loop fusion.
     gi = next(
@@ -133,10 +140,10 @@ def test_splitting_one_xla_fusion_cuts_exactly_there(captured):
     homes = list(xla.homes)
     homes[add] = len(groups) - 1
     split = dataclasses.replace(xla, groups=tuple(groups), homes=tuple(homes), origin="split-one")
-    rewritten = backends.GPU.rewriter.rewrite(graph, split)
+    rewritten = backends.GPU.rewriter.rewrite(program, split)
     multiply = next(o for o in rest if graph.ops[o].opcode == "multiply")
     # One cut more than XLA's own plan needs (which cuts the edges XLA left unfused), on that edge.
-    xla_cuts = backends.GPU.rewriter.rewrite(graph, xla).count("opt-barrier(")
+    xla_cuts = backends.GPU.rewriter.rewrite(program, xla).count("opt-barrier(")
     assert rewritten.count("opt-barrier(") == xla_cuts + 1
     assert f"%{graph.ops[multiply].name}.disco_cut_barrier" in rewritten
     before = _compile.compiled_stats(default_text)
@@ -146,11 +153,11 @@ def test_splitting_one_xla_fusion_cuts_exactly_there(captured):
     assert after["multi_op_loop_fusions"] == before["multi_op_loop_fusions"]
 
 
-def _fuse_randomly(graph, moves=300):
+def _fuse_randomly(program, moves=300):
     """The plan the search's fuse moves reach from the unfused one, and every multi-op group they formed."""
-    rng, s, formed = random.Random(0), _strategy.unfused(graph), set()
+    rng, s, formed = random.Random(0), _strategy.unfused(program.graph), set()
     for _ in range(moves):
-        s = _strategy.MOVES["fuse"](graph, s, rng) or s
+        s = _strategy.MOVES["fuse"](program, s, rng) or s
         formed |= {g for g in s.groups if len(g) > 1}
     return s, formed
 
@@ -160,26 +167,29 @@ def test_fuse_moves_only_form_groups_inside_xla_gpu_fusions(captured):
     fusions would be costed fused and compile apart: the fuse moves never make one, and the plan
     they reach compiles with each of its groups inside one fusion of the compiled module. A backend
     that emits its fusions (XLA:CPU's way) makes groups outside from the same graph and moves."""
-    lowered, graph, _ = captured
+    lowered, program, _ = captured
+    graph = program.graph
     inside = lambda g, groups: any(g <= x for x in groups)  # noqa: E731
-    plan, formed = _fuse_randomly(graph)
+    plan, formed = _fuse_randomly(program)
     assert formed and all(inside(g, graph.xla_groups) for g in formed)
     compiled = backends.GPU.read_decisions(graph, _compile_plan(captured, plan))
     assert all(inside(g, compiled.xla_groups) for g in plan.groups if len(g) > 1)
-    emitting = dataclasses.replace(graph, backend=dataclasses.replace(backends.GPU, emits_fusions=True))
+    emitting = dataclasses.replace(program, backend=dataclasses.replace(backends.GPU, emits_fusions=True))
     assert not all(inside(g, graph.xla_groups) for g in _fuse_randomly(emitting)[1])
 
 
 def test_rewriter_rejects_an_invalid_strategy(captured):
-    _, graph, _ = captured
+    _, program, _ = captured
+    graph = program.graph
     xla = _strategy.xla_default(graph)
     bad = dataclasses.replace(xla, buckets=xla.buckets[:0])
     with pytest.raises(ValueError, match="not valid"):
-        backends.GPU.rewriter.rewrite(graph, bad)
+        backends.GPU.rewriter.rewrite(program, bad)
 
 
 def test_latency_hiding_scheduler_keeps_the_plans_all_reduces_async(captured):
-    _, graph, _ = captured
+    _, program, _ = captured
+    graph = program.graph
     plan = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "each")
     on = _compile_plan(captured, plan, gpu.collective_options(latency_hiding_scheduler=True))
     off = _compile_plan(captured, plan, gpu.collective_options(latency_hiding_scheduler=False))
@@ -189,7 +199,8 @@ def test_latency_hiding_scheduler_keeps_the_plans_all_reduces_async(captured):
 
 
 def test_combine_threshold_sets_xla_gpu_own_combining(captured):
-    lowered, graph, _ = captured
+    lowered, program, _ = captured
+    graph = program.graph
     split = lowered.compile(compiler_options=gpu.collective_options(combine_threshold_bytes=20_000)).as_text()
     assert 1 < _compile.compiled_stats(split)["all-reduce"] < len(graph.gradients)
     with pytest.raises(ValueError, match="non-negative int"):
@@ -200,8 +211,8 @@ def test_adam_step_on_a100_xla_plan_reproduces_xla_program():
     """Adam's update has ops whose names XLA:GPU rewrites beyond recognition: edges at them are
     left to XLA, so XLA's own plan still compiles to XLA's program (on the A100 target)."""
     lowered = zoo.lower_abstract(zoo.get_model("mlp", "tiny"), optax.adam(1e-3), targets.mesh("a100-sxm", 4))
-    graph, compiled = _compile.capture_graph(lowered, backends.GPU)
-    plan, status = _compile.compile_strategy(lowered, graph, _strategy.xla_default(graph))
+    program, compiled = _compile.capture_program(lowered, backends.GPU)
+    plan, status = _compile.compile_strategy(lowered, program, _strategy.xla_default(program.graph))
     assert status == "rewritten"
     assert _compile.compiled_stats(plan.as_text()) == _compile.compiled_stats(compiled.as_text())
 
@@ -217,16 +228,18 @@ def zoo_captured(request, xla_gpu_zoo):
 def test_xla_buckets_cover_every_gradient_once_as_xla_compiled(zoo_captured):
     """XLA's combined all-reduces read back onto the graph: every gradient in exactly one bucket,
     as many buckets as XLA compiled all-reduces (slices of merged dots, a reassociated scatter)."""
-    _, graph, default_text = zoo_captured
+    _, program, default_text = zoo_captured
+    graph = program.graph
     assert sorted(g for b in graph.xla_buckets for g in b) == list(range(len(graph.gradients)))
     assert len(graph.xla_buckets) == _compile.compiled_stats(default_text)["all-reduce"]
 
 
 def test_xla_plan_as_read_is_valid_and_compiles_to_xla_program(zoo_captured):
-    _, graph, default_text = zoo_captured
+    _, program, default_text = zoo_captured
+    graph = program.graph
     xla = _strategy.xla_default(graph)
-    assert _strategy.is_valid(graph, xla)
-    assert backends.GPU.rewriter.rewrite(graph, xla).count("opt-barrier(") == 0  # nothing to impose
+    assert _strategy.is_valid(program, xla)
+    assert backends.GPU.rewriter.rewrite(program, xla).count("opt-barrier(") == 0  # nothing to impose
     before = _compile.compiled_stats(default_text)
     after = _compile.compiled_stats(_compile_plan(zoo_captured, xla))
     assert after["all-reduce"] == before["all-reduce"]
@@ -239,7 +252,8 @@ def test_per_gradient_buckets_survive_reassociation(xla_gpu_zoo):
     Run on the RNNLM alone, the model whose reassociation is known (each deviceless compile of a
     zoo model costs about 50 CPU seconds)."""
     rnnlm = xla_gpu_zoo("rnnlm")
-    _, graph, _ = rnnlm
+    _, program, _ = rnnlm
+    graph = program.graph
     each = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "each")
     text = _compile_plan(rnnlm, each)
     assert _compile.compiled_stats(text)["all-reduce"] == len(graph.gradients)
@@ -252,15 +266,15 @@ def test_per_gradient_buckets_survive_reassociation(xla_gpu_zoo):
 def baseline_programs(captured):
     """Every baseline of the tiny MLP step compiled as XLA:GPU enacts it (one compile each), DDP
     and Horovod with bucket limits small enough to give its 0.25-16 KiB gradients several buckets."""
-    lowered, graph, _ = captured
+    lowered, program, _ = captured
     candidates = baselines.all_baselines(
-        graph,
+        program,
         combine=backends.GPU.xla_buckets,
         bucket_cap_bytes=20_000,
         first_bucket_bytes=8_000,
         threshold_bytes=20_000,
     )
-    programs = _compile.Programs(lowered, graph)
+    programs = _compile.Programs(lowered, program)
     return {b.name: b for b in candidates}, baselines.compile_baselines(programs, candidates), programs
 
 
@@ -285,7 +299,8 @@ def test_every_baseline_is_enacted_by_xla_gpu_options_or_the_rewriter(baseline_p
 
 
 def test_gpu_no_fusion_emits_every_op_alone_with_one_all_reduce_per_gradient(captured, baseline_programs):
-    _, graph, _ = captured
+    _, program, _ = captured
+    graph = program.graph
     _, compiled, _ = baseline_programs
     stats = {name: p.stats for name, p in compiled.items()}
     n = len(graph.gradients)
@@ -300,7 +315,8 @@ def test_gpu_no_fusion_emits_every_op_alone_with_one_all_reduce_per_gradient(cap
 
 
 def test_gpu_op_fusion_keeps_xla_fusions_with_one_all_reduce_per_gradient(captured, baseline_programs):
-    _, graph, _ = captured
+    _, program, _ = captured
+    graph = program.graph
     _, compiled, _ = baseline_programs
     op_fusion, default = compiled["JAX_op_fusion"].stats, compiled["JAX_default"].stats
     assert op_fusion["multi_op_loop_fusions"] == default["multi_op_loop_fusions"] > 0
@@ -310,7 +326,8 @@ def test_gpu_op_fusion_keeps_xla_fusions_with_one_all_reduce_per_gradient(captur
 
 
 def test_gpu_default_is_xla_gpu_untouched(captured, baseline_programs):
-    lowered, graph, _ = captured
+    lowered, program, _ = captured
+    graph = program.graph
     _, compiled, _ = baseline_programs
     program = compiled["JAX_default"]
     assert program.compiler_options == {}
@@ -320,7 +337,8 @@ def test_gpu_default_is_xla_gpu_untouched(captured, baseline_programs):
 
 @pytest.mark.parametrize("name", ["PyTorch_DDP", "Horovod"])
 def test_gpu_framework_buckets_are_the_all_reduces_compiled(captured, baseline_programs, name):
-    _, graph, _ = captured
+    _, program, _ = captured
+    graph = program.graph
     candidates, compiled, _ = baseline_programs
     buckets = candidates[name].strategy.buckets
     stats = compiled[name].stats
@@ -331,7 +349,8 @@ def test_gpu_framework_buckets_are_the_all_reduces_compiled(captured, baseline_p
 
 
 def test_a_strategy_that_cannot_be_enacted_says_why_and_compiles_nothing(captured, baseline_programs):
-    _, graph, _ = captured
+    _, program, _ = captured
+    graph = program.graph
     *_, programs = baseline_programs
     xla = _strategy.xla_default(graph)
     program = programs.compile("broken", dataclasses.replace(xla, buckets=xla.buckets[:0]), None)

@@ -13,7 +13,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gnn_estimator
-from disco_jax import AnalyticalEstimator, _capture, _compile, _graph, _hlo, _strategy, _validate, backends, cost, zoo
+from disco_jax import (
+    AnalyticalEstimator,
+    _capture,
+    _compile,
+    _graph,
+    _hlo,
+    _program,
+    _strategy,
+    _validate,
+    backends,
+    cost,
+    zoo,
+)
 from disco_jax.eval import baselines, clusters, gpus
 
 KiB = 1 << 10
@@ -26,8 +38,8 @@ def mlp():
     step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(8), "jit")
     lowered = step.lower(state, batch)
     text, default = _capture.capture(lowered)
-    graph = _graph.build_graph(text, backends.CPU)
-    return lowered, graph, default, (state, batch), default(state, batch)
+    program = _program.build_program(text, backends.CPU)
+    return lowered, program, default, (state, batch), default(state, batch)
 
 
 def _entry_allreduces(text: str) -> list[_hlo.Instruction]:
@@ -51,9 +63,9 @@ def _loop_fusion_sizes(text: str) -> list[int]:
     return sizes
 
 
-def _compiled(lowered, graph, default, baseline):
+def _compiled(lowered, program, default, baseline):
     if baseline.compiler_options is None:
-        compiled, status = _compile.compile_strategy(lowered, graph, baseline.strategy)
+        compiled, status = _compile.compile_strategy(lowered, program, baseline.strategy)
         assert status in ("rewritten", "cached")
         return compiled
     if not baseline.compiler_options:
@@ -65,9 +77,10 @@ def _compiled(lowered, graph, default, baseline):
 
 
 def test_jax_no_fusion_has_no_op_fusion_and_one_allreduce_per_gradient(mlp):
-    lowered, graph, default, args, reference = mlp
-    b = baselines.jax_no_fusion(graph)
-    text = _compiled(lowered, graph, default, b).as_text()
+    lowered, program, default, args, reference = mlp
+    graph = program.graph
+    b = baselines.jax_no_fusion(program)
+    text = _compiled(lowered, program, default, b).as_text()
     sizes = _loop_fusion_sizes(text)
     assert sizes and max(sizes) == 1, "a loop fusion holds more than one instruction"
     assert max(_loop_fusion_sizes(default.as_text())) > 1  # the default does fuse
@@ -79,9 +92,10 @@ def test_jax_no_fusion_has_no_op_fusion_and_one_allreduce_per_gradient(mlp):
 
 
 def test_jax_op_fusion_fuses_ops_but_does_not_combine_allreduces(mlp):
-    lowered, graph, default, args, reference = mlp
-    b = baselines.jax_op_fusion(graph)
-    text = _compiled(lowered, graph, default, b).as_text()
+    lowered, program, default, args, reference = mlp
+    graph = program.graph
+    b = baselines.jax_op_fusion(program)
+    text = _compiled(lowered, program, default, b).as_text()
     assert max(_loop_fusion_sizes(text)) > 1
     assert sorted(_loop_fusion_sizes(text)) == sorted(_loop_fusion_sizes(default.as_text()))
     allreduces = _entry_allreduces(text)
@@ -91,9 +105,10 @@ def test_jax_op_fusion_fuses_ops_but_does_not_combine_allreduces(mlp):
 
 
 def test_jax_allreduce_fusion_combines_allreduces_but_does_not_fuse_ops(mlp):
-    lowered, graph, default, args, reference = mlp
-    b = baselines.jax_allreduce_fusion(graph)
-    text = _compiled(lowered, graph, default, b).as_text()
+    lowered, program, default, args, reference = mlp
+    graph = program.graph
+    b = baselines.jax_allreduce_fusion(program)
+    text = _compiled(lowered, program, default, b).as_text()
     assert max(_loop_fusion_sizes(text)) == 1
     allreduces = _entry_allreduces(text)
     assert len(allreduces) == len(graph.xla_buckets) < len(graph.gradients)
@@ -102,8 +117,9 @@ def test_jax_allreduce_fusion_combines_allreduces_but_does_not_fuse_ops(mlp):
 
 
 def test_jax_default_is_xla_unchanged(mlp):
-    lowered, graph, default, args, reference = mlp
-    b = baselines.jax_default(graph)
+    lowered, program, default, args, reference = mlp
+    graph = program.graph
+    b = baselines.jax_default(program)
     assert b.compiler_options == {}
     assert b.strategy.buckets == tuple(backends.CPU.xla_buckets(graph))
     text = default.as_text()
@@ -112,19 +128,24 @@ def test_jax_default_is_xla_unchanged(mlp):
 
 
 def test_compile_option_baselines_compute_the_same_step(mlp):
-    lowered, graph, default, args, reference = mlp
+    lowered, program, default, args, reference = mlp
     floor = _validate.sensitivity(reference, default(*_validate.nudge(args)))
-    for b in (baselines.jax_no_fusion(graph), baselines.jax_op_fusion(graph), baselines.jax_allreduce_fusion(graph)):
-        out = _compiled(lowered, graph, default, b)(*args)
+    for b in (
+        baselines.jax_no_fusion(program),
+        baselines.jax_op_fusion(program),
+        baselines.jax_allreduce_fusion(program),
+    ):
+        out = _compiled(lowered, program, default, b)(*args)
         bitwise = b.name == "JAX_op_fusion"  # same fusions: only the all-reduces are regrouped
         assert _validate.compare_outputs(reference, out, bitwise=bitwise, floor=floor).within_tolerance, b.name
 
 
 def test_compiled_hlo_stats_counts_what_the_names_say(mlp):
-    lowered, graph, default, args, reference = mlp
+    lowered, program, default, args, reference = mlp
+    graph = program.graph
     stats = {
-        b.name: _compile.compiled_stats(_compiled(lowered, graph, default, b).as_text())
-        for b in (baselines.jax_no_fusion(graph), baselines.jax_allreduce_fusion(graph))
+        b.name: _compile.compiled_stats(_compiled(lowered, program, default, b).as_text())
+        for b in (baselines.jax_no_fusion(program), baselines.jax_allreduce_fusion(program))
     }
     assert stats["JAX_no_fusion"]["multi_op_loop_fusions"] == 0
     assert stats["JAX_no_fusion"]["all-reduce"] == len(graph.gradients)
@@ -151,16 +172,17 @@ def _expected_ddp(sizes, first, cap):
 
 
 def test_ddp_buckets_follow_ready_order_with_a_small_first_bucket(mlp):
-    lowered, graph, default, args, reference = mlp
+    lowered, program, default, args, reference = mlp
+    graph = program.graph
     order, sizes = _ready_order_bytes(graph)
     first, cap = 12 * KiB, 24 * KiB  # scaled down from 1 MiB / 25 MiB so the tiny MLP splits
-    b = baselines.pytorch_ddp(graph, bucket_cap_bytes=cap, first_bucket_bytes=first)
+    b = baselines.pytorch_ddp(program, bucket_cap_bytes=cap, first_bucket_bytes=first)
     expected = [tuple(order[i] for i in bucket) for bucket in _expected_ddp(sizes, first, cap)]
     assert list(b.strategy.buckets) == expected
     assert len(expected) >= 3
     assert sum(graph.gradients[g].nbytes for g in expected[0]) >= first
     # Enacted by rewrite: the compiled step has exactly these all-reduces, and equal outputs.
-    compiled = _compiled(lowered, graph, default, b)
+    compiled = _compiled(lowered, program, default, b)
     allreduces = _entry_allreduces(compiled.as_text())
     assert sorted(sorted(t.bytes for t in i.outputs) for i in allreduces) == sorted(
         sorted(graph.gradients[g].nbytes for g in bk) for bk in expected
@@ -169,9 +191,10 @@ def test_ddp_buckets_follow_ready_order_with_a_small_first_bucket(mlp):
 
 
 def test_horovod_buckets_never_exceed_the_threshold(mlp):
-    lowered, graph, default, args, reference = mlp
+    lowered, program, default, args, reference = mlp
+    graph = program.graph
     threshold = 20 * KiB
-    b = baselines.horovod(graph, threshold_bytes=threshold)
+    b = baselines.horovod(program, threshold_bytes=threshold)
     sizes = [sum(graph.gradients[g].nbytes for g in bk) for bk in b.strategy.buckets]
     assert len(sizes) > 1
     assert all(s <= threshold or len(bk) == 1 for s, bk in zip(sizes, b.strategy.buckets))
@@ -179,13 +202,14 @@ def test_horovod_buckets_never_exceed_the_threshold(mlp):
     # Consecutive in production order: each bucket is a run of the ready order.
     order = baselines.gradient_ready_order(graph)
     assert [g for bk in b.strategy.buckets for g in bk] == order
-    compiled = _compiled(lowered, graph, default, b)
+    compiled = _compiled(lowered, program, default, b)
     assert len(_entry_allreduces(compiled.as_text())) == len(b.strategy.buckets)
     assert _validate.compare_outputs(reference, compiled(*args), bitwise=True).bitwise_equal
 
 
 def test_horovod_cycles_split_fusion_by_ready_time(mlp):
-    lowered, graph, default, args, reference = mlp
+    lowered, program, default, args, reference = mlp
+    graph = program.graph
     order = baselines.gradient_ready_order(graph)
     ready = [0.0] * len(graph.gradients)
     for rank, g in enumerate(order):
@@ -199,10 +223,11 @@ def test_horovod_cycles_split_fusion_by_ready_time(mlp):
 
 
 def test_gradient_ready_times_follow_the_backward_pass(mlp):
-    lowered, graph, default, args, reference = mlp
+    lowered, program, default, args, reference = mlp
+    graph = program.graph
     estimator = AnalyticalEstimator()
     s = _strategy.with_buckets(_strategy.xla_default(graph), baselines.per_gradient(graph), "t")
-    ready = baselines.gradient_ready_times(graph, s, lambda ks: estimator.estimate(graph, ks))
+    ready = baselines.gradient_ready_times(program, s, lambda ks: estimator.estimate(graph, ks))
     assert all(t > 0 for t in ready)
     order = baselines.gradient_ready_order(graph, ready)
     assert [ready[g] for g in order] == sorted(ready)
@@ -223,7 +248,8 @@ def test_bucket_builders_never_make_allreduces_wait_for_each_other():
         return jnp.mean((h @ params[1]) ** 2)
 
     step = jax.jit(jax.grad(loss))
-    graph = _graph.build_graph(_capture.capture(step.lower((w1, w2), x))[0], backends.CPU)
+    program = _program.build_program(_capture.capture(step.lower((w1, w2), x))[0], backends.CPU)
+    graph = program.graph
     assert len(graph.gradients) >= 3
     for buckets in (
         baselines.fit_buckets(graph, baselines.gradient_ready_order(graph), 1 << 30),
@@ -231,13 +257,14 @@ def test_bucket_builders_never_make_allreduces_wait_for_each_other():
         baselines.xla_gpu_buckets(graph),
     ):
         s = _strategy.with_buckets(_strategy.xla_default(graph), buckets, "t")
-        assert _strategy.is_valid(graph, s), buckets
+        assert _strategy.is_valid(program, s), buckets
         assert len(buckets) >= 2
 
 
 def test_gpu_combining_rule_combines_up_to_xla_gpu_threshold(mlp):
-    lowered, graph, default, args, reference = mlp
-    gpu = baselines.jax_default(graph, baselines.xla_gpu_buckets).strategy.buckets
+    lowered, program, default, args, reference = mlp
+    graph = program.graph
+    gpu = baselines.jax_default(program, baselines.xla_gpu_buckets).strategy.buckets
     assert gpu == tuple(baselines.xla_gpu_buckets(graph))
     small = baselines.xla_gpu_buckets(graph, threshold_bytes=16 * KiB)
     assert all(sum(graph.gradients[g].nbytes for g in b) <= 16 * KiB or len(b) == 1 for b in small)
@@ -245,15 +272,16 @@ def test_gpu_combining_rule_combines_up_to_xla_gpu_threshold(mlp):
 
 
 def test_all_baselines_are_valid_strategies(mlp):
-    lowered, graph, default, args, reference = mlp
+    lowered, program, default, args, reference = mlp
+    graph = program.graph
     estimator = AnalyticalEstimator()
     for combine in (backends.CPU.xla_buckets, baselines.xla_gpu_buckets):
         candidates = baselines.all_baselines(
-            graph, combine=combine, kernel_time_us=lambda ks: estimator.estimate(graph, ks)
+            program, combine=combine, kernel_time_us=lambda ks: estimator.estimate(graph, ks)
         )
         assert [b.name for b in candidates] == list(baselines.BASELINES)
         for b in candidates:
-            assert _strategy.is_valid(graph, b.strategy), (combine.__name__, b.name)
+            assert _strategy.is_valid(program, b.strategy), (combine.__name__, b.name)
 
 
 # --------------------------------------------------------------------------- clusters
@@ -309,7 +337,7 @@ def test_roofline_counts_convolution_flops_inside_library_fusions():
     conv = jax.jit(
         lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
     )
-    graph = _graph.build_graph(_capture.capture(conv.lower(x, w))[0], backends.CPU)
+    graph = _graph.build_graph(_capture.capture(conv.lower(x, w))[0], backends.CPU.fusible)
     work = [gpus.opaque_op_work(graph, o) for o in graph.opaque_ops]
     expected = 2.0 * 8 * 16 * 16 * 32 * (3 * 3 * 4)
     assert any(f == pytest.approx(expected) for _, _, f in work), work
@@ -335,7 +363,7 @@ def test_h100_clusters_cost_fusible_kernels_with_the_h100_gnn_and_the_rest_with_
     GNN's time (its training times hold each kernel's fixed cost, the roofline's fitted launch);
     opaque ops and a GPU without weights (the 1080 Ti of cluster A) get the roofline."""
     lowered = zoo.lower_abstract(zoo.get_model("mlp", "tiny"), optax.adam(1e-3), zoo.data_mesh(1), "jit")
-    graph = _graph.build_graph(_capture.capture(lowered)[0], backends.CPU)
+    graph = _graph.build_graph(_capture.capture(lowered)[0], backends.CPU.fusible)
     fusible = [frozenset(g) for g in graph.xla_groups if len(g) > 1][:3] + [frozenset(graph.fusible_ops[-1:])]
     assert graph.opaque_ops
     opaque = [frozenset(graph.opaque_ops[:1])]

@@ -16,9 +16,9 @@ from _hlo_text import module_kernels
 from disco_jax import (
     _capture,
     _compile,
-    _graph,
     _pipeline,
     _plan,
+    _program,
     _ranking,
     _validate,
     backends,
@@ -52,7 +52,7 @@ def test_decorated_tiny_model_trains_and_equals_the_unmodified_step(name, style,
     captured = _compile.capture(step.lower(state, batch), backends.CPU, (state, batch), {})
     graph, default = captured.graph, captured.default_compiled
     reference = default(state, batch)
-    strategy = baselines.jax_op_fusion(graph).strategy
+    strategy = baselines.jax_op_fusion(captured.program).strategy
     machine = _plan.MachineKey.current(_compile.step_devices((state, batch), {}))
     _plan.save_plan(
         _plan.Plan(graph.fingerprint, graph.module.name, machine, False, strategy.to_json(graph), "made by a test"),
@@ -101,12 +101,13 @@ def test_summary_speedup_and_headroom():
 def simulated_rows(mesh):
     spec = zoo.get_model("mlp", "tiny")
     lowered = zoo.lower_abstract(spec, optax.adam(1e-3), mesh, "jit")
-    graph = _graph.build_graph(_capture.capture(lowered)[0], backends.CPU)
-    return graph, {name: rows.simulated_row(graph, c, budget_s=1.0) for name, c in clusters.CLUSTERS.items()}
+    program = _program.build_program(_capture.capture(lowered)[0], backends.CPU)
+    return program, {name: rows.simulated_row(program, c, budget_s=1.0) for name, c in clusters.CLUSTERS.items()}
 
 
 def test_simulated_row_has_every_strategy_and_a_consistent_bound(simulated_rows):
-    graph, by_cluster = simulated_rows
+    program, by_cluster = simulated_rows
+    graph = program.graph
     for name, row in by_cluster.items():
         assert set(row["strategies"]) == {*rows.BASELINE_ORDER, rows.DISCO}
         times = row["time_us"]
@@ -128,7 +129,8 @@ def test_simulated_row_has_every_strategy_and_a_consistent_bound(simulated_rows)
 
 
 def test_report_is_written_from_rows(simulated_rows, tmp_path):
-    graph, by_cluster = simulated_rows
+    program, by_cluster = simulated_rows
+    graph = program.graph
     for name, row in by_cluster.items():
         cluster = clusters.CLUSTERS[name]
         full = {
@@ -288,8 +290,8 @@ def gpu_mlp(xla_gpu_zoo):
     """The tiny MLP's Adam step lowered for 8 H100s (deviceless) and captured (the session's
     `conftest.xla_gpu_zoo`), with its compiled programs, which the GPU rows below share (as one
     target's rows do in the bench)."""
-    lowered, graph, text = xla_gpu_zoo("mlp")
-    return lowered, graph, text, _compile.Programs(lowered, graph)
+    lowered, program, text = xla_gpu_zoo("mlp")
+    return lowered, program, text, _compile.Programs(lowered, program)
 
 
 def test_gpu_cluster_row_costs_every_strategy_on_the_program_xla_gpu_compiled(gpu_mlp):
@@ -297,10 +299,11 @@ def test_gpu_cluster_row_costs_every_strategy_on_the_program_xla_gpu_compiled(gp
     XLA:GPU enacts it (JAX_default: XLA:GPU's own program) and costed by the compiled-program
     model, kernel for kernel of its module; disco-jax's candidates compiled and ranked with XLA's
     program by compiled cost, the cheapest taken; FO from the baselines' compiled costs."""
-    lowered, graph, text, programs = gpu_mlp
+    lowered, program, text, programs = gpu_mlp
+    graph = program.graph
     cluster = clusters.get_cluster("8xH100-NVLink")
     assert cluster.target == "h100-sxm" and clusters.get_cluster("clusterA-12x1080Ti").target is None
-    row = rows.simulated_row(graph, cluster, budget_s=1.0, lowered=lowered, programs=programs)
+    row = rows.simulated_row(program, cluster, budget_s=1.0, lowered=lowered, programs=programs)
     assert row["cost_model"] == rows.COMPILED_MODEL and "not_compiled" not in row
     xla_allreduces = _compile.compiled_stats(text)["all-reduce"]
     assert row["strategies"]["JAX_default"]["buckets"] == len(graph.xla_buckets) == xla_allreduces
@@ -341,10 +344,11 @@ def test_ranking_keeps_xla_program_when_no_candidate_beats_it_compiled(gpu_mlp):
     """`rank_by_compiled_cost`: a candidate the graph simulator rates above XLA's plan but whose
     compiled program costs more (the unfused graph, one all-reduce per gradient) ranks below
     XLA's own program, which is then what is chosen."""
-    lowered, graph, _, programs = gpu_mlp
+    lowered, program, _, programs = gpu_mlp
+    graph = program.graph
     cluster = clusters.get_cluster("8xH100-NVLink")
     xla = programs.compile("JAX_default", None, {})
-    worse = baselines.jax_no_fusion(graph).strategy
+    worse = baselines.jax_no_fusion(program).strategy
     ranked = _ranking.rank_by_compiled_cost(
         xla,
         [(worse, 1.0)],  # a graph figure that would win on the graph
@@ -362,33 +366,39 @@ def test_measured_search_times_only_candidates_that_compile_below_xla_on_xla_gpu
     """The pipeline's measured search on XLA:GPU ranks each round's candidates by compiled cost
     first (`_ranking.CompiledRanking`): one that compiles above XLA's program is not timed, and
     the ranking is recorded; on XLA:CPU the search's order is kept (no ranking)."""
-    lowered, graph, _, programs = gpu_mlp
+    lowered, program, _, programs = gpu_mlp
     cluster = clusters.get_cluster("8xH100-NVLink")
     model = CostModel(ChainEstimator([cluster.kernel_estimator()]), cluster.allreduce_model(), {})
     xla = programs.compile("JAX_default", None, {}).compiled
-    step = _compile.Captured(lowered, graph, xla, (), {}, [], None)
+    step = _compile.Captured(lowered, program, xla, (), {}, [], None)
     rank = _ranking.CompiledRanking.of(step, model)
-    worse = baselines.jax_no_fusion(graph).strategy
+    worse = baselines.jax_no_fusion(program).strategy
     assert rank([(worse, 1.0)]) == []
     (ranking,) = rank.rounds
     assert ranking[0]["label"] == _ranking.XLA_PROGRAM and ranking[1]["compiled_us"] > ranking[0]["compiled_us"]
-    cpu_graph = simulated_rows[0]
-    assert _ranking.CompiledRanking.of(dataclasses.replace(step, graph=cpu_graph), model) is None
+    cpu_program = simulated_rows[0]
+    assert _ranking.CompiledRanking.of(dataclasses.replace(step, program=cpu_program), model) is None
 
 
 def test_a_gpu_row_ranks_a_sharded_update_by_lowering_the_step_again(gpu_mlp):
     """The search may shard weight updates (`Strategy.sharded`); a GPU row compiles such a
     candidate as the step lowered again with that state sharded (XLA:GPU's own program of it),
     and reports the optimizer-state bytes per device of what it took."""
-    lowered, graph, _, programs = gpu_mlp
+    lowered, program, _, programs = gpu_mlp
+    graph = program.graph
     shardable = sharded.regions_of(graph).shardable
     relower = functools.partial(rows.sharded_paper_program, "mlp", "jit", "h100-sxm", graph, config="tiny")
-    program = relower(shardable)
-    assert program.enacted and program.compiler_options == {}
-    opcodes = {k.collective for k in backends.GPU.read_kernels(program.text) if k.is_collective}
+    relowered = relower(shardable)
+    assert relowered.enacted and relowered.compiler_options == {}
+    opcodes = {k.collective for k in backends.GPU.read_kernels(relowered.text) if k.is_collective}
     assert "all-gather" in opcodes  # the updated parameters, gathered
     row = rows.simulated_row(
-        graph, clusters.get_cluster("8xH100-NVLink"), budget_s=1.0, lowered=lowered, relower=relower, programs=programs
+        program,
+        clusters.get_cluster("8xH100-NVLink"),
+        budget_s=1.0,
+        lowered=lowered,
+        relower=relower,
+        programs=programs,
     )
     disco, update = row["strategies"][rows.DISCO], row["weight_update"]
     assert update["shardable_gradients"] == len(shardable) > 0

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from disco_jax import _capture, _graph, _strategy, backends, cost
+from disco_jax import _capture, _graph, _program, _strategy, backends, cost
 from disco_jax.cost import AllReduceCostModel, sharded
 
 from _steps import make_step
@@ -57,8 +57,13 @@ class FixedEstimator:
 
 
 @pytest.fixture(scope="module")
-def graph():
-    return _graph.build_graph(HLO, backends.CPU)
+def program():
+    return _program.build_program(HLO, backends.CPU)
+
+
+@pytest.fixture(scope="module")
+def graph(program):
+    return program.graph
 
 
 def test_handmade_graph(graph):
@@ -67,9 +72,9 @@ def test_handmade_graph(graph):
     assert {graph.ops[o].name for o in graph.fusible_ops} == {"g1", "g2", "u1", "u2"}
 
 
-def test_one_allreduce_per_gradient_overlaps_the_second_gradient(graph):
+def test_one_allreduce_per_gradient_overlaps_the_second_gradient(program, graph):
     s = _strategy.unfused(graph)
-    r = cost.simulate(graph, s, FixedEstimator(), ALLREDUCE)
+    r = cost.simulate(program, s, FixedEstimator(), ALLREDUCE)
     # g1 [0,10]; ar1 [10,15]; g2 [10,20]; ar2 [20,25]; u1 [20,21]; u2 [25,26].
     assert r.iteration_us == pytest.approx(26.0)
     assert r.compute_us == pytest.approx(22.0) and r.comm_us == pytest.approx(10.0)
@@ -78,16 +83,16 @@ def test_one_allreduce_per_gradient_overlaps_the_second_gradient(graph):
     assert r.num_allreduces == 2
 
 
-def test_one_combined_allreduce_waits_for_the_last_gradient(graph):
+def test_one_combined_allreduce_waits_for_the_last_gradient(program, graph):
     s = _strategy.with_buckets(_strategy.unfused(graph), [(0, 1)], "combined")
-    r = cost.simulate(graph, s, FixedEstimator(), ALLREDUCE)
+    r = cost.simulate(program, s, FixedEstimator(), ALLREDUCE)
     # g1, g2 [0,20]; ar [20,25]; u1 [25,26]; u2 [26,27]: nothing overlaps.
     assert r.iteration_us == pytest.approx(27.0)
     assert r.overlap_ratio == pytest.approx(0.0)
     assert r.num_allreduces == 1
 
 
-def test_fusing_the_gradients_delays_the_first_allreduce(graph):
+def test_fusing_the_gradients_delays_the_first_allreduce(program, graph):
     s = _strategy.unfused(graph)
     g1 = next(o for o in graph.fusible_ops if graph.ops[o].name == "g1")
     g2 = next(o for o in graph.fusible_ops if graph.ops[o].name == "g2")
@@ -96,38 +101,38 @@ def test_fusing_the_gradients_delays_the_first_allreduce(graph):
     for o in graph.fusible_ops:
         homes[o] = next(i for i, grp in enumerate(groups) if o in grp)
     fused = _strategy.Strategy(tuple(groups), tuple(homes), s.buckets, "fused")
-    assert _strategy.is_valid(graph, fused)
-    r = cost.simulate(graph, fused, FixedEstimator(fused=0.8), ALLREDUCE)
+    assert _strategy.is_valid(program, fused)
+    r = cost.simulate(program, fused, FixedEstimator(fused=0.8), ALLREDUCE)
     # fused kernel [0,16]; ar1 [16,21]; ar2 [21,26]; u1 [21,22]; u2 [26,27]
     assert r.iteration_us == pytest.approx(27.0)
     assert r.num_fusions == 1
 
 
-def test_a_bucket_pays_the_per_tensor_latency_of_each_tensor_after_the_first(graph):
+def test_a_bucket_pays_the_per_tensor_latency_of_each_tensor_after_the_first(program, graph):
     s = _strategy.with_buckets(_strategy.unfused(graph), [(0, 1)], "combined")
     per_tensor = AllReduceCostModel(per_byte_us=0.0, latency_us=5.0, per_tensor_us=4.0)
     assert per_tensor.bucket_time_us([16, 16]) == pytest.approx(9.0)
     assert cost.allreduce.bucket_time_us(ALLREDUCE, [16, 16]) == pytest.approx(5.0)  # no per-tensor term
-    r = cost.simulate(graph, s, FixedEstimator(), per_tensor)
+    r = cost.simulate(program, s, FixedEstimator(), per_tensor)
     # g1, g2 [0,20]; ar (5 + 4) [20,29]; u1 [29,30]; u2 [30,31].
     assert r.iteration_us == pytest.approx(31.0) and r.comm_us == pytest.approx(9.0)
     assert AllReduceCostModel.from_json(per_tensor.to_json()).per_tensor_us == 4.0
     # The simulator's own per-tensor latency (fitted by calibration) replaces the cost's.
-    r = cost.simulate(graph, s, FixedEstimator(), per_tensor, cost.SimulatorParams(allreduce_tensor_us=1.0))
+    r = cost.simulate(program, s, FixedEstimator(), per_tensor, cost.SimulatorParams(allreduce_tensor_us=1.0))
     assert r.comm_us == pytest.approx(6.0) and r.iteration_us == pytest.approx(28.0)
 
 
-def test_blocking_allreduces_do_not_overlap(graph):
+def test_blocking_allreduces_do_not_overlap(program, graph):
     s = _strategy.unfused(graph)
     params = cost.SimulatorParams(compute_scale=1.0, comm_blocking=1.0)
-    r = cost.simulate(graph, s, FixedEstimator(), ALLREDUCE, params)
+    r = cost.simulate(program, s, FixedEstimator(), ALLREDUCE, params)
     assert r.iteration_us == pytest.approx(r.compute_us + r.comm_us)  # 32: fully serialized
 
 
-def test_kernel_and_step_overheads(graph):
+def test_kernel_and_step_overheads(program, graph):
     s = _strategy.unfused(graph)
     params = cost.SimulatorParams(kernel_overhead_us=1.0, step_overhead_us=3.0)
-    r = cost.simulate(graph, s, FixedEstimator(), ALLREDUCE, params)
+    r = cost.simulate(program, s, FixedEstimator(), ALLREDUCE, params)
     # g1 [0,11]; ar1 [11,16]; g2 [11,22]; ar2 [22,27]; u1 [22,24]; u2 [27,29]; + 3 for the step.
     assert r.iteration_us == pytest.approx(32.0)
     assert r.compute_us == pytest.approx(26.0) and r.full_overlap_us == pytest.approx(29.0)
@@ -140,7 +145,7 @@ def test_kernel_and_step_overheads(graph):
     }
 
 
-def test_the_dependency_bound_is_reached_where_the_schedule_is_forced(graph):
+def test_the_dependency_bound_is_reached_where_the_schedule_is_forced(program, graph):
     unfused = _strategy.unfused(graph)
     combined = _strategy.with_buckets(unfused, [(0, 1)], "combined")
     overheads = cost.SimulatorParams(kernel_overhead_us=1.0, step_overhead_us=3.0)
@@ -151,14 +156,14 @@ def test_the_dependency_bound_is_reached_where_the_schedule_is_forced(graph):
         (combined, cost.SimulatorParams(), 27.0),
         (unfused, overheads, 32.0),
     ]:
-        r = cost.simulate(graph, s, FixedEstimator(), ALLREDUCE, params, bound=True)
+        r = cost.simulate(program, s, FixedEstimator(), ALLREDUCE, params, bound=True)
         assert r.dependency_bound_us == pytest.approx(expected) == r.iteration_us
         assert r.full_overlap_us < expected  # FO ignores that ar2 waits for g2 and u2 for ar2
     # A blocking all-reduce costs stream time no dependency forces: the bound stays below.
     blocking = cost.SimulatorParams(comm_blocking=1.0)
-    r = cost.simulate(graph, unfused, FixedEstimator(), ALLREDUCE, blocking, bound=True)
+    r = cost.simulate(program, unfused, FixedEstimator(), ALLREDUCE, blocking, bound=True)
     assert r.dependency_bound_us == pytest.approx(26.0) and r.iteration_us == pytest.approx(32.0)
-    assert "dependency_bound_us" not in cost.simulate(graph, unfused, FixedEstimator(), ALLREDUCE).to_json()
+    assert "dependency_bound_us" not in cost.simulate(program, unfused, FixedEstimator(), ALLREDUCE).to_json()
 
 
 @pytest.mark.parametrize("latency_us", [1.0, 2000.0])
@@ -167,15 +172,16 @@ def test_no_strategy_simulates_below_its_dependency_bound(latency_us):
     iteration never beats the bound. Where communication dominates, the bound exceeds FO by the
     time before the first gradient exists."""
     step, args = make_step("jit", sizes=(16, 64, 32, 4), optimizer=optax.adam(1e-3))
-    g = _graph.build_graph(_capture.capture(step.lower(*args))[0], backends.CPU)
+    p = _program.build_program(_capture.capture(step.lower(*args))[0], backends.CPU)
+    g = p.graph
     moves = _strategy.with_sharding(sharded.regions_of(g).shardable)
     allreduce = AllReduceCostModel(per_byte_us=1e-3, latency_us=latency_us)
     rng = random.Random(0)
     s = _strategy.xla_default(g)
     above_fo = 0
     for _ in range(60):
-        s = moves[rng.choice(sorted(moves))](g, s, rng) or s
-        r = cost.simulate(g, s, cost.AnalyticalEstimator(), allreduce, bound=True)
+        s = moves[rng.choice(sorted(moves))](p, s, rng) or s
+        r = cost.simulate(p, s, cost.AnalyticalEstimator(), allreduce, bound=True)
         if r is None:
             continue
         assert r.full_overlap_us <= r.dependency_bound_us <= r.iteration_us * (1 + 1e-9)
@@ -183,12 +189,12 @@ def test_no_strategy_simulates_below_its_dependency_bound(latency_us):
     assert (above_fo > 0) == (latency_us > 1000.0)
 
 
-def test_two_point_calibration_recovers_known_parameters(graph):
+def test_two_point_calibration_recovers_known_parameters(program, graph):
     one, two = _strategy.with_buckets(_strategy.unfused(graph), [(0, 1)], "one"), _strategy.unfused(graph)
     truth = cost.SimulatorParams(compute_scale=2.0, comm_blocking=0.5)
 
     def simulate_at(p):
-        return tuple(cost.simulate(graph, s, FixedEstimator(), ALLREDUCE, p).iteration_us for s in (one, two))
+        return tuple(cost.simulate(program, s, FixedEstimator(), ALLREDUCE, p).iteration_us for s in (one, two))
 
     fitted = cost.calibrate(simulate_at, simulate_at(truth))
     assert fitted.free == ("compute_scale", "comm_blocking") and fitted.dof == 0
@@ -264,7 +270,7 @@ def test_calibration_keeps_fixed_parameters_and_refuses_one_point():
         cost.calibrate(simulate_at, [1.0, 2.0], free=["speed"])
 
 
-def test_invalid_strategy_simulates_to_none(graph):
+def test_invalid_strategy_simulates_to_none(program, graph):
     s = _strategy.unfused(graph)
     g2 = next(o for o in graph.fusible_ops if graph.ops[o].name == "g2")
     u1 = next(o for o in graph.fusible_ops if graph.ops[o].name == "u1")
@@ -274,7 +280,7 @@ def test_invalid_strategy_simulates_to_none(graph):
     homes[u1] = s.homes[g2]
     ok = _strategy.Strategy(tuple(groups), tuple(homes), s.buckets)
     assert (
-        cost.simulate(graph, _strategy.Strategy(ok.groups, ok.homes, ((0, 1),)), FixedEstimator(), ALLREDUCE) is None
+        cost.simulate(program, _strategy.Strategy(ok.groups, ok.homes, ((0, 1),)), FixedEstimator(), ALLREDUCE) is None
     )  # ... but one all-reduce for both is a cycle
 
 
@@ -341,7 +347,7 @@ ENTRY %main (x: f32[4,8], w: f32[8,2]) -> (f32[4], f32[4,2]) {
 
 
 def test_the_work_counter_counts_each_op_once_and_the_graph_caches_it():
-    g = _graph.build_graph(WORK_HLO, backends.CPU)
+    g = _graph.build_graph(WORK_HLO, backends.CPU.fusible)
     by_name = {op.name: op.id for op in g.ops}
     work = cost.work_per_op(g)
     assert work[by_name["e"]] == cost.Work(flops=8.0 * 32, transcendental=32.0, bytes=128)

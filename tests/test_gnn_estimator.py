@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import gnn_estimator
-from disco_jax import _capture, _graph, backends, cost
+from disco_jax import _capture, _graph, _program, backends, cost
 from gnn_estimator import (
     FEATURE_VERSION,
     METADATA_FILE,
@@ -60,15 +60,20 @@ def step_text() -> str:
 
 
 @pytest.fixture(scope="module")
-def graph(step_text):
-    return _graph.build_graph(step_text, backends.CPU)
+def program(step_text):
+    return _program.build_program(step_text, backends.CPU)
 
 
-def _fused_kernels(graph, count: int, seed: int = 0) -> list[frozenset[int]]:
-    rng = random.Random(seed)
+@pytest.fixture(scope="module")
+def graph(program):
+    return program.graph
+
+
+def _fused_kernels(program, count: int, seed: int = 0) -> list[frozenset[int]]:
+    graph, rng = program.graph, random.Random(seed)
     out, seen = [], set()
     for _ in range(50 * count):
-        k = _kernels.random_kernel(graph, rng, rng.randint(1, 8))
+        k = _kernels.random_kernel(program, rng, rng.randint(1, 8))
         if not _kernels.measurable(graph, k) or not _kernels.is_convex(graph, k):
             continue
         key = (graph.kernel_signature(k), tuple(_kernels.default_exports(graph, k)))
@@ -81,11 +86,11 @@ def _fused_kernels(graph, count: int, seed: int = 0) -> list[frozenset[int]]:
     return out
 
 
-def _tiny_dataset(graph, count: int = 16) -> list[dict]:
+def _tiny_dataset(program, count: int = 16) -> list[dict]:
     """Kernels of the test step with made-up times spanning three orders of magnitude."""
-    rng = np.random.default_rng(0)
+    graph, rng = program.graph, np.random.default_rng(0)
     samples, seen = [], set()
-    for i, k in enumerate(_fused_kernels(graph, 3 * count)):
+    for i, k in enumerate(_fused_kernels(program, 3 * count)):
         description = describe_kernel(graph, k, {o: 1.0 for o in k})
         f = featurize(description)
         if (f.nodes.tobytes(), f.senders.tobytes()) in seen:  # kernels the features cannot tell apart
@@ -113,7 +118,7 @@ def test_features_are_deterministic_for_the_same_kernel(step_text, graph):
     times = {o: 1.5 for o in kernel}
     a = kernel_features(graph, kernel, times)
     b = kernel_features(graph, kernel, dict(times))
-    rebuilt = _graph.build_graph(step_text, backends.CPU)  # same module text, a fresh graph
+    rebuilt = _graph.build_graph(step_text, backends.CPU.fusible)  # same module text, a fresh graph
     c = kernel_features(rebuilt, frozenset(kernel), times)
     # Through the JSON description the dataset stores: the same arrays again.
     d = featurize(json.loads(json.dumps(describe_kernel(graph, kernel, times))))
@@ -126,11 +131,11 @@ def test_features_are_deterministic_for_the_same_kernel(step_text, graph):
     assert a.nodes.dtype == np.float32 and np.isfinite(a.nodes).all()
 
 
-def test_the_featurizer_of_a_graph_equals_kernel_features_to_the_bit(graph):
+def test_the_featurizer_of_a_graph_equals_kernel_features_to_the_bit(program, graph):
     """What the estimator computes per search kernel (`KernelFeaturizer`: each op's own columns
     once per graph) equals the reference path, description then `featurize`, that training takes."""
     rng = random.Random(1)
-    kernels = list(graph.xla_groups) + [_kernels.random_kernel(graph, rng, rng.randint(1, 12)) for _ in range(200)]
+    kernels = list(graph.xla_groups) + [_kernels.random_kernel(program, rng, rng.randint(1, 12)) for _ in range(200)]
     featurizer = gnn_estimator.KernelFeaturizer()
     spread = 0
     for i, k in enumerate(kernels):
@@ -167,18 +172,18 @@ def _connected(graph, kernel: frozenset[int]) -> bool:
     return seen == kernel
 
 
-def test_random_kernels_are_connected_fusible_and_convex(graph):
-    for k in _fused_kernels(graph, 20, seed=1):
+def test_random_kernels_are_connected_fusible_and_convex(program, graph):
+    for k in _fused_kernels(program, 20, seed=1):
         assert all(graph.ops[o].kind == "fusible" for o in k)
         assert _connected(graph, k)
         assert _kernels.is_convex(graph, k)
 
 
-def test_a_kernel_compiles_alone_and_is_timed(graph):
+def test_a_kernel_compiles_alone_and_is_timed(program, graph):
     kernel = max(graph.xla_groups, key=len)
     single = frozenset([next(op.id for op in graph.ops if op.kind == "fusible" and op.opcode == "tanh")])
-    fused = _measure.compile_kernel(graph, kernel, np.random.default_rng(0))
-    lone = _measure.compile_kernel(graph, single, np.random.default_rng(0))
+    fused = _measure.compile_kernel(program, kernel, np.random.default_rng(0))
+    lone = _measure.compile_kernel(program, single, np.random.default_rng(0))
     assert "kernel_computation" in fused.compiled.as_text()
     # A lone op may be renamed by XLA (jaxlib 0.12 wraps it in a one-op fusion): the timing must
     # follow the name the compiled module, and so the trace, gives it.
@@ -188,8 +193,8 @@ def test_a_kernel_compiles_alone_and_is_timed(graph):
         assert timing is not None and timing.time_us > 0 and len(timing.round_us) == 2
 
 
-def test_model_overfits_a_tiny_dataset(graph):
-    samples = _tiny_dataset(graph)
+def test_model_overfits_a_tiny_dataset(program):
+    samples = _tiny_dataset(program)
     trained, history = train(
         samples, config=TINY, epochs=300, batch_size=len(samples), learning_rate=1e-2, drop_times=0.0
     )
@@ -201,31 +206,31 @@ def test_model_overfits_a_tiny_dataset(graph):
 
 
 @pytest.fixture(scope="module")
-def trained_tiny(graph):
-    trained, _ = train(_tiny_dataset(graph, 8), config=TINY, epochs=2, batch_size=8)
+def trained_tiny(program):
+    trained, _ = train(_tiny_dataset(program, 8), config=TINY, epochs=2, batch_size=8)
     trained.metadata = {"device_kind": "cpu"}
     return trained
 
 
-def test_weights_round_trip_through_the_file_format(tmp_path, graph, trained_tiny):
+def test_weights_round_trip_through_the_file_format(program, tmp_path, graph, trained_tiny):
     write_weights(tmp_path, trained_tiny)
     assert (tmp_path / WEIGHTS_FILE).exists() and (tmp_path / METADATA_FILE).exists()
     restored = read_weights(tmp_path)
     assert restored.config == trained_tiny.config
     assert restored.metadata["feature_version"] == FEATURE_VERSION
-    features = [kernel_features(graph, k) for k in _fused_kernels(graph, 5)]
+    features = [kernel_features(graph, k) for k in _fused_kernels(program, 5)]
     np.testing.assert_allclose(restored.predict_us(features), trained_tiny.predict_us(features), rtol=1e-6)
     # msgpack only: the weights file is not a pickle.
     assert not (tmp_path / WEIGHTS_FILE).read_bytes().startswith(b"\x80")
 
 
-def test_an_ensemble_round_trips_and_averages_its_members(tmp_path, graph):
+def test_an_ensemble_round_trips_and_averages_its_members(program, tmp_path, graph):
     config = ModelConfig(hidden=8, heads=2, layers=1, mlp=(8,), members=2)
-    trained, history = train(_tiny_dataset(graph, 6), config=config, epochs=1, batch_size=6)
+    trained, history = train(_tiny_dataset(program, 6), config=config, epochs=1, batch_size=6)
     assert len(trained.params) == 2 and {h["member"] for h in history} == {0, 1}
     write_weights(tmp_path, trained)
     restored = read_weights(tmp_path)
-    features = [kernel_features(graph, k) for k in _fused_kernels(graph, 4)]
+    features = [kernel_features(graph, k) for k in _fused_kernels(program, 4)]
     np.testing.assert_allclose(restored.predict_us(features), trained.predict_us(features), rtol=1e-6)
     singles = [
         _train.TrainedEstimator(dataclasses.replace(config, members=1), [p], trained.normalization)
@@ -265,9 +270,9 @@ def test_search_uses_the_gnn_only_when_weights_exist_for_the_device_kind(tmp_pat
     assert estimator_for_device("NVIDIA H100 80GB HBM3", fallback, tmp_path) is fallback
 
 
-def test_gnn_estimator_batches_caches_and_skips_opaque_kernels(tmp_path, graph, trained_tiny, monkeypatch):
+def test_gnn_estimator_batches_caches_and_skips_opaque_kernels(program, tmp_path, graph, trained_tiny, monkeypatch):
     estimator = GnnEstimator(trained_tiny)
-    kernels = _fused_kernels(graph, 12) + [frozenset([graph.opaque_ops[0]])]
+    kernels = _fused_kernels(program, 12) + [frozenset([graph.opaque_ops[0]])]
     calls = []
     predict = trained_tiny.predict_us
     monkeypatch.setattr(trained_tiny, "predict_us", lambda f, chunk=256: calls.append(len(f)) or predict(f, chunk))
@@ -310,12 +315,13 @@ def test_a_gpu_kernel_is_bare_ops_that_xla_gpu_compiles_deviceless():
 
     mesh = targets.mesh("h100-sxm", 1)
     lowered = zoo.lower_abstract(zoo.get_model("mlp", "tiny"), optax.adam(1e-3), mesh)
-    graph, _ = _compile.capture_graph(lowered, backends.GPU)
+    program, _ = _compile.capture_program(lowered, backends.GPU)
+    graph = program.graph
     kernels = [g for g in graph.xla_groups if len(g) > 2 and _kernels.measurable(graph, g)]
     kernels = [k for k in kernels if _kernels.external_inputs(graph, k)][:3]
     assert kernels, "the tiny MLP has XLA fusions of several ops"
     for kernel in kernels:
-        text, params, exports = _kernels.kernel_module_text(graph, kernel, "HloModule probe")
+        text, params, exports = _kernels.kernel_module_text(program, kernel, "HloModule probe")
         assert " fusion(" not in text
         in_specs, out_specs = _kernels.kernel_boundary_specs(graph, params, exports)
         outputs = [(tuple(s.dims), _measure.numpy_dtype(s.dtype)) for s in out_specs]
@@ -331,7 +337,7 @@ def test_a_gpu_kernel_is_bare_ops_that_xla_gpu_compiles_deviceless():
         probe = jax.jit(dummy, keep_unused=True).lower(*args)
         compiled = _capture.compile_with_hook(
             probe,
-            lambda t, kernel=kernel: _kernels.kernel_module_text(graph, kernel, t.splitlines()[0])[0],
+            lambda t, kernel=kernel: _kernels.kernel_module_text(program, kernel, t.splitlines()[0])[0],
             platform="cuda",
         )
         assert " fusion(" in compiled.as_text()  # XLA:GPU fused the ops itself
@@ -342,10 +348,10 @@ def test_shipped_h100_weights_load_for_the_h100_device_kind():
     assert estimator is not None and estimator.name == "gnn"
 
 
-def test_kernels_outside_the_training_range_are_left_to_the_next_estimator(graph, trained_tiny):
+def test_kernels_outside_the_training_range_are_left_to_the_next_estimator(program, graph, trained_tiny):
     """More ops than the largest training kernel, or a prediction past twice the longest training
     time, is extrapolation: None, so a chain's next estimator answers."""
-    kernels = _fused_kernels(graph, 12)
+    kernels = _fused_kernels(program, 12)
     free = GnnEstimator(trained_tiny).estimate(graph, kernels)  # no ranges recorded: no limit
     assert all(t is not None for t in free)
     max_ops = max(len(k) for k in kernels) - 1

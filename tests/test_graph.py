@@ -1,13 +1,15 @@
 """The graph IR built from real compiled HLO."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from disco_jax import _capture, _graph, backends
-from disco_jax.cost import work
+from disco_jax import _capture, _graph, _program, backends
+from disco_jax.cost import allreduce, sharded, work
 
 from _steps import make_step
 
@@ -16,7 +18,7 @@ from _steps import make_step
 def graph(request):
     step, args = make_step(request.param)
     text, _ = _capture.capture(step.lower(*args))
-    return _graph.build_graph(text, backends.CPU)
+    return _graph.build_graph(text, backends.CPU.fusible)
 
 
 def test_gradients_are_the_allreduce_operands(graph):
@@ -72,7 +74,7 @@ def test_control_flow_is_one_opaque_kernel():
     w = jax.device_put(jnp.eye(8), NamedSharding(mesh, P()))
     x = jax.device_put(jnp.ones((16, 8)), NamedSharding(mesh, P("data")))
     text, _ = _capture.capture(step.lower(w, x))
-    graph = _graph.build_graph(text, backends.CPU)
+    graph = _graph.build_graph(text, backends.CPU.fusible)
     whiles = [op for op in graph.ops if op.opcode == "while"]
     assert whiles and all(op.kind == "opaque" for op in whiles)
     # Only entry-level all-reduces become gradients; one inside a loop body stays untouched.
@@ -109,7 +111,7 @@ def _forward_through_free(graph, o):
 def test_cached_graph_queries_equal_a_fresh_computation():
     step, args = make_step("jit")
     text, _ = _capture.capture(step.lower(*args))
-    graph, fresh = _graph.build_graph(text, backends.CPU), _graph.build_graph(text, backends.CPU)
+    graph, fresh = _graph.build_graph(text, backends.CPU.fusible), _graph.build_graph(text, backends.CPU.fusible)
     for o in range(len(graph.ops)):
         sources = graph.free_sources[o]
         assert len(set(sources)) == len(sources) and set(sources) == _backward_through_free(graph, o)
@@ -130,3 +132,16 @@ def test_cached_graph_queries_equal_a_fresh_computation():
     kernels = list(graph.xla_groups) + [frozenset([o]) for o in graph.opaque_ops]
     assert [graph.kernel_signature(k) for k in kernels] == [fresh.kernel_signature(k) for k in kernels]
     assert len({graph.kernel_signature(k) for k in graph.xla_groups}) > 1
+
+
+def test_a_program_keeps_the_tables_that_read_its_compiler_and_the_graph_none(graph):
+    """The tables that depend on the compiler (which gradients reduce-scatter) are kept per
+    `Program`, not on the graph: two programs of one graph with different compilers each compute
+    their own, and the graph's `derived` slot never holds them."""
+    program = _program.Program(graph, backends.CPU)
+    assert allreduce.transfer_bytes(program) is allreduce.transfer_bytes(program)
+    other = _program.Program(graph, dataclasses.replace(backends.CPU, hook_rules=frozenset()))
+    assert allreduce.transfer_bytes(other) is not allreduce.transfer_bytes(program)
+    assert sharded.scattered_gradients(other) == frozenset()  # no rule applied: nothing reduce-scatters
+    assert not {allreduce.transfer_bytes, sharded.scattered_gradients} & set(graph.derived)
+    assert not hasattr(graph, "backend") and not hasattr(graph, "rules_applied")

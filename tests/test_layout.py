@@ -218,9 +218,29 @@ def test_the_cycle_check_finds_cycles():
 
 def test_the_graph_ir_imports_nothing_above_it():
     """`_graph.py` is the bottom of the package: it reads HLO text and nothing that costs,
-    compiles or knows a backend."""
-    imports = package_imports()["disco_jax._graph"]
-    assert imports <= {"disco_jax._hlo"}, imports
+    compiles or knows a backend; the program record beside it (`_program.py`) adds the compiler
+    as a protocol and imports only the IR."""
+    imports = package_imports()
+    assert imports["disco_jax._graph"] <= {"disco_jax._hlo"}, imports["disco_jax._graph"]
+    assert imports["disco_jax._program"] <= {"disco_jax._graph"}, imports["disco_jax._program"]
+
+
+def _dataclass_fields(path: Path, name: str) -> list[str]:
+    """The annotated fields of class `name` in the module at `path`, read from the source."""
+    (cls,) = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef) and n.name == name]
+    return [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+
+
+def test_the_graph_holds_no_backend_and_no_cost():
+    """`Graph` holds ops, edges, gradients and XLA's plan as read: no field for the compiler (it
+    travels in `_program.Program`) nor for what the hook applied; the cost tables are `cost/`'s,
+    kept in the one `derived` slot. The check reads the source, so it can fail on a field added
+    back (the second half shows it finds `Program`'s backend)."""
+    fields = _dataclass_fields(ROOT / "disco_jax" / "_graph.py", "Graph")
+    assert "ops" in fields and "gradients" in fields and "xla_groups" in fields
+    assert not {f for f in fields if "backend" in f or "compiler" in f or f == "rules_applied"}, fields
+    assert not {f for f in fields if f in ("op_work", "transfer_bytes", "collective_ops", "op_flops")}, fields
+    assert "backend" in _dataclass_fields(ROOT / "disco_jax" / "_program.py", "Program")
 
 
 # The layers of docs/architecture.md ("Layers: who may import whom"), bottom first: a module imports
@@ -237,6 +257,7 @@ LAYERS: dict[str, int] = {
     "disco_jax.sharding": 7,
     **{f"disco_jax.sharding.{m}": 0 for m in ("terms", "axioms", "numeric", "prover", "rules", "hlo_edit")},
     "disco_jax._graph": 1,
+    "disco_jax._program": 1,
     "disco_jax.cost.work": 2,
     **{f"disco_jax.sharding.{m}": 2 for m in ("slices", "gathers", "gathered", "apply")},
     **{f"disco_jax.{m}": 3 for m in ("_edit", "_strategy", "_search", "_rewrite")},

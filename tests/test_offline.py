@@ -56,9 +56,9 @@ def test_plan_for_8_h100s_is_stored_under_the_real_machines_key(h100_step, tmp_p
     assert all(r["graph_simulated_us"] is not None for r in ranked)
     if not plan.use_default:  # the plan XLA:GPU compiles keeps the plan's all-reduces
         lowered = step.lower(*args)
-        graph, _ = _compile.capture_graph(lowered, backends.GPU)
-        strategy = _strategy.Strategy.from_json(graph, plan.strategy)
-        compiled, status = _compile.compile_strategy(lowered, graph, strategy)
+        program, _ = _compile.capture_program(lowered, backends.GPU)
+        strategy = _strategy.Strategy.from_json(program.graph, plan.strategy)
+        compiled, status = _compile.compile_strategy(lowered, program, strategy)
         assert status in ("rewritten", "cached")  # cached: plan_for_target compiled it already
         assert _compile.compiled_stats(compiled.as_text())["all-reduce"] == len(strategy.buckets)
 
@@ -81,7 +81,7 @@ def test_plan_for_target_refuses_what_it_cannot_plan(h100_step):
 def _store_offline_plan(step, args, plan_dir):
     """An unmeasured plan as `plan_for_target` stores one, for this CPU machine: XLA's fusions,
     one all-reduce per gradient."""
-    graph = _graph.build_graph(_capture.capture(step.lower(*args))[0], backends.CPU)
+    graph = _graph.build_graph(_capture.capture(step.lower(*args))[0], backends.CPU.fusible)
     s = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "test")
     machine = _plan.MachineKey.current(_compile.step_devices(args, {}))
     plan = _plan.Plan(

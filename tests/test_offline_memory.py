@@ -83,7 +83,7 @@ def test_a_limit_between_the_replicated_and_the_sharded_peak_gives_a_plan_that_f
     assert records[decided["chosen"]]["footprint_bytes"] == chosen.peak_bytes
     assert all(r["compiled_us"] > 0 for r in records.values())
     # The plan is the chosen program's (its fingerprint), costed as compiled.
-    assert plan.fingerprint == chosen.captured().graph.fingerprint
+    assert plan.fingerprint == chosen.captured().program.graph.fingerprint
     assert plan.simulated["plan"]["compiled_us"] > 0 and decided["leaves"]
     assert plan.search["offline"]["seconds"]["capture"] > 0
     # The program the plan runs (XLA's, or a fusion plan's rewritten one) fits as compiled.
@@ -91,7 +91,7 @@ def test_a_limit_between_the_replicated_and_the_sharded_peak_gives_a_plan_that_f
     assert ranked[plan.search["offline"]["chosen"]]["footprint_bytes"] <= limit
     # The replicated program's plan (what the decorator looks up first) holds the decision.
     machine = plan.machine
-    found, _ = _plan.find_plan(replicated.captured().graph.fingerprint, machine, tmp_path)
+    found, _ = _plan.find_plan(replicated.captured().program.graph.fingerprint, machine, tmp_path)
     assert found is not None and found.use_default and found.weight_update["program"] == plan.fingerprint
     assert found.weight_update["chosen"] == decided["chosen"]
     # `choice.pick` reads the same records: the replicated update is over the limit there too.

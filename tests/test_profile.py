@@ -311,7 +311,7 @@ def test_calibrate_fits_the_simulator_to_every_calibration_configuration(tmp_pat
     runner = captured.runner(captured.default_compiled)
     ui = _console.Ui(verbose=False)
     model = _profile_phase.profile(captured, runner, database, ui)
-    labels = list(_profile_phase.calibration_strategies(captured.graph))
+    labels = list(_profile_phase.calibration_strategies(captured.program))
     assert labels[:2] == ["default", "per-gradient"] and len(labels) >= 3
     calibration = _profile_phase.calibrate(model, captured, runner, 6, ui)
     assert model.params == calibration.params and calibration.params.compute_scale > 0

@@ -5,13 +5,13 @@ import re
 
 import pytest
 
-from disco_jax import _capture, _compile, _graph, _hlo, _strategy, _validate, backends
+from disco_jax import _capture, _compile, _hlo, _program, _strategy, _validate, backends
 
 from _steps import make_step
 
 
-def _compiled(step, args, strategy, graph):
-    compiled, status = _compile.compile_strategy(step.lower(*args), graph, strategy)
+def _compiled(step, args, strategy, program):
+    compiled, status = _compile.compile_strategy(step.lower(*args), program, strategy)
     assert status in ("rewritten", "cached")
     return compiled
 
@@ -25,19 +25,21 @@ def _allreduce_operand_sets(text):
 def setup(request):
     step, args = make_step(request.param)
     text, default = _capture.capture(step.lower(*args))
-    return step, args, _graph.build_graph(text, backends.CPU), default(*args)
+    return step, args, _program.build_program(text, backends.CPU), default(*args)
 
 
 def test_xla_default_strategy_reproduces_the_program_bitwise(setup):
-    step, args, graph, reference = setup
-    compiled = _compiled(step, args, _strategy.xla_default(graph), graph)
+    step, args, program, reference = setup
+    graph = program.graph
+    compiled = _compiled(step, args, _strategy.xla_default(graph), program)
     assert _validate.compare_outputs(reference, compiled(*args), bitwise=True).bitwise_equal
 
 
 def test_per_gradient_allreduces_are_in_the_compiled_hlo(setup):
-    step, args, graph, reference = setup
+    step, args, program, reference = setup
+    graph = program.graph
     s = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "split")
-    compiled = _compiled(step, args, s, graph)
+    compiled = _compiled(step, args, s, program)
     text = compiled.as_text()
     assert _allreduce_operand_sets(text) == [1] * len(graph.gradients)
     # Regrouping all-reduces does not reorder arithmetic: bitwise equal.
@@ -45,11 +47,12 @@ def test_per_gradient_allreduces_are_in_the_compiled_hlo(setup):
 
 
 def test_buckets_carry_exactly_the_planned_gradients(setup):
-    step, args, graph, reference = setup
+    step, args, program, reference = setup
+    graph = program.graph
     order = sorted(g.id for g in graph.gradients)
     buckets = [tuple(order[:3]), tuple(order[3:])]
     s = _strategy.with_buckets(_strategy.xla_default(graph), buckets, "two")
-    compiled = _compiled(step, args, s, graph)
+    compiled = _compiled(step, args, s, program)
     entry = _hlo.parse_module(compiled.as_text()).entry
     allreduces = [i for i in entry.instructions if i.opcode == "all-reduce"]
     assert sorted(len(i.operands) for i in allreduces) == sorted(len(b) for b in buckets)
@@ -60,8 +63,9 @@ def test_buckets_carry_exactly_the_planned_gradients(setup):
 
 
 def test_unfused_strategy_removes_loop_fusions(setup):
-    step, args, graph, reference = setup
-    compiled = _compiled(step, args, _strategy.unfused(graph), graph)
+    step, args, program, reference = setup
+    graph = program.graph
+    compiled = _compiled(step, args, _strategy.unfused(graph), program)
     # XLA:CPU (jaxlib 0.12) wraps each lone op the hook returns in a one-op kLoop fusion; it fuses
     # nothing more: no kernel holds two ops, where XLA's own plan had multi-op fusions.
     assert _compile.compiled_stats(graph.module.to_text())["multi_op_loop_fusions"] > 0
@@ -71,14 +75,15 @@ def test_unfused_strategy_removes_loop_fusions(setup):
 
 
 def test_random_move_sequences_compile_and_match(setup):
-    step, args, graph, reference = setup
+    step, args, program, reference = setup
+    graph = program.graph
     rng = random.Random(7)
     s = _strategy.xla_default(graph)
     for _ in range(80):
-        nxt = _strategy.MOVES[rng.choice(sorted(_strategy.MOVES))](graph, s, rng)
-        if nxt is not None and _strategy.kernel_dag(graph, nxt) is not None:
+        nxt = _strategy.MOVES[rng.choice(sorted(_strategy.MOVES))](program, s, rng)
+        if nxt is not None and _strategy.kernel_dag(program, nxt) is not None:
             s = nxt
-    compiled = _compiled(step, args, s, graph)
+    compiled = _compiled(step, args, s, program)
     counts = _compile.compiled_stats(compiled.as_text())
     assert counts["all-reduce"] == len(s.buckets)
     new_fusions = re.findall(r"calls=%disco_fused_computation", compiled.as_text())
@@ -87,16 +92,17 @@ def test_random_move_sequences_compile_and_match(setup):
 
 
 def test_a_new_fusion_appears_in_the_compiled_hlo(setup):
-    step, args, graph, reference = setup
+    step, args, program, reference = setup
+    graph = program.graph
     rng = random.Random(0)
     s = _strategy.unfused(graph)
     for _ in range(200):
-        nxt = _strategy.fuse_producer(graph, s, rng, duplicate=rng.random() < 0.5)
-        if nxt is not None and _strategy.kernel_dag(graph, nxt) is not None:
+        nxt = _strategy.fuse_producer(program, s, rng, duplicate=rng.random() < 0.5)
+        if nxt is not None and _strategy.kernel_dag(program, nxt) is not None:
             s = nxt
             if len(s.fused_groups) >= 3:
                 break
-    compiled = _compiled(step, args, s, graph)
+    compiled = _compiled(step, args, s, program)
     assert "disco_fused_computation" in compiled.as_text()
     assert _validate.compare_outputs(reference, compiled(*args), bitwise=False).within_tolerance
 
@@ -119,15 +125,16 @@ def test_transformer_with_scatter_and_large_constants_round_trips_bitwise():
     lowered = step.lower(state, batch)
     text, default = _capture.capture(lowered)
     assert "{...}" not in text
-    graph = _graph.build_graph(text, backends.CPU)
+    program = _program.build_program(text, backends.CPU)
+    graph = program.graph
     scatters = [op for op in graph.ops if "scatter" in op.name]
     assert len(scatters) >= 2
     operands = [s.operands[0] for s in scatters]
     assert len(set(operands)) == len(operands), "in-place operands were merged"
     reference = default(state, batch)
-    compiled, _ = _compile.compile_strategy(lowered, graph, _strategy.xla_default(graph))
+    compiled, _ = _compile.compile_strategy(lowered, program, _strategy.xla_default(graph))
     assert _validate.compare_outputs(reference, compiled(state, batch), bitwise=True).bitwise_equal
     # Unfusing everything only reorders rounding: within the step's own one-ulp sensitivity.
     floor = _validate.sensitivity(reference, default(*_validate.nudge((state, batch))))
-    compiled, _ = _compile.compile_strategy(lowered, graph, _strategy.unfused(graph))
+    compiled, _ = _compile.compile_strategy(lowered, program, _strategy.unfused(graph))
     assert _validate.compare_outputs(reference, compiled(state, batch), bitwise=False, floor=floor).within_tolerance

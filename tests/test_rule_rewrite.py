@@ -41,18 +41,18 @@ def _psum_then_slice(read_whole=False, scale=False, shift=0):
 
 def _compiled_with_rules(step, x):
     lowered = step.lower(x)
-    graph, compiled = _compile.capture_graph(lowered, backends.CPU)
-    return graph, compiled, lowered.compile()
+    program, compiled = _compile.capture_program(lowered, backends.CPU)
+    return program, compiled, lowered.compile()
 
 
 @pytest.mark.parametrize("scale", [False, True], ids=["slice", "elementwise-then-slice"])
 def test_an_all_reduce_read_as_each_devices_block_becomes_a_reduce_scatter(scale):
     step, x = _psum_then_slice(scale=scale)
-    graph, compiled, plain = _compiled_with_rules(step, x)
+    program, compiled, plain = _compiled_with_rules(step, x)
     counts = update.collectives(compiled.as_text())
     assert counts["reduce-scatter"] == 1 and counts["all-reduce"] == 0
     assert update.collectives(plain.as_text())["all-reduce"] == 1
-    applied = {a["rule"]: a for a in graph.rules_applied}
+    applied = {a["rule"]: a for a in program.rules_applied}
     assert applied["own_block_of_all_reduce"]["result"].startswith("disco_reduce-scatter")
     assert ("own_block_through_elementwise2" in applied) == scale  # x * 0.5: a binary op
     # The reduce-scatter sums in the all-reduce's order on XLA:CPU: bitwise the same block.
@@ -62,8 +62,8 @@ def test_an_all_reduce_read_as_each_devices_block_becomes_a_reduce_scatter(scale
 @pytest.mark.parametrize("variant", [dict(read_whole=True), dict(shift=1)], ids=["read-whole", "another-block"])
 def test_an_all_reduce_read_otherwise_is_left_alone(variant):
     step, x = _psum_then_slice(**variant)
-    graph, compiled, _ = _compiled_with_rules(step, x)
-    assert graph.rules_applied == ()
+    program, compiled, _ = _compiled_with_rules(step, x)
+    assert program.rules_applied == ()
     counts = update.collectives(compiled.as_text())
     assert counts["reduce-scatter"] == 0 and counts["all-reduce"] == 1
     text = _capture.capture(step.lower(x))[0]
@@ -102,11 +102,12 @@ def sharded_adam():
 
 def test_the_sharded_adam_step_reduce_scatters_once_and_gathers_once(sharded_adam):
     lowered, args = sharded_adam
-    graph, compiled = _compile.capture_graph(lowered, backends.CPU)
+    program, compiled = _compile.capture_program(lowered, backends.CPU)
+    graph = program.graph
     counts = update.collectives(compiled.as_text())
     # Five gradients are read as blocks (Dense_2's 4-wide bias and the loss are not split).
     assert counts["reduce-scatter"] == 1 and counts["all-gather"] == 1 and counts["all-reduce"] == 1
-    by_rule = {a["rule"]: a for a in graph.rules_applied}
+    by_rule = {a["rule"]: a for a in program.rules_applied}
     # Adam reads 0.1 * g and g * g before slicing: binary elementwise ops, moved after the slice.
     # The parameters stay replicated here: no all-gather at the start to read shards of.
     assert set(by_rule) == set(apply.RULES) - {"own_block_through_elementwise", "own_block_of_all_gather"}
@@ -114,8 +115,8 @@ def test_the_sharded_adam_step_reduce_scatters_once_and_gathers_once(sharded_ada
     assert len(apply.scatterable(graph.module)) == 5
     # The simulator costs what runs: five gradients reduce-scattered, four all-gathers folded into
     # the fifth's latency.
-    assert sum(moved < g.nbytes for g, moved in zip(graph.gradients, transfer_bytes(graph))) == 5
-    assert len(sharded.scattered_gradients(graph)) == 5 and len(sharded.grouped_gathers(graph)) == 4
+    assert sum(moved < g.nbytes for g, moved in zip(graph.gradients, transfer_bytes(program))) == 5
+    assert len(sharded.scattered_gradients(program)) == 5 and len(sharded.grouped_gathers(program)) == 4
     plain = _capture.capture(lowered)[1]  # the same program, no rule applied
     assert update.collectives(plain.as_text())["all-gather"] == 5
     np.testing.assert_array_equal(

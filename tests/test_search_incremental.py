@@ -14,7 +14,7 @@ import random
 import optax
 import pytest
 
-from disco_jax import _capture, _compile, _edit, _graph, _strategy, backends, targets, zoo
+from disco_jax import _capture, _compile, _edit, _program, _strategy, backends, targets, zoo
 from disco_jax.cost import AllReduceCostModel, AnalyticalEstimator, CostModel, chain, kernels, sharded, simulate
 
 from _steps import make_step
@@ -30,16 +30,16 @@ def captured(request):
     style, sizes, optimizer = STEPS[request.param]
     step, args = make_step(style, sizes=sizes, optimizer=optimizer)
     text, _ = _capture.capture(step.lower(*args))
-    return text, _graph.build_graph(text, backends.CPU)
+    return text, _program.build_program(text, backends.CPU)
 
 
-def _random_walk(graph, seed: int, length: int):
+def _random_walk(program, seed: int, length: int):
     """(parent, child) for `length` random moves from a random start, each child the next parent."""
     rng = random.Random(seed)
-    s = rng.choice(_strategy.start_candidates(graph))
+    s = rng.choice(_strategy.start_candidates(program.graph))
     names = sorted(_strategy.MOVES)
     for _ in range(length):
-        child = _strategy.MOVES[rng.choice(names)](graph, s, rng)
+        child = _strategy.MOVES[rng.choice(names)](program, s, rng)
         if child is None:
             continue
         yield s, child
@@ -64,40 +64,41 @@ def _by_key(st: kernels.KernelState) -> dict:
 
 
 @pytest.fixture(scope="module", params=[*sorted(STEPS), "mlp-tiny-adam-xla-gpu"])
-def two_graphs(request):
-    """Two graphs of one step, parsed apart (no shared caches). The XLA:GPU one (compiled
+def two_programs(request):
+    """Two programs of one step, parsed apart (no shared caches). The XLA:GPU one (compiled
     deviceless for H100s) has groups with equal members: XLA:GPU clones small fusions."""
     if request.param in STEPS:
         style, sizes, optimizer = STEPS[request.param]
         step, args = make_step(style, sizes=sizes, optimizer=optimizer)
         text, _ = _capture.capture(step.lower(*args))
-        return _graph.build_graph(text, backends.CPU), _graph.build_graph(text, backends.CPU)
+        return _program.build_program(text, backends.CPU), _program.build_program(text, backends.CPU)
     lowered = zoo.lower_abstract(zoo.get_model("mlp", "tiny"), optax.adam(1e-3), targets.mesh("h100-sxm", 8))
-    graph, _ = _compile.capture_graph(lowered, backends.GPU)
-    xla = _strategy.xla_default(graph)
+    program, _ = _compile.capture_program(lowered, backends.GPU)
+    xla = _strategy.xla_default(program.graph)
     assert len(set(xla.groups)) < len(xla.groups)
     assert len(set(kernels.group_keys(xla))) == len(xla.groups)
-    return graph, _compile.capture_graph(lowered, backends.GPU)[0]
+    return program, _compile.capture_program(lowered, backends.GPU)[0]
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_a_derived_kernel_state_and_cost_equal_a_from_scratch_evaluation(two_graphs, seed):
+def test_a_derived_kernel_state_and_cost_equal_a_from_scratch_evaluation(two_programs, seed):
     """As the search does: a run of 1 to 12 moves from an evaluated strategy, the result's state
     derived from that strategy's, its cost from the derived state. The moves include sharding a
     bucket's weight update where the step has optimizer state (Adam)."""
-    graph, fresh = two_graphs
+    program, fresh = two_programs
+    graph = program.graph
     shardable = sharded.regions_of(graph).shardable
     moves = _strategy.with_sharding(shardable)
     rng = random.Random(seed)
     allreduce = AllReduceCostModel(per_byte_us=1e-3, latency_us=20.0)
-    evaluator = CostModel(chain(AnalyticalEstimator()), allreduce, {}).evaluator(graph)
+    evaluator = CostModel(chain(AnalyticalEstimator()), allreduce, {}).evaluator(program)
     base = rng.choice(_strategy.start_candidates(graph))
     assert evaluator(base) is not None
     derived = changed_kernels = with_sharded = 0
     for _ in range(40):
         child = dataclasses.replace(base, rehomed=frozenset())
         for _ in range(rng.randint(1, 12)):
-            child = moves[rng.choice(sorted(moves))](graph, child, rng) or child
+            child = moves[rng.choice(sorted(moves))](program, child, rng) or child
         if child.key() == base.key():
             continue
         got = evaluator.many([child], parent=base)[0]
@@ -119,20 +120,21 @@ def test_a_derived_kernel_state_and_cost_equal_a_from_scratch_evaluation(two_gra
 
 @pytest.mark.parametrize("seed", range(6))
 def test_moves_maintain_the_state_a_from_scratch_evaluation_computes(captured, seed):
-    text, graph = captured
+    text, program = captured
+    graph = program.graph
     allreduce = AllReduceCostModel(per_byte_us=1e-3, latency_us=20.0)
-    incremental = CostModel(chain(AnalyticalEstimator()), allreduce, {}).evaluator(graph)
+    incremental = CostModel(chain(AnalyticalEstimator()), allreduce, {}).evaluator(program)
     fused = 0
-    for parent, child in _random_walk(graph, seed, 80):
+    for parent, child in _random_walk(program, seed, 80):
         # A bucket move keeps its parent's index (None on a start: built when needed).
         assert child.group_index() == _edit.group_index(child.groups, len(graph.ops))
         assert child.index is not None or child.groups == parent.groups
-        again = _strategy.normalize(graph, _strategy.Strategy(child.groups, child.homes, child.buckets))
+        again = _strategy.normalize(program, _strategy.Strategy(child.groups, child.homes, child.buckets))
         assert again is not None and (again.groups, again.homes) == (child.groups, child.homes)
-        assert _strategy.emittable(graph, child)
+        assert _strategy.emittable(program, child)
         fused += child.groups != parent.groups
         # From scratch: a new graph (no cached kernel inputs, signatures, consumers), new caches.
-        fresh = _graph.build_graph(text, backends.CPU)
+        fresh = _program.build_program(text, backends.CPU)
         plain = _strategy.Strategy(child.groups, child.homes, child.buckets)
         expected = simulate(fresh, plain, chain(AnalyticalEstimator()), allreduce)
         got = incremental(child)
@@ -143,12 +145,12 @@ def test_moves_maintain_the_state_a_from_scratch_evaluation_computes(captured, s
 
 
 def test_whole_normalization_of_a_start_is_a_fixed_point(captured):
-    _, graph = captured
-    for start in _strategy.start_candidates(graph):
-        once = _strategy.normalize(graph, start)
+    _, program = captured
+    for start in _strategy.start_candidates(program.graph):
+        once = _strategy.normalize(program, start)
         if once is None:
             continue
-        twice = _strategy.normalize(graph, once)
+        twice = _strategy.normalize(program, once)
         assert (twice.groups, twice.homes) == (once.groups, once.homes)
 
 
@@ -163,24 +165,25 @@ def test_cloned_groups_get_distinct_keys():
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_reaches_finds_paths_of_the_full_kernel_dag_and_no_others(two_graphs, seed):
+def test_reaches_finds_paths_of_the_full_kernel_dag_and_no_others(two_programs, seed):
     """`StrategyEdit.reaches(start, target)` (the fuse move's cycle check: two walks meeting in the
     middle) against a walk over the strategy's whole kernel DAG (`kernel_dag`), on ordered pairs
     of groups of strategies met on a random walk: every path it reports exists, and it finds most
     paths. Not all: it follows no value produced after target's last op, and a kernel holding
     ops far apart in program order (XLA:GPU's clones) can still lead back to target; `kernel_dag`
     catches those (measured: 91-100% found per seed on the XLA:GPU graph, all on XLA:CPU's)."""
-    graph, _ = two_graphs
+    program, _ = two_programs
+    graph = program.graph
     moves = _strategy.with_sharding(sharded.regions_of(graph).shardable)
     rng = random.Random(seed)
     s = rng.choice(_strategy.start_candidates(graph))
     paths = found = unrelated = 0
     for _ in range(12):
         for _ in range(rng.randint(1, 6)):
-            s = moves[rng.choice(sorted(moves))](graph, s, rng) or s
-        dag = _strategy.kernel_dag(graph, s)
+            s = moves[rng.choice(sorted(moves))](program, s, rng) or s
+        dag = _strategy.kernel_dag(program, s)
         assert dag is not None
-        edit = _edit.StrategyEdit(graph, s.groups, s.homes, s.group_index())
+        edit = _edit.StrategyEdit(program, s.groups, s.homes, s.group_index())
         below: dict[int, set[int]] = {}  # per kernel, the kernels that depend on it (transitively)
         for k in reversed(dag.order):
             below[k] = set(dag.users[k]).union(*(below[u] for u in dag.users[k]))

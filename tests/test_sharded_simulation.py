@@ -12,7 +12,7 @@ from test_sharded_update import flax_adam_step
 from test_weight_update_choice import layout_of
 
 from disco_jax import _strategy, backends, targets, zoo
-from disco_jax._compile import capture, capture_graph
+from disco_jax._compile import capture, capture_program
 from disco_jax.cost import AllReduceCostModel, AnalyticalEstimator, chain, kernel_state, kernels, sharded, simulate
 from disco_jax.cost.allreduce import collective_time_us, transfer_bytes
 from disco_jax.eval import clusters
@@ -47,21 +47,22 @@ def test_update_regions_find_each_gradients_adam_moments(flax_step):
 
 
 def test_a_sharded_bucket_gathers_after_its_update_and_updates_one_nth(flax_step):
-    graph = flax_step[0].graph
+    program = flax_step[0].program
+    graph = program.graph
     regions = sharded.regions_of(graph)
     estimator, line = chain(AnalyticalEstimator()), AllReduceCostModel(1e-3, 20.0)
     plain = _strategy.xla_default(graph)
     shard = all_sharded(graph, regions.shardable)
-    replicated = simulate(graph, dataclasses.replace(shard, sharded=frozenset()), estimator, line, record=True)
-    split = simulate(graph, shard, estimator, line, record=True)
-    assert simulate(graph, plain, estimator, line) is not None
+    replicated = simulate(program, dataclasses.replace(shard, sharded=frozenset()), estimator, line, record=True)
+    split = simulate(program, shard, estimator, line, record=True)
+    assert simulate(program, plain, estimator, line) is not None
     gathers = [(a, b) for lane, label, a, b in split.events if label.startswith("all-gather")]
     assert len(gathers) == sum(1 for b in shard.buckets if b[0] in shard.sharded)
     # XLA:CPU reduce-scatters a sharded bucket (the hook's rule, `sharding.apply`): one
     # reduce-scatter per sharded bucket, at the line's scatter cost; the others stay all-reduces.
-    assert graph.backend.forms_reduce_scatter
+    assert program.backend.forms_reduce_scatter
     scatters = sorted(b - a for _, label, a, b in split.events if label.startswith("reduce-scatter"))
-    per_scatter = [sum(transfer_bytes(graph)[g] for g in b) for b in shard.buckets if b[0] in shard.sharded]
+    per_scatter = [sum(transfer_bytes(program)[g] for g in b) for b in shard.buckets if b[0] in shard.sharded]
     assert scatters == pytest.approx(sorted(line.collective_time_us("reduce-scatter", n) for n in per_scatter))
     gathered = sum(graph.gradients[g].nbytes for g in shard.sharded)
     per_bucket = [sum(graph.gradients[g].nbytes for g in b) for b in shard.buckets if b[0] in shard.sharded]
@@ -70,7 +71,7 @@ def test_a_sharded_bucket_gathers_after_its_update_and_updates_one_nth(flax_step
         sorted(line.collective_time_us("all-gather", n) for n in per_bucket)
     )
     # The update's kernels cost 1/8: the compute saved is 7/8 of what they cost replicated.
-    state = kernel_state(graph, shard)
+    state = kernel_state(program, shard)
     kernels.estimate_missing(graph, [state], estimator)
     update_kernels = [
         k
@@ -84,26 +85,28 @@ def test_a_sharded_bucket_gathers_after_its_update_and_updates_one_nth(flax_step
 
 def test_on_xla_gpu_a_sharded_bucket_reduce_scatters():
     lowered = zoo.lower_abstract(zoo.get_model("mlp", "tiny"), optax.adam(1e-3), targets.mesh("h100-sxm", 8))
-    graph, _ = capture_graph(lowered, backends.GPU)
+    program, _ = capture_program(lowered, backends.GPU)
+    graph = program.graph
     regions = sharded.regions_of(graph)
     assert regions.shardable and regions.num_shards == 8
     shard = all_sharded(graph, regions.shardable)
     line = AllReduceCostModel(1e-3, 20.0)
-    sim = simulate(graph, shard, chain(AnalyticalEstimator()), line, record=True)
+    sim = simulate(program, shard, chain(AnalyticalEstimator()), line, record=True)
     scatters = [(label, b - a) for lane, label, a, b in sim.events if label.startswith("reduce-scatter")]
     assert len(scatters) == len({b for b in shard.buckets if b[0] in shard.sharded})
-    replicated = simulate(graph, dataclasses.replace(shard, sharded=frozenset()), chain(AnalyticalEstimator()), line)
+    replicated = simulate(program, dataclasses.replace(shard, sharded=frozenset()), chain(AnalyticalEstimator()), line)
     assert sim.comm_us != replicated.comm_us
 
 
 def test_a_simulated_gpu_cluster_reduce_scatters_on_xla_cpus_graph(flax_step):
     """The report's cluster rows cost XLA:CPU's module for GPU clusters: the cluster's NCCL, not
     the capturing backend, decides that a sharded bucket reduce-scatters."""
-    graph = flax_step[0].graph
+    program = flax_step[0].program
+    graph = program.graph
     shard = all_sharded(graph, sharded.regions_of(graph).shardable)
     cluster = clusters.get_cluster("clusterA-12x1080Ti").allreduce_model()
     estimator = chain(AnalyticalEstimator())
-    sim = simulate(graph, shard, estimator, cluster, record=True)
+    sim = simulate(program, shard, estimator, cluster, record=True)
     scatters = sorted(b - a for _, label, a, b in sim.events if label.startswith("reduce-scatter"))
     buckets = [b for b in shard.buckets if b[0] in shard.sharded]
     reduces = [e for e in sim.events if e[1].startswith("all-reduce")]
@@ -113,22 +116,23 @@ def test_a_simulated_gpu_cluster_reduce_scatters_on_xla_cpus_graph(flax_step):
     ]
     assert scatters == pytest.approx(sorted(expected))
     # A backend that neither forms reduce-scatters nor applies the rule keeps the all-reduce.
-    keeps = dataclasses.replace(graph, backend=dataclasses.replace(graph.backend, hook_rules=frozenset()))
+    keeps = dataclasses.replace(program, backend=dataclasses.replace(program.backend, hook_rules=frozenset()))
     plain = simulate(keeps, shard, estimator, AllReduceCostModel(1e-3, 20.0), record=True)
     assert not [e for e in plain.events if e[1].startswith("reduce-scatter")]
 
 
 def test_the_shard_move_toggles_whole_buckets_and_merges_keep_buckets_alike(flax_step):
-    graph = flax_step[0].graph
+    program = flax_step[0].program
+    graph = program.graph
     shardable = sharded.regions_of(graph).shardable
     rng = random.Random(0)
     s = all_sharded(graph, shardable)
     for _ in range(50):
         move = _strategy.with_sharding(shardable)[rng.choice(["shard_update", "merge_allreduce", "split"])]
-        s = move(graph, s, rng) or s
-        assert s.sharded <= shardable and _strategy.is_valid(graph, s)
+        s = move(program, s, rng) or s
+        assert s.sharded <= shardable and _strategy.is_valid(program, s)
     mixed = dataclasses.replace(s, buckets=(tuple(range(len(graph.gradients))),), sharded=frozenset([0]))
-    assert not _strategy.is_valid(graph, mixed)
+    assert not _strategy.is_valid(program, mixed)
     again = _strategy.Strategy.from_json(graph, s.to_json(graph))
     assert again.sharded == s.sharded
 

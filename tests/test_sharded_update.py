@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from disco_jax import _api, _capture, _compile, _graph, _plan, _strategy, backends, optimize_distributed, zoo
+from disco_jax import _api, _capture, _compile, _plan, _program, _strategy, backends, optimize_distributed, zoo
 from disco_jax.sharding import rules, update
 
 from _steps import make_step
@@ -227,7 +227,8 @@ def test_a_fusion_and_bucketing_plan_is_enacted_on_the_sharded_module(tmp_path):
     default = step.lower(*args).compile()
     layout, _ = update.find_layout(step, args, {}, args, {}, jax.tree.leaves(default.input_shardings))
     lowered, (sharded_args, _) = update.relower(step, layout, args, {}, (args, {}), default)
-    graph = _graph.build_graph(_capture.capture(lowered)[0], backends.CPU)
+    program = _program.build_program(_capture.capture(lowered)[0], backends.CPU)
+    graph = program.graph
     per_gradient = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "test")
     machine = _plan.MachineKey.current(_compile.step_devices(sharded_args, {}))
     plan = _plan.Plan(graph.fingerprint, graph.module.name, machine, False, per_gradient.to_json(graph), "by hand")
@@ -246,7 +247,7 @@ def test_a_fusion_and_bucketing_plan_is_enacted_on_the_sharded_module(tmp_path):
     np.testing.assert_allclose(float(out[2]), float(reference[2]), rtol=1e-6)
     scattered = [a for a in report.rules_applied if a["rule"] == "own_block_of_all_reduce"]
     assert len(scattered) == report.plan_counts["reduce-scatter"] == 5
-    assert report.rules_applied == _compile.rules_applied(graph, per_gradient)
+    assert report.rules_applied == _compile.rules_applied(program, per_gradient)
 
 
 def test_static_and_donated_arguments_survive_the_relowering():

@@ -4,68 +4,73 @@ import random
 
 import pytest
 
-from disco_jax import _capture, _graph, _strategy, backends
+from disco_jax import _capture, _program, _strategy, backends
 
 from _steps import make_step
 
 
 @pytest.fixture(scope="module")
-def graph():
+def program():
     step, args = make_step("jit", sizes=(16, 32, 32, 32, 4))
     text, _ = _capture.capture(step.lower(*args))
-    return _graph.build_graph(text, backends.CPU)
+    return _program.build_program(text, backends.CPU)
 
 
-def test_start_candidates_are_valid_and_distinct(graph):
+@pytest.fixture(scope="module")
+def graph(program):
+    return program.graph
+
+
+def test_start_candidates_are_valid_and_distinct(program, graph):
     starts = _strategy.start_candidates(graph)
-    assert all(_strategy.is_valid(graph, s) for s in starts)
+    assert all(_strategy.is_valid(program, s) for s in starts)
     assert len({s.key() for s in starts}) == len(starts)
     assert len(_strategy.unfused(graph).buckets) == len(graph.gradients)
     assert len(_strategy.xla_default(graph).buckets) == 1
 
 
 @pytest.mark.parametrize("move", sorted(_strategy.MOVES))
-def test_each_move_keeps_the_strategy_valid(graph, move):
+def test_each_move_keeps_the_strategy_valid(program, graph, move):
     rng = random.Random(move)
     changed = 0
     for start in _strategy.start_candidates(graph):
         s = start
         for _ in range(60):
-            nxt = _strategy.MOVES[move](graph, s, rng)
-            if nxt is None or _strategy.kernel_dag(graph, nxt) is None:
+            nxt = _strategy.MOVES[move](program, s, rng)
+            if nxt is None or _strategy.kernel_dag(program, nxt) is None:
                 continue  # not applicable here, or rejected as invalid by the search
-            assert _strategy.is_valid(graph, nxt), f"{move} produced an invalid strategy"
+            assert _strategy.is_valid(program, nxt), f"{move} produced an invalid strategy"
             changed += nxt.key() != s.key()
             s = nxt
     assert changed > 0, f"{move} never applied"
 
 
-def test_fuse_move_merges_two_groups(graph):
+def test_fuse_move_merges_two_groups(program, graph):
     rng = random.Random(0)
     s = _strategy.unfused(graph)
     for _ in range(50):
-        nxt = _strategy.fuse_producer(graph, s, rng, duplicate=False)
+        nxt = _strategy.fuse_producer(program, s, rng, duplicate=False)
         if nxt is not None:
             break
     assert len(nxt.groups) == len(s.groups) - 1
     assert len(nxt.fused_groups) == 1
 
 
-def test_merge_buckets_joins_neighbours_only(graph):
+def test_merge_buckets_joins_neighbours_only(program, graph):
     rng = random.Random(0)
     s = _strategy.unfused(graph)
-    nxt = _strategy.merge_buckets(graph, s, rng)
+    nxt = _strategy.merge_buckets(program, s, rng)
     assert len(nxt.buckets) == len(s.buckets) - 1
     merged = next(b for b in nxt.buckets if len(b) == 2)
     order = sorted(range(len(graph.gradients)), key=lambda g: graph.gradients[g].producer)
     assert abs(order.index(merged[0]) - order.index(merged[1])) == 1
 
 
-def test_strategy_json_round_trip(graph):
+def test_strategy_json_round_trip(program, graph):
     rng = random.Random(3)
     s = _strategy.xla_default(graph)
     for _ in range(30):
-        s = _strategy.MOVES[rng.choice(sorted(_strategy.MOVES))](graph, s, rng) or s
+        s = _strategy.MOVES[rng.choice(sorted(_strategy.MOVES))](program, s, rng) or s
     back = _strategy.Strategy.from_json(graph, s.to_json(graph))
     assert back.key() == s.key()
 
@@ -77,7 +82,7 @@ def test_strategy_json_with_unknown_op_is_refused(graph):
         _strategy.Strategy.from_json(graph, data)
 
 
-def test_cycle_is_invalid(graph):
+def test_cycle_is_invalid(program, graph):
     # Put a gradient's producer and an op that reads the reduced value into one group:
     # the all-reduce would both feed and wait for the group.
     g = next(
@@ -92,5 +97,5 @@ def test_cycle_is_invalid(graph):
     home = s.homes[g.producer]
     groups[home] = groups[home] | groups[s.homes[user]]
     bad = _strategy.Strategy(tuple(groups), s.homes, s.buckets)
-    assert _strategy.kernel_dag(graph, bad) is None
-    assert not _strategy.is_valid(graph, bad)
+    assert _strategy.kernel_dag(program, bad) is None
+    assert not _strategy.is_valid(program, bad)

@@ -15,10 +15,10 @@ from test_multihost import run_job
 from disco_jax import (
     _capture,
     _compile,
-    _graph,
     _plan,
     _profile_db,
     _profile_phase,
+    _program,
     _search,
     _search_phase,
     _strategy,
@@ -36,9 +36,14 @@ SEARCH = _search.SearchConfig(budget_s=1.0, max_unchanged=200, seed=1)
 
 
 @pytest.fixture(scope="module")
-def graph():
+def program():
     step, args = make_step("jit", sizes=(16, 64, 64, 64, 4))
-    return _graph.build_graph(_capture.capture(step.lower(*args))[0], backends.CPU)
+    return _program.build_program(_capture.capture(step.lower(*args))[0], backends.CPU)
+
+
+@pytest.fixture(scope="module")
+def graph(program):
+    return program.graph
 
 
 def cost_model() -> cost.CostModel:
@@ -49,22 +54,26 @@ def cost_model() -> cost.CostModel:
     )
 
 
-def first_search(graph, model) -> _search.SearchResult:
+def first_search(program, model) -> _search.SearchResult:
     def simulated(s):
-        r = model.simulate(graph, s)
+        r = model.simulate(program, s)
         return None if r is None else r.iteration_us
 
-    return _search.backtracking_search(graph, simulated, SEARCH)
+    return _search.backtracking_search(program, simulated, SEARCH)
 
 
 def timing(ratio: float, pairs: int = 8) -> _validate.Timing:
     return _validate.summarize([100.0] * pairs, [100.0 * ratio] * pairs)
 
 
-def test_a_candidate_measured_slower_than_predicted_loses_its_rank(graph):
+def test_a_candidate_measured_slower_than_predicted_loses_its_rank(program, graph):
     model = cost_model()
     loop = _tuning.MeasuredSearch(
-        graph, model, first_search(graph, model), SEARCH, _tuning.TuningConfig(candidates=3, budget_s=60, max_rounds=2)
+        program,
+        model,
+        first_search(program, model),
+        SEARCH,
+        _tuning.TuningConfig(candidates=3, budget_s=60, max_rounds=2),
     )
     ratios = itertools.chain([1.5], itertools.repeat(0.9))  # the model's favourite measures slow
     while (s := loop.next()) is not None:
@@ -84,20 +93,20 @@ def test_a_candidate_measured_slower_than_predicted_loses_its_rank(graph):
     assert tuned.recalibration["applied"] and model.params == tuned_params(tuned.recalibration)
 
 
-def test_recalibration_recovers_the_parameters_and_keeps_the_measured_step_overhead(graph):
+def test_recalibration_recovers_the_parameters_and_keeps_the_measured_step_overhead(program, graph):
     model = cost_model()
     model.params = cost.SimulatorParams(step_overhead_us=50.0)  # as the calibrate phase measured it
     truth = cost.SimulatorParams(compute_scale=3.0, comm_blocking=0.5, step_overhead_us=50.0)
     rng = random.Random(0)
-    strategies = list(_profile_phase.calibration_strategies(graph).values())
+    strategies = list(_profile_phase.calibration_strategies(program).values())
     for move in (_strategy.split, _strategy.split_group, _strategy.merge_buckets, _strategy.split_bucket):
-        s = move(graph, strategies[0], rng)
+        s = move(program, strategies[0], rng)
         strategies += [s] if s is not None else []
     points = [
-        (s, model.simulate(graph, s, params=truth).iteration_us * rng.uniform(0.98, 1.02), f"s{i}")
+        (s, model.simulate(program, s, params=truth).iteration_us * rng.uniform(0.98, 1.02), f"s{i}")
         for i, s in enumerate(strategies)
     ]
-    fitted = _tuning.recalibrate(graph, model, points)
+    fitted = _tuning.recalibrate(program, model, points)
     assert fitted.free == _profile_phase.CALIBRATED and fitted.misfit < 0.03
     assert model.params == fitted.params and model.params.step_overhead_us == 50.0
     assert model.params.compute_scale == pytest.approx(3.0, rel=0.15)
@@ -107,7 +116,7 @@ def tuned_params(recalibration: dict) -> cost.SimulatorParams:
     return cost.SimulatorParams(**recalibration["params"])
 
 
-def test_measured_kernel_times_enter_the_table_and_cost_the_next_round(graph):
+def test_measured_kernel_times_enter_the_table_and_cost_the_next_round(program, graph):
     model = cost_model()
     table = _tuning.measured_table(model)
     measured: dict[frozenset[int], float] = {}
@@ -129,7 +138,7 @@ def test_measured_kernel_times_enter_the_table_and_cost_the_next_round(graph):
         return _tuning.Measurement(timing(0.95), new, len(s.buckets))
 
     tuning = _tuning.TuningConfig(candidates=2, budget_s=60, max_rounds=2)
-    tuned = _tuning.measured_search(graph, model, first_search(graph, model), SEARCH, tuning, measure)
+    tuned = _tuning.measured_search(program, model, first_search(program, model), SEARCH, tuning, measure)
     assert measured, "no candidate formed a kernel the table lacked"
     assert "profile" not in sources_when_measured  # costed by the analytical model before
     # Round 1 searched with round 0's kernels costed from the table, at their measured times.
@@ -141,14 +150,14 @@ def test_measured_kernel_times_enter_the_table_and_cost_the_next_round(graph):
     assert tuned.kernel_times_us == {graph.kernel_signature(k): t for k, t in measured.items()}  # to be stored
 
 
-def test_no_candidate_faster_keeps_xla_with_the_evidence(graph):
+def test_no_candidate_faster_keeps_xla_with_the_evidence(program, graph):
     model = cost_model()
     tuning = _tuning.TuningConfig(candidates=2, budget_s=60, max_rounds=1)
 
     def measure(s):
         return _tuning.Measurement(timing(1.1), {}, len(s.buckets))
 
-    tuned = _tuning.measured_search(graph, model, first_search(graph, model), SEARCH, tuning, measure)
+    tuned = _tuning.measured_search(program, model, first_search(program, model), SEARCH, tuning, measure)
     assert tuned.best.key() == _strategy.xla_default(graph).key()
     assert "no measured candidate was faster" in tuned.reason
     assert tuned.evidence["ratio"] == pytest.approx(1.1) and tuned.evidence["source"] == "measured candidates"
@@ -158,13 +167,13 @@ def test_no_candidate_faster_keeps_xla_with_the_evidence(graph):
     assert a["predicted_ratio"] * b["predicted_us"] == pytest.approx(b["predicted_ratio"] * a["predicted_us"])
 
 
-def test_a_candidate_whose_outputs_fail_the_check_is_never_chosen(graph):
+def test_a_candidate_whose_outputs_fail_the_check_is_never_chosen(program, graph):
     model = cost_model()
     tuning = _tuning.TuningConfig(candidates=2, budget_s=60, max_rounds=1)
     wrong = _validate.Comparison(False, False, 1.0, 1.0, 3, 0, _validate.FLOAT64_CHECK)
     right = _validate.Comparison(False, True, 1e-7, 1e-6, 3, 0, _validate.FLOAT64_CHECK)
     measured = iter([(0.8, wrong), (0.9, right)])  # the first candidate measures fastest, and is wrong
-    loop = _tuning.MeasuredSearch(graph, model, first_search(graph, model), SEARCH, tuning)
+    loop = _tuning.MeasuredSearch(program, model, first_search(program, model), SEARCH, tuning)
     while (s := loop.next()) is not None:
         ratio, outputs = next(measured)
         loop.record(_tuning.Measurement(timing(ratio), {}, len(s.buckets), outputs))
@@ -176,14 +185,14 @@ def test_a_candidate_whose_outputs_fail_the_check_is_never_chosen(graph):
     assert stored[0]["outputs"] == {"check": "float64-reference", "within_tolerance": False}
 
 
-def test_when_no_candidate_can_be_chosen_the_reason_says_why_for_each(graph):
+def test_when_no_candidate_can_be_chosen_the_reason_says_why_for_each(program, graph):
     """A failed compile, outputs outside the check and other collectives than planned: XLA's plan
     is kept, and the reason (printed, stored) says what befell the candidates."""
     model = cost_model()
     tuning = _tuning.TuningConfig(candidates=3, budget_s=60, max_rounds=1)
     wrong = _validate.Comparison(False, False, 1.0, 1.0, 3, 0, _validate.FLOAT64_CHECK)
     outcomes = iter(["fails", "wrong", "merged"])
-    loop = _tuning.MeasuredSearch(graph, model, first_search(graph, model), SEARCH, tuning)
+    loop = _tuning.MeasuredSearch(program, model, first_search(program, model), SEARCH, tuning)
     while (s := loop.next()) is not None:
         outcome = next(outcomes)
         if outcome == "fails":
@@ -204,14 +213,14 @@ def test_when_no_candidate_can_be_chosen_the_reason_says_why_for_each(graph):
     assert [r["ineligible"] for r in stored] == [r.ineligible for r in tuned.records]
 
 
-def test_kernel_names_of_a_rewritten_module_map_to_the_strategy_groups(graph):
+def test_kernel_names_of_a_rewritten_module_map_to_the_strategy_groups(program, graph):
     rng, s = random.Random(0), _strategy.xla_default(graph)
     for _ in range(1000):  # split XLA's fusions until the strategy holds a fusion XLA did not form
         if set(s.fused_groups) - set(graph.xla_groups):
             break
-        nxt = _strategy.split_group(graph, s, rng)
-        s = nxt if nxt is not None and _strategy.kernel_dag(graph, nxt) is not None else s
-    names = _tuning_devices.kernel_members(graph, s, graph.backend.rewriter.rewrite(graph, s))
+        nxt = _strategy.split_group(program, s, rng)
+        s = nxt if nxt is not None and _strategy.kernel_dag(program, nxt) is not None else s
+    names = _tuning_devices.kernel_members(graph, s, program.backend.rewriter.rewrite(program, s))
     new = {n: m for n, m in names.items() if n.startswith("disco_fusion.")}
     assert new and set(new.values()) <= set(s.groups)
     assert set(s.fused_groups) <= set(names.values())  # every fused kernel is named

@@ -84,7 +84,7 @@ def test_pipeline_rejects_a_plan_that_is_not_faster_with_confidence(monkeypatch)
     captured = capture(step.lower(*args), backends.CPU, args, {})
     graph = captured.graph
     best = _strategy.with_buckets(_strategy.xla_default(graph), [(g.id,) for g in graph.gradients], "per-gradient")
-    compiled, _ = _compile.compile_strategy(captured.lowered, graph, best)
+    compiled, _ = _compile.compile_strategy(captured.lowered, captured.program, best)
     undecided = _validate.summarize([100.0] * 20, [100.0 * r for r in [0.9, 1.1] * 10])
     monkeypatch.setattr(_validate, "time_until_decided", lambda *a, **k: undecided)
     verdict = _search_phase.validate(captured, captured.runner(captured.default_compiled), best, compiled, 20, 0.9)
@@ -108,7 +108,7 @@ def test_validating_a_fusion_plan_for_adam_records_the_float64_check(monkeypatch
     captured.exact = Float64Run(step, args, {})
     graph = captured.graph
     best = _strategy.unfused(graph)
-    compiled, _ = _compile.compile_strategy(captured.lowered, graph, best)
+    compiled, _ = _compile.compile_strategy(captured.lowered, captured.program, best)
     faster = _validate.summarize([100.0] * 20, [90.0] * 20)
     monkeypatch.setattr(_validate, "time_until_decided", lambda *a, **k: faster)
     verdict = _search_phase.validate(captured, captured.runner(captured.default_compiled), best, compiled, 20, 0.9)

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from test_sharded_update import FAST, flax_adam_step, train
 
 from disco_jax import _plan, _strategy, _validate, backends, optimize_distributed, targets, zoo
-from disco_jax._compile import capture, capture_graph
+from disco_jax._compile import capture, capture_program
 from disco_jax._device_timing import measure_scatter_gather_cost
 from disco_jax.cost import AllReduceCostModel, sharded
 from disco_jax.cost.allreduce import collective_ops, collective_time_us, communication_bytes, transfer_bytes
@@ -88,7 +88,8 @@ def test_the_simulator_puts_the_sharded_updates_all_gathers_on_the_channel():
     default = step.lower(params, opt_state, *batches[0]).compile()
     layout, args = layout_of(step, params, opt_state, batches[0])
     lowered, _ = update.relower(step, layout, args, {}, (args, {}), default)
-    graph = capture(lowered, backends.CPU, args, {}).graph
+    program = capture(lowered, backends.CPU, args, {}).program
+    graph = program.graph
     gathers = {o: c for o, c in collective_ops(graph).items() if c[0] == "all-gather"}
     param_bytes = sorted(x.nbytes for x in jax.tree.leaves(params) if x.shape[0] % 8 == 0)
     assert sorted(nbytes for _, nbytes in gathers.values()) == param_bytes
@@ -102,16 +103,16 @@ def test_the_simulator_puts_the_sharded_updates_all_gathers_on_the_channel():
     # 7 us); the five all-gathers are one group: one latency.
     strategy = _strategy.xla_default(graph)
     (bucket,) = strategy.buckets
-    assert len(sharded.scattered_gradients(graph)) == len(gathers) == 5 < len(bucket)
-    assert len(sharded.grouped_gathers(graph)) == len(gathers) - 1
-    cheap = simulate(graph, strategy, Zero(), AllReduceCostModel(0.0, 7.0, scatter_gather=(0.0, 1.0)))
-    dear = simulate(graph, strategy, Zero(), AllReduceCostModel(0.0, 7.0, scatter_gather=(0.0, 1000.0)))
+    assert len(sharded.scattered_gradients(program)) == len(gathers) == 5 < len(bucket)
+    assert len(sharded.grouped_gathers(program)) == len(gathers) - 1
+    cheap = simulate(program, strategy, Zero(), AllReduceCostModel(0.0, 7.0, scatter_gather=(0.0, 1.0)))
+    dear = simulate(program, strategy, Zero(), AllReduceCostModel(0.0, 7.0, scatter_gather=(0.0, 1000.0)))
     assert cheap.comm_us == pytest.approx(7.0 + 1.0 + 1.0)
     assert dear.comm_us == pytest.approx(7.0 + 1000.0 + 1000.0)
     assert dear.iteration_us >= 2000.0
     assert any(
         lane == "comm" and "all-gather" in label
-        for lane, label, *_ in simulate(graph, strategy, Zero(), AllReduceCostModel(0.0, 7.0), record=True).events
+        for lane, label, *_ in simulate(program, strategy, Zero(), AllReduceCostModel(0.0, 7.0), record=True).events
     )
 
 
@@ -383,17 +384,17 @@ def test_on_xla_gpu_the_sharded_update_reduce_scatters_and_sends_what_the_replic
     spec, opt, mesh = zoo.get_model("mlp", "tiny"), optax.adam(1e-3), targets.mesh("h100-sxm", 8)
     args = zoo.abstract_state_and_batch(spec, opt, mesh)
     step = zoo.build_train_step(spec, opt, mesh, "jit")
-    replicated, compiled = capture_graph(step.lower(*args), backends.GPU)
+    replicated, compiled = capture_program(step.lower(*args), backends.GPU)
     layout, _ = update.find_layout(step, args, {}, args, {}, jax.tree.leaves(compiled.input_shardings))
     lowered, _ = update.relower(step, layout, args, {}, (args, {}), compiled)
-    sharded, sharded_compiled = capture_graph(lowered, backends.GPU)
+    sharded, sharded_compiled = capture_program(lowered, backends.GPU)
     assert update.collectives(sharded_compiled.as_text())["reduce-scatter"] >= 1
     # XLA:GPU forms the reduce-scatters itself: the hook applies no rule where its own would match.
     assert not backends.GPU.hook_rules and sharded.rules_applied == ()
-    assert len(apply.scatterable(sharded.module)) == len(layout.groups)
-    scattered = [g for g, moved in zip(sharded.gradients, transfer_bytes(sharded)) if moved < g.nbytes]
+    assert len(apply.scatterable(sharded.graph.module)) == len(layout.groups)
+    scattered = [g for g, moved in zip(sharded.graph.gradients, transfer_bytes(sharded)) if moved < g.nbytes]
     assert len(scattered) == len(layout.groups)  # one per sharded parameter
-    assert all(moved == g.nbytes for g, moved in zip(replicated.gradients, transfer_bytes(replicated)))
+    assert all(moved == g.nbytes for g, moved in zip(replicated.graph.gradients, transfer_bytes(replicated)))
     before, after = communication_bytes(replicated, 8), communication_bytes(sharded, 8)
     assert after["reduce-scatter"] > 0 and after["all-gather"] == pytest.approx(after["reduce-scatter"])
     assert after["total"] == pytest.approx(before["total"])

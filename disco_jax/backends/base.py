@@ -11,13 +11,15 @@ from disco_jax.sharding import apply
 
 if TYPE_CHECKING:
     from disco_jax._graph import Graph
+    from disco_jax._program import Program
     from disco_jax._strategy import Strategy
 
 
 class Rewriter(Protocol):
-    """Turns a strategy into the module text the hook returns, for one backend and stage."""
+    """Turns a strategy of a program (captured for this backend) into the module text the hook
+    returns, for one backend and stage."""
 
-    def rewrite(self, graph: Graph, strategy: Strategy) -> str: ...
+    def rewrite(self, program: Program, strategy: Strategy) -> str: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ from disco_jax import _hlo
 from disco_jax._edit import prune
 from disco_jax._graph import Graph
 from disco_jax._hlo import ELEMENTWISE
+from disco_jax._program import Program
 from disco_jax._rewrite import Emitter, fused_computation
 from disco_jax._strategy import BUCKET, GROUP, OPAQUE, Strategy, group_exports, kernel_dag
 from disco_jax.backends.base import Backend
@@ -50,10 +51,11 @@ class CpuRewriter:
     """Writes a strategy into XLA:CPU's module at PRE_SCHEDULER (after fusion and the all-reduce
     combiner): the entry computation is emitted anew, kernel by kernel (see `disco_jax._rewrite`)."""
 
-    def rewrite(self, graph: Graph, strategy: Strategy) -> str:
-        dag = kernel_dag(graph, strategy)
+    def rewrite(self, program: Program, strategy: Strategy) -> str:
+        dag = kernel_dag(program, strategy)
         if dag is None:
             raise ValueError("strategy has a dependency cycle; it cannot be rewritten")
+        graph = program.graph
         module = graph.module
         em = Emitter(graph, strategy)
         channels = [int(c) for c in re.findall(r"channel_id=(\d+)", module.to_text(drop_metadata=True))]

@@ -25,6 +25,7 @@ import heapq
 from disco_jax import _hlo
 from disco_jax._graph import Graph
 from disco_jax._hlo import ELEMENTWISE
+from disco_jax._program import Program
 from disco_jax._strategy import Strategy, is_valid
 from disco_jax.backends.base import Backend
 from disco_jax.backends.gpu_schedule import with_xla_decisions
@@ -120,8 +121,9 @@ class GpuRewriter:
     recomputation, and the order of the kernels (its scheduler runs after us).
     """
 
-    def rewrite(self, graph: Graph, strategy: Strategy) -> str:
-        if not is_valid(graph, strategy):
+    def rewrite(self, program: Program, strategy: Strategy) -> str:
+        graph = program.graph
+        if not is_valid(program, strategy):
             raise ValueError("strategy is not valid for this graph (homes, buckets or a dependency cycle)")
         module = _hlo.parse_module(graph.module.to_text())  # a copy to edit
         entry = module.entry

@@ -22,7 +22,7 @@
   cost function, `CostModel.evaluator`).
 
 Data flow: profile table + plugins + analytical fit -> `chain(...)` -> `CostModel` (with the
-all-reduce cost) -> `simulate(graph, strategy)` for every candidate of the search; the
+all-reduce cost) -> `simulate(program, strategy)` for every candidate of the search; the
 executable compiled for a candidate -> `compiled_cost(text, backend, estimator, all-reduce cost)`.
 """
 

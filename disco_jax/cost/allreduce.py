@@ -15,7 +15,8 @@ the total over devices), and `to_json()` for the plan file and reports. Two impl
 The other collectives a program holds (`collective_ops`: the all-gathers and reduce-scatters of a
 sharded weight update) cost `collective_time_us`: the cost's own (a measured scatter/gather line)
 or, from the all-reduce line, what a ring sends (`ring_collective_us`). `transfer_bytes` counts a
-gradient the compiler will reduce-scatter as one; `communication_bytes` is what each device sends.
+gradient the program's compiler will reduce-scatter as one; `communication_bytes` is what each
+device sends. Both read the compiler, so they take the `_program.Program`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from disco_jax._graph import Graph, per_graph
+from disco_jax._program import Program, per_program
 from disco_jax.cost.sharded import scattered_gradients
 
 
@@ -35,7 +37,7 @@ class AllReduceCost(Protocol):
     """Time of one all-reduce, by the bytes of one device's tensor. Optional members the simulator
     reads when present: `bucket_time_us(tensor_bytes)`, `collective_time_us(collective, nbytes)`,
     and `forms_reduce_scatter` (whether the platform modelled turns a sharded update's all-reduce
-    into a reduce-scatter; absent or None: the graph's backend decides)."""
+    into a reduce-scatter; absent or None: the program's backend decides)."""
 
     def time_us(self, nbytes: int | float) -> float: ...
 
@@ -61,14 +63,14 @@ def collective_ops(graph: Graph) -> dict[int, tuple[str, int]]:
     return out
 
 
-@per_graph
-def transfer_bytes(graph: Graph) -> list[float]:
-    """Per gradient of `graph`, the bytes its all-reduce's transfer counts: its own, or half where
+@per_program
+def transfer_bytes(program: Program) -> list[float]:
+    """Per gradient of `program`, the bytes its all-reduce's transfer counts: its own, or half where
     it runs as a reduce-scatter (`cost.sharded.scattered_gradients`: the sharded weight update's
     gradients, on XLA:GPU and, through the hook's rule, on XLA:CPU). A ring reduce-scatter sends
-    half of what an all-reduce sends, at the same latency. Computed once per graph."""
-    scattered = scattered_gradients(graph)
-    return [g.nbytes / 2 if g.id in scattered else float(g.nbytes) for g in graph.gradients]
+    half of what an all-reduce sends, at the same latency. Computed once per program."""
+    scattered = scattered_gradients(program)
+    return [g.nbytes / 2 if g.id in scattered else float(g.nbytes) for g in program.graph.gradients]
 
 
 # Bytes each device sends per byte of a collective's tensor on N devices (ring algorithms;
@@ -82,12 +84,13 @@ RING_BYTES = {
 }
 
 
-def communication_bytes(graph: Graph, num_devices: int) -> dict[str, float]:
-    """Bytes each device sends in one step of `graph`'s program, by collective (ring algorithms):
-    the gradients' all-reduces (reduce-scatters where the compiler will make them, as
+def communication_bytes(program: Program, num_devices: int) -> dict[str, float]:
+    """Bytes each device sends in one step of `program`, by collective (ring algorithms): the
+    gradients' all-reduces (reduce-scatters where the compiler will make them, as
     `transfer_bytes` says) and every other collective (`collective_ops`)."""
+    graph = program.graph
     out = {name: 0.0 for name in RING_BYTES}
-    for g, moved in zip(graph.gradients, transfer_bytes(graph)):  # half: it becomes a reduce-scatter
+    for g, moved in zip(graph.gradients, transfer_bytes(program)):  # half: it becomes a reduce-scatter
         name = "all-reduce" if moved == g.nbytes else "reduce-scatter"
         out[name] += RING_BYTES[name](num_devices) * g.nbytes
     for name, nbytes in collective_ops(graph).values():

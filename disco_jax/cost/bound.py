@@ -37,16 +37,18 @@ import numpy as np
 from disco_jax.cost import events
 
 if TYPE_CHECKING:
-    from disco_jax._graph import Graph
+    from disco_jax._program import Program
     from disco_jax.cost.allreduce import AllReduceCost
     from disco_jax.cost.events import SimulatorParams
     from disco_jax.cost.kernels import KernelState
 
 
-def dependency_bound(graph: Graph, st: KernelState, params: SimulatorParams, allreduce: AllReduceCost) -> float | None:
+def dependency_bound(
+    program: Program, st: KernelState, params: SimulatorParams, allreduce: AllReduceCost
+) -> float | None:
     """The least iteration time (us, without the step overhead) of any schedule of `st`'s
-    kernels on one stream and one channel; None when they form a cycle."""
-    costs, comm_slots = events.kernel_costs(graph, st, params, allreduce)
+    kernels (of `program`) on one stream and one channel; None when they form a cycle."""
+    costs, comm_slots = events.kernel_costs(program, st, params, allreduce)
     alive = st.alive()
     order = _topological(st, alive)
     if order is None:

@@ -41,12 +41,12 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from disco_jax._graph import Graph, build_graph
 from disco_jax.cost.allreduce import AllReduceCost, collective_time_us
 from disco_jax.cost.estimators import ChainEstimator, Estimator, TableEstimator
 from disco_jax.cost.events import SimulatorParams
 
 if TYPE_CHECKING:
-    from disco_jax._graph import Graph
     from disco_jax.backends import Backend
     from disco_jax.backends.compiled import CompiledKernel
 
@@ -75,10 +75,8 @@ class CompiledProgram:
 
 def compiled_program(text: str, backend: Backend) -> CompiledProgram:
     """Read a compiled executable's module text (`compiled.as_text()`) of `backend`'s compiler."""
-    from disco_jax._graph import build_graph  # the graph IR imports the cost package
-
     kernels = tuple(backend.read_kernels(text))
-    graph = build_graph(text, backend, merge_duplicates=False)
+    graph = build_graph(text, backend.fusible, merge_duplicates=False)
     by_name = dict(zip(graph.xla_kernel_names, graph.xla_groups))  # XLA's loop fusions, opened
     for op in graph.ops:
         if op.kind == "opaque":

@@ -15,7 +15,7 @@ import dataclasses
 import heapq
 from collections.abc import Sequence
 
-from disco_jax._graph import Graph
+from disco_jax._program import Program
 from disco_jax.cost import sharded
 from disco_jax.cost.allreduce import (
     AllReduceCost,
@@ -87,17 +87,18 @@ class Timeline:
 
 
 def run(
-    graph: Graph,
+    program: Program,
     st: KernelState,
     params: SimulatorParams,
     allreduce: AllReduceCost,
     record: bool = False,
     comm_costs: dict | None = None,
 ) -> Timeline | None:
-    """Compute kernels on one stream, each taking the stream when it is free and the kernel is
-    the earliest ready (rank breaks ties); communication kernels on one channel, each starting
-    when its inputs are ready and the channel is free, in the order their last input finishes
-    (holding the stream for `params.comm_blocking` of their time). None on a dependency cycle.
+    """`program`'s kernels in `st`: compute kernels on one stream, each taking the stream when it
+    is free and the kernel is the earliest ready (rank breaks ties); communication kernels on one
+    channel, each starting when its inputs are ready and the channel is free, in the order their
+    last input finishes (holding the stream for `params.comm_blocking` of their time). None on a
+    dependency cycle.
     The step overhead is not added here (`simulator.simulate` adds it). `comm_costs`: a memo of
     communication kernels' times by key, for these params and all-reduce cost only. A sharded
     update (`cost.sharded`) shows in the state: its buckets reduce-scatter where the backend forms
@@ -106,7 +107,7 @@ def run(
     keys, deps, users, comm, rank = st.keys, st.deps, st.users, st.comm, st.rank
     n = len(keys)
     blocking = params.comm_blocking
-    costs, comm_slots = kernel_costs(graph, st, params, allreduce, comm_costs)
+    costs, comm_slots = kernel_costs(program, st, params, allreduce, comm_costs)
     waiting = [len(d) for d in deps]
     ready_at = [0.0] * n
     end = [0.0] * n
@@ -185,7 +186,7 @@ def run(
 
 
 def kernel_costs(
-    graph: Graph, st: KernelState, params: SimulatorParams, allreduce: AllReduceCost, comm_costs: dict | None = None
+    program: Program, st: KernelState, params: SimulatorParams, allreduce: AllReduceCost, comm_costs: dict | None = None
 ) -> tuple[list[float], list[int]]:
     """Every slot's time in microseconds as `run` charges it (0 for a free slot), and the live
     communication slots. `comm_costs`: as for `run`."""
@@ -202,23 +203,23 @@ def kernel_costs(
     for k in comm_slots:
         c = memo.get(keys[k])
         if c is None:
-            c = memo[keys[k]] = _comm_us(graph, st, k, params, allreduce)
+            c = memo[keys[k]] = _comm_us(program, st, k, params, allreduce)
         costs[k] = c
     return costs, comm_slots
 
 
-def _comm_us(graph: Graph, st: KernelState, k: int, params: SimulatorParams, allreduce: AllReduceCost) -> float:
-    kind, members = st.kinds[k], st.members[k]
+def _comm_us(program: Program, st: KernelState, k: int, params: SimulatorParams, allreduce: AllReduceCost) -> float:
+    graph, kind, members = program.graph, st.kinds[k], st.members[k]
     if kind == GATHER:  # the updated parameters, as large as their gradients
         return collective_time_us(allreduce, "all-gather", sum(graph.gradients[g].nbytes for g in members))
     if kind == BUCKET:
-        moved = transfer_bytes(graph)
+        moved = transfer_bytes(program)
         tensors = [moved[g] for g in members]
-        if isinstance(st.keys[k], tuple) and sharded.reduce_scatters(graph, allreduce):
+        if isinstance(st.keys[k], tuple) and sharded.reduce_scatters(program, allreduce):
             return collective_time_us(allreduce, "reduce-scatter", sum(tensors))
         # Gradients the program slices and the backend reduce-scatters leave the all-reduce for
         # one reduce-scatter of them all (`cost.sharded.scattered_gradients`).
-        scattered = sharded.scattered_gradients(graph)
+        scattered = sharded.scattered_gradients(program)
         whole = [t for g, t in zip(members, tensors) if g not in scattered]
         split = sum(graph.gradients[g].nbytes for g in members if g in scattered)
         return (params.bucket_us(allreduce, whole) if whole else 0.0) + (
@@ -227,6 +228,6 @@ def _comm_us(graph: Graph, st: KernelState, k: int, params: SimulatorParams, all
     (o,) = members
     collective, nbytes = collective_ops(graph)[o]
     time_us = collective_time_us(allreduce, collective, nbytes)
-    if o in sharded.grouped_gathers(graph):  # its group's all-gather paid the latency
+    if o in sharded.grouped_gathers(program):  # its group's all-gather paid the latency
         time_us -= collective_time_us(allreduce, collective, 0)
     return time_us

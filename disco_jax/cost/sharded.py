@@ -26,6 +26,7 @@ import math
 import re
 
 from disco_jax._graph import Graph, per_graph
+from disco_jax._program import Program, per_program
 from disco_jax.sharding import apply
 
 
@@ -150,21 +151,21 @@ def _parameters(graph: Graph, o: int) -> list[int]:
 regions_of = per_graph(update_regions)
 
 
-def reduce_scatters(graph: Graph, allreduce) -> bool:
+def reduce_scatters(program: Program, allreduce) -> bool:
     """Whether a sharded bucket's all-reduce becomes a reduce-scatter: the communication model's
     `forms_reduce_scatter` where it models a platform of its own (a simulated GPU cluster, whose
-    rows may cost XLA:CPU's module), else the backend that compiles `graph`."""
+    rows may cost XLA:CPU's module), else the backend that compiles `program`."""
     own = getattr(allreduce, "forms_reduce_scatter", None)
-    return graph.backend.forms_reduce_scatter if own is None else bool(own)
+    return program.backend.forms_reduce_scatter if own is None else bool(own)
 
 
-@per_graph
-def scattered_gradients(graph: Graph) -> frozenset[int]:
-    """The gradients of `graph` (a program that already slices them: the sharded update lowered)
+@per_program
+def scattered_gradients(program: Program) -> frozenset[int]:
+    """The gradients of `program` (one that already slices them: the sharded update lowered)
     whose all-reduce runs as a reduce-scatter: where the compiler forms them
     (`Backend.creates_reduce_scatter`), those whose every user is a dynamic-slice; where the
     pipeline applies the rule (`Backend.hook_rules`), those it matches (`sharding.apply.scatterable`)."""
-    backend = graph.backend
+    graph, backend = program.graph, program.backend
     if backend.creates_reduce_scatter:
         return frozenset(
             g.id
@@ -178,14 +179,14 @@ def scattered_gradients(graph: Graph) -> frozenset[int]:
     return frozenset(g.id for g in graph.gradients if g.result_name in matched)
 
 
-@per_graph
-def grouped_gathers(graph: Graph) -> frozenset[int]:
-    """The all-gathers of `graph` the hook groups with an earlier one under XLA's plan
-    (`Graph.rules_applied`, `grouped_all_gather`): one all-gather pays the group's latency, these
+@per_program
+def grouped_gathers(program: Program) -> frozenset[int]:
+    """The all-gathers of `program` the hook groups with an earlier one under XLA's plan
+    (`Program.rules_applied`, `grouped_all_gather`): one all-gather pays the group's latency, these
     only their bytes. Taken from XLA's plan for every strategy (a plan with other buckets may
     group them otherwise)."""
-    out = set()
-    for a in graph.rules_applied:
+    graph, out = program.graph, set()
+    for a in program.rules_applied:
         if a["rule"] == apply.GROUPED_ALL_GATHER_RULE:
             out.update(graph.entry_values[name] for name in a["at"][1:] if name in graph.entry_values)
     return frozenset(out)

@@ -1,7 +1,8 @@
 """The step simulator (DisCo section 4.4) and the cost model the search simulates with.
 
-`simulate` runs a strategy's kernel graph on one compute stream and one communication channel
-and reports iteration time, compute and comm time, overlap and the full-overlap bound
+`simulate` runs a strategy's kernel graph (of one `_program.Program`: its graph and the compiler,
+which says what it can emit and which all-reduces become reduce-scatters) on one compute stream and
+one communication channel and reports iteration time, compute and comm time, overlap and the full-overlap bound
 (`SimulatedStep`). A bucket's all-reduce costs what the all-reduce cost says for its tensors
 (`cost.allreduce.bucket_time_us`: on XLA:CPU every tensor of a variadic all-reduce pays the
 latency again). `SimulatorParams` (defined with the event core, `cost.events`, which runs by them)
@@ -31,7 +32,7 @@ from disco_jax.cost.events import SimulatorParams
 from disco_jax.cost.kernels import KernelState
 
 if TYPE_CHECKING:
-    from disco_jax._graph import Graph
+    from disco_jax._program import Program
 
 
 @dataclasses.dataclass
@@ -264,7 +265,7 @@ def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def simulate(
-    graph: Graph,
+    program: Program,
     strategy: Strategy,
     estimator: Estimator,
     allreduce: AllReduceCost,
@@ -286,11 +287,11 @@ def simulate(
     (`cost.kernels`), when the caller simulates it several times (calibration). `bound`: also
     compute the dependency bound (`cost.bound`; a few passes over the kernel graph), with the
     step overhead added as to FO."""
-    state = state or kernel_state(graph, strategy)
+    state = state or kernel_state(program, strategy)
     if state is None:
         return None
-    kernels.estimate_missing(graph, [state], estimator)
-    timeline = events.run(graph, state, params, allreduce, record=record)
+    kernels.estimate_missing(program.graph, [state], estimator)
+    timeline = events.run(program, state, params, allreduce, record=record)
     if timeline is None:
         return None
     alive = state.alive()
@@ -302,30 +303,30 @@ def simulate(
         full_overlap_us=max(timeline.compute_us, timeline.comm_us) + params.step_overhead_us,
         num_fusions=sum(1 for k in alive if state.kinds[k] == GROUP and len(state.members[k]) > 1),
         num_allreduces=sum(1 for k in alive if state.kinds[k] == BUCKET),
-        events=[(lane, _label(graph, state, k, allreduce), a, b) for lane, k, a, b in timeline.events],
+        events=[(lane, _label(program, state, k, allreduce), a, b) for lane, k, a, b in timeline.events],
         allreduce_ready_us=[timeline.ready_at[k] for k in state.bucket_slots(strategy)],
         dependency_bound_us=(
-            dependency_bound(graph, state, params, allreduce) + params.step_overhead_us if bound else None
+            dependency_bound(program, state, params, allreduce) + params.step_overhead_us if bound else None
         ),
     )
 
 
-def kernel_state(graph: Graph, strategy: Strategy) -> KernelState | None:
+def kernel_state(program: Program, strategy: Strategy) -> KernelState | None:
     """The strategy's kernel state for repeated `simulate(..., state=)` calls; None when the
     backend cannot emit it. A cycle shows when it is simulated."""
-    if strategy.index is None and not emittable(graph, strategy):
+    if strategy.index is None and not emittable(program, strategy):
         return None
-    return kernels.build(graph, strategy)
+    return kernels.build(program.graph, strategy)
 
 
-def _label(graph: Graph, state: KernelState, k: int, allreduce: AllReduceCost) -> str:
+def _label(program: Program, state: KernelState, k: int, allreduce: AllReduceCost) -> str:
     if state.kinds[k] == BUCKET:
-        scatter = isinstance(state.keys[k], tuple) and sharded.reduce_scatters(graph, allreduce)
+        scatter = isinstance(state.keys[k], tuple) and sharded.reduce_scatters(program, allreduce)
         return f"{'reduce-scatter' if scatter else 'all-reduce'}[{len(state.members[k])}]"
     if state.kinds[k] == kernels.GATHER:
         return f"all-gather[{len(state.members[k])}]"
     ops = sorted(state.members[k])
-    first = graph.ops[ops[-1]].name
+    first = program.graph.ops[ops[-1]].name
     return first if len(ops) == 1 else f"fusion[{len(ops)}]:{first}"
 
 
@@ -342,19 +343,19 @@ class CostModel:
     params: SimulatorParams = SimulatorParams()
     kernel_times_us: dict[str, float] = dataclasses.field(default_factory=dict, repr=False)
 
-    def evaluator(self, graph: Graph) -> SimulatedCost:
-        """The search's cost function on `graph` (`SimulatedCost`). The estimators prepare first
+    def evaluator(self, program: Program) -> SimulatedCost:
+        """The search's cost function on `program` (`SimulatedCost`). The estimators prepare first
         (`ChainEstimator.warm_up`: the GNN compiles its batch shapes), so the search compiles
         nothing."""
         warm_up = getattr(self.estimator, "warm_up", None)
         if callable(warm_up):
             warm_up()
-        return SimulatedCost(graph, self)
+        return SimulatedCost(program, self)
 
     def simulate(
-        self, graph: Graph, strategy: Strategy, record: bool = False, params: SimulatorParams | None = None
+        self, program: Program, strategy: Strategy, record: bool = False, params: SimulatorParams | None = None
     ) -> SimulatedStep | None:
-        return simulate(graph, strategy, self.estimator, self.allreduce, params or self.params, record=record)
+        return simulate(program, strategy, self.estimator, self.allreduce, params or self.params, record=record)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,7 +366,7 @@ class SimulatedCost:
     their new kernels are estimated in one call (the GNN predicts them in one batch), and the
     states of the last `KEEP_STATES` valid strategies are kept for the next steps' parents."""
 
-    graph: Graph
+    program: Program
     model: CostModel
     _states: OrderedDict = dataclasses.field(default_factory=OrderedDict, init=False, repr=False, compare=False)
     # Communication times by kernel for (params, all-reduce cost): calibration may change the params.
@@ -387,24 +388,24 @@ class SimulatedCost:
         if found is not None:
             self._states.move_to_end(key)
             return found
-        return kernel_state(self.graph, strategy)
+        return kernel_state(self.program, strategy)
 
     def many(self, strategies: Sequence[Strategy], parent: Strategy | None = None) -> list[float | None]:
-        graph, model = self.graph, self.model
+        program, graph, model = self.program, self.program.graph, self.model
         base = self.state(parent) if parent is not None else None
         states: list[KernelState | None] = []
         for s in strategies:
             if base is not None and s.rehomed is not None and s.index is not None:
                 states.append(kernels.derive(graph, base, s))
             else:
-                states.append(kernel_state(graph, s))
+                states.append(kernel_state(program, s))
         kernels.estimate_missing(graph, [st for st in states if st is not None], model.estimator)
         out: list[float | None] = []
         if self._comm_costs[0] != model.params or self._comm_costs[1] is not model.allreduce:
             self._comm_costs[:] = [model.params, model.allreduce, {}]
         memo = self._comm_costs[2]
         for s, st in zip(strategies, states):
-            timeline = None if st is None else events.run(graph, st, model.params, model.allreduce, comm_costs=memo)
+            timeline = None if st is None else events.run(program, st, model.params, model.allreduce, comm_costs=memo)
             if timeline is None:
                 out.append(None)
                 continue

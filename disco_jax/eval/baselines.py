@@ -2,8 +2,8 @@
 
 A `Baseline` is
 
-* a `Strategy` on the captured graph, for the simulator (every platform), and
-* how the graph's compiler (`graph.backend`: XLA:CPU measured, XLA:GPU compiled deviceless)
+* a `Strategy` on the captured program's graph, for the simulator (every platform), and
+* how the program's compiler (`Program.backend`: XLA:CPU measured, XLA:GPU compiled deviceless)
   enacts it: XLA compile options (`compiler_options`, from the backend's `baseline_options`),
   or, for the framework-style bucketings XLA has no option for, a rewrite of the strategy into
   the module (`compiler_options is None`: compile with `disco_jax._compile.compile_strategy`).
@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from disco_jax import AllReduceCostModel, Graph, Strategy, _strategy, backends, simulate
+from disco_jax import AllReduceCostModel, Graph, Program, Strategy, _strategy, backends, simulate
 from disco_jax._compile import CompiledProgram, Programs
 from disco_jax.backends import Backend
 
@@ -80,11 +80,11 @@ SOURCES = {
 
 @dataclasses.dataclass(frozen=True)
 class Baseline:
-    """One baseline on one captured graph.
+    """One baseline on one captured program.
 
-    name: the baseline's name in the report. strategy: its decisions on the graph, for the
-    simulator. compiler_options: XLA compile options that make the graph's compiler
-    (`graph.backend`) compile the step this way (``{}``: XLA's defaults; the backend's
+    name: the baseline's name in the report. strategy: its decisions on the program's graph, for
+    the simulator. compiler_options: XLA compile options that make the program's compiler
+    (`Program.backend`) compile the step this way (``{}``: XLA's defaults; the backend's
     `baseline_options`), or None when it is enacted by rewriting `strategy` into the module.
     description: one line for the report."""
 
@@ -249,12 +249,12 @@ class _GivenCosts:
         return self.kernel_time_us(list(kernels))
 
 
-def gradient_ready_times(graph: Graph, strategy: Strategy, kernel_time_us: Callable[[list], list]) -> list[float]:
+def gradient_ready_times(program: Program, strategy: Strategy, kernel_time_us: Callable[[list], list]) -> list[float]:
     """When each gradient is ready when `strategy`'s kernels run on the simulator's compute stream
     and communication costs nothing. `kernel_time_us(kernels)` costs a list of kernels
     (frozensets of op ids). Raises ValueError for an invalid strategy."""
-    per_gradient_buckets = _strategy.with_buckets(strategy, [(g.id,) for g in graph.gradients], "ready-times")
-    step = simulate(graph, per_gradient_buckets, _GivenCosts(kernel_time_us), AllReduceCostModel(0.0, 0.0))
+    per_gradient_buckets = _strategy.with_buckets(strategy, per_gradient(program.graph), "ready-times")
+    step = simulate(program, per_gradient_buckets, _GivenCosts(kernel_time_us), AllReduceCostModel(0.0, 0.0))
     if step is None:
         raise ValueError("strategy has no valid kernel graph")
     return step.allreduce_ready_us  # one bucket per gradient, in gradient order
@@ -275,52 +275,56 @@ def _combining(combine: Combine) -> str:
     return getattr(combine, "__name__", type(combine).__name__)
 
 
-def jax_no_fusion(graph: Graph) -> Baseline:
+def jax_no_fusion(program: Program) -> Baseline:
     """Neither op fusion nor all-reduce combining."""
+    graph = program.graph
     s = _strategy.with_buckets(_strategy.unfused(graph), per_gradient(graph), "JAX_no_fusion")
     return Baseline(
         "JAX_no_fusion",
         s,
-        compiler_options("JAX_no_fusion", graph.backend),
+        compiler_options("JAX_no_fusion", program.backend),
         "no op fusion, one all-reduce per gradient",
     )
 
 
-def jax_op_fusion(graph: Graph) -> Baseline:
+def jax_op_fusion(program: Program) -> Baseline:
     """XLA's op fusion, no all-reduce combining."""
+    graph = program.graph
     s = _strategy.with_buckets(_strategy.xla_default(graph), per_gradient(graph), "JAX_op_fusion")
     return Baseline(
         "JAX_op_fusion",
         s,
-        compiler_options("JAX_op_fusion", graph.backend),
+        compiler_options("JAX_op_fusion", program.backend),
         "XLA's op fusion, one all-reduce per gradient",
     )
 
 
-def jax_allreduce_fusion(graph: Graph, combine: Combine = backends.CPU.xla_buckets) -> Baseline:
+def jax_allreduce_fusion(program: Program, combine: Combine = backends.CPU.xla_buckets) -> Baseline:
     """XLA's all-reduce combining (`combine`), no op fusion."""
+    graph = program.graph
     s = _strategy.with_buckets(_strategy.unfused(graph), combine(graph), "JAX_AllReduce_fusion")
     return Baseline(
         "JAX_AllReduce_fusion",
         s,
-        compiler_options("JAX_AllReduce_fusion", graph.backend),
+        compiler_options("JAX_AllReduce_fusion", program.backend),
         f"no op fusion, XLA's all-reduce combining ({_combining(combine)})",
     )
 
 
-def jax_default(graph: Graph, combine: Combine = backends.CPU.xla_buckets) -> Baseline:
+def jax_default(program: Program, combine: Combine = backends.CPU.xla_buckets) -> Baseline:
     """XLA's op fusion and all-reduce combining (`combine`)."""
+    graph = program.graph
     s = _strategy.with_buckets(_strategy.xla_default(graph), combine(graph), "JAX_default")
     return Baseline(
         "JAX_default",
         s,
-        compiler_options("JAX_default", graph.backend),
+        compiler_options("JAX_default", program.backend),
         f"XLA's op fusion and all-reduce combining ({_combining(combine)})",
     )
 
 
 def pytorch_ddp(
-    graph: Graph,
+    program: Program,
     *,
     bucket_cap_bytes: int = DDP_BUCKET_CAP_BYTES,
     first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES,
@@ -328,6 +332,7 @@ def pytorch_ddp(
     ready_times_us: Sequence[float] | None = None,
 ) -> Baseline:
     """PyTorch DDP's gradient buckets (enacted by rewrite)."""
+    graph = program.graph
     order = gradient_ready_order(graph, ready_times_us)
     s = _strategy.with_buckets(
         _fusion_groups(graph, fusion), ddp_buckets(graph, order, bucket_cap_bytes, first_bucket_bytes), "PyTorch_DDP"
@@ -335,14 +340,14 @@ def pytorch_ddp(
     return Baseline(
         "PyTorch_DDP",
         s,
-        compiler_options("PyTorch_DDP", graph.backend),
+        compiler_options("PyTorch_DDP", program.backend),
         f"{'XLA op fusion' if fusion == 'xla' else 'no op fusion'}, DDP buckets "
         f"(cap {bucket_cap_bytes / MiB:g} MiB, first {first_bucket_bytes / MiB:g} MiB)",
     )
 
 
 def horovod(
-    graph: Graph,
+    program: Program,
     *,
     threshold_bytes: int = HOROVOD_FUSION_THRESHOLD_BYTES,
     cycle_us: float = HOROVOD_CYCLE_TIME_US,
@@ -350,6 +355,7 @@ def horovod(
     fusion: str = "xla",
 ) -> Baseline:
     """Horovod's threshold tensor fusion per cycle (enacted by rewrite)."""
+    graph = program.graph
     s = _strategy.with_buckets(
         _fusion_groups(graph, fusion), horovod_buckets(graph, threshold_bytes, ready_times_us, cycle_us), "Horovod"
     )
@@ -357,14 +363,14 @@ def horovod(
     return Baseline(
         "Horovod",
         s,
-        compiler_options("Horovod", graph.backend),
+        compiler_options("Horovod", program.backend),
         f"{'XLA op fusion' if fusion == 'xla' else 'no op fusion'}, fusion threshold "
         f"{threshold_bytes / MiB:g} MiB{cycle}",
     )
 
 
 def compile_baselines(programs: Programs, candidates: Sequence[Baseline]) -> dict[str, CompiledProgram]:
-    """Each baseline of `candidates` compiled as the graph's backend enacts it, by its name: XLA's
+    """Each baseline of `candidates` compiled as the program's backend enacts it, by its name: XLA's
     program under its compile options (JAX_default: XLA's own), or its strategy rewritten into the
     module; a baseline that cannot be enacted comes back marked so, with the reason
     (`_compile.compile_program`). `programs`: the step's programs (`_compile.Programs`)."""
@@ -382,31 +388,31 @@ BASELINES: dict[str, Callable[..., Baseline]] = {
 
 
 def all_baselines(
-    graph: Graph,
+    program: Program,
     *,
     combine: Combine = backends.CPU.xla_buckets,
     kernel_time_us: Callable[[list], list] | None = None,
     **thresholds,
 ) -> list[Baseline]:
-    """Every baseline on `graph`, with `combine` as XLA's all-reduce combining (default: the
+    """Every baseline on `program`, with `combine` as XLA's all-reduce combining (default: the
     measured platform's; `xla_gpu_buckets` for a simulated GPU cluster). With `kernel_time_us`
     (the platform's kernel cost), DDP and Horovod order gradients by when they become ready in
     XLA's plan, and Horovod fuses per cycle; without it, by program position and in one cycle.
     `thresholds`: bucket_cap_bytes / first_bucket_bytes (DDP), threshold_bytes / cycle_us (Horovod)."""
-    ready = None
+    graph, ready = program.graph, None
     if kernel_time_us is not None:
         ready = gradient_ready_times(
-            graph,
+            program,
             _strategy.with_buckets(_strategy.xla_default(graph), per_gradient(graph), "ready-times"),
             kernel_time_us,
         )
     ddp_args = {k: thresholds[k] for k in ("bucket_cap_bytes", "first_bucket_bytes") if k in thresholds}
     hvd_args = {k: thresholds[k] for k in ("threshold_bytes", "cycle_us") if k in thresholds}
     return [
-        jax_no_fusion(graph),
-        jax_op_fusion(graph),
-        jax_allreduce_fusion(graph, combine),
-        jax_default(graph, combine),
-        pytorch_ddp(graph, ready_times_us=ready, **ddp_args),
-        horovod(graph, ready_times_us=ready, **hvd_args),
+        jax_no_fusion(program),
+        jax_op_fusion(program),
+        jax_allreduce_fusion(program, combine),
+        jax_default(program, combine),
+        pytorch_ddp(program, ready_times_us=ready, **ddp_args),
+        horovod(program, ready_times_us=ready, **hvd_args),
     ]

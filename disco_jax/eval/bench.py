@@ -143,7 +143,7 @@ def run_model(
             log(f"{model}: captured in {captures[cluster.target][1]['capture_s']:.1f} s")
             if cluster.target:
                 programs[cluster.target] = Programs(captures[cluster.target][2], captures[cluster.target][0])
-        graph, info, lowered = captures[cluster.target]
+        program, info, lowered = captures[cluster.target]
         started = time.perf_counter()
         log(f"{model}: simulating {name} (search budget {budget_s:g} s)")
         last = [0.0]
@@ -154,19 +154,21 @@ def run_model(
                 log(f"{model}: {name}: search {elapsed:.0f}/{budget_s:g} s, {n} candidates, best {best / 1e3:.2f} ms")
 
         row = simulated_row(
-            graph,
+            program,
             cluster,
             budget_s=budget_s,
             seed=seed,
             progress=progress,
             lowered=lowered if cluster.target else None,
-            relower=functools.partial(sharded_paper_program, model, style, cluster.target, graph)
+            relower=functools.partial(sharded_paper_program, model, style, cluster.target, program.graph)
             if cluster.target
             else None,
             programs=programs.get(cluster.target),
         )
         row = {
-            **common_fields(model, name, style, graph.summary(), cluster.kernel_estimator().name, cluster.num_devices),
+            **common_fields(
+                model, name, style, program.graph.summary(), cluster.kernel_estimator().name, cluster.num_devices
+            ),
             **info,
             **row,
             "elapsed_s": time.perf_counter() - started,

@@ -91,7 +91,7 @@ class Job:
 
 def compile_baseline(captured: Captured, b: baselines.Baseline) -> tuple:
     if b.compiler_options is None:
-        return compile_strategy(captured.lowered, captured.graph, b.strategy)
+        return compile_strategy(captured.lowered, captured.program, b.strategy)
     if not b.compiler_options:
         return captured.default_compiled, "default"
     return captured.lowered.compile(compiler_options=b.compiler_options), "compile options"
@@ -145,7 +145,7 @@ def measured_row(
     calibration = calibrate(cost_model, captured, default_runner, validation_pairs, quiet).to_json()
     scale = cost_model.params.compute_scale
     candidates = baselines.all_baselines(
-        graph, kernel_time_us=lambda ks: [t * scale for t in cost_model.estimator.estimate(graph, ks)]
+        captured.program, kernel_time_us=lambda ks: [t * scale for t in cost_model.estimator.estimate(graph, ks)]
     )
     default_counts = compiled_stats(captured.default_compiled.as_text())
     reference_runner = captured.runner(captured.default_copy())
@@ -161,7 +161,7 @@ def measured_row(
         comparison = job.compare(captured, runner())
         timing = job.time(reference_runner, runner, pairs)
         reference_samples.append(timing.default_us)
-        sim = cost_model.simulate(graph, b.strategy)
+        sim = cost_model.simulate(captured.program, b.strategy)
         strategies[b.name] = {
             "simulated": sim_json(sim),
             "description": b.description,
@@ -187,7 +187,9 @@ def measured_row(
     strategy = None
     if not sharded:  # else the plan is the sharded program's, another graph than this row's
         strategy = (
-            Strategy.from_json(graph, report.plan["strategy"]) if applied else baselines.jax_default(graph).strategy
+            Strategy.from_json(graph, report.plan["strategy"])
+            if applied
+            else baselines.jax_default(captured.program).strategy
         )
     comparison = job.compare(captured, out)
     log(f"{name}: disco-jax {'plan applied' if applied else 'XLA default kept'}; timing its executable")
@@ -201,7 +203,7 @@ def measured_row(
     if sharded:  # the step lowered again with its state sharded: as the search phase costed it
         simulated, simulated_by = (report.simulated or {}).get("plan" if applied else "default"), "search phase"
     else:
-        simulated, simulated_by = sim_json(cost_model.simulate(graph, strategy)), "row"
+        simulated, simulated_by = sim_json(cost_model.simulate(captured.program, strategy)), "row"
     search = report.search or {}
     strategies[DISCO] = {
         "simulated": simulated,

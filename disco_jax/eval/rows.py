@@ -35,6 +35,7 @@ from disco_jax import (
     ChainEstimator,
     CostModel,
     Graph,
+    Program,
     SearchConfig,
     Strategy,
     backends,
@@ -44,7 +45,7 @@ from disco_jax import (
     targets,
     zoo,
 )
-from disco_jax._compile import CompiledProgram, Programs, capture, capture_graph, compile_program
+from disco_jax._compile import CompiledProgram, Programs, capture, capture_program, compile_program
 from disco_jax._ranking import RANKED_CANDIDATES, ProgramCosts, rank_by_compiled_cost
 from disco_jax._strategy import sharding_all, with_sharding, xla_default
 from disco_jax._validate import median_interval
@@ -264,7 +265,7 @@ NOT_COMPILED = (
 
 
 def simulated_row(
-    graph: Graph,
+    program: Program,
     cluster: clusters.Cluster,
     *,
     budget_s: float,
@@ -274,11 +275,11 @@ def simulated_row(
     relower: Callable[[frozenset[int]], CompiledProgram | None] | None = None,
     programs: Programs | None = None,
 ) -> dict:
-    """One cluster row for a captured graph: baselines costed, disco-jax searched, jointly over
+    """One cluster row for a captured program: baselines costed, disco-jax searched, jointly over
     fusion, all-reduce buckets and which gradients' weight updates are sharded
     (`Strategy.sharded`, costed on this graph by `cost.sharded`).
 
-    `lowered`: the step lowered for the cluster's GPU target when `graph` is XLA:GPU's module
+    `lowered`: the step lowered for the cluster's GPU target when `program` is XLA:GPU's module
     (`capture_paper_model`). Every strategy is then compiled deviceless the way XLA:GPU enacts it
     (`_compile.compile_program`: the baselines by their compile options or the GPU rewriter,
     `baselines.compile_baselines`) and its figure (`simulated`) is the compiled-program model's
@@ -296,11 +297,10 @@ def simulated_row(
     Without `lowered` (XLA:CPU's module), every strategy is costed by the graph simulator, XLA's
     all-reduce combining is XLA:GPU's combiner emulated on the graph, and the row says why
     (`NOT_COMPILED`)."""
-    estimator = ChainEstimator([cluster.kernel_estimator()])
-    allreduce = cluster.allreduce_model()
+    graph, estimator, allreduce = program.graph, ChainEstimator([cluster.kernel_estimator()]), cluster.allreduce_model()
 
-    def simulated(s: Strategy, on: Graph = graph):
-        return simulate(on, s, estimator, allreduce, bound=True)
+    def simulated(s: Strategy):
+        return simulate(program, s, estimator, allreduce, bound=True)
 
     costs = ProgramCosts(backends.GPU, estimator, allreduce)  # each distinct compiled program once
 
@@ -309,27 +309,27 @@ def simulated_row(
 
     combine = backends.GPU.xla_buckets if lowered is not None else baselines.xla_gpu_buckets
     candidates = baselines.all_baselines(
-        graph, combine=combine, kernel_time_us=lambda ks: estimator.estimate(graph, ks)
+        program, combine=combine, kernel_time_us=lambda ks: estimator.estimate(graph, ks)
     )
     if lowered is not None and programs is None:
-        programs = Programs(lowered, graph)
+        programs = Programs(lowered, program)
     compiled = baselines.compile_baselines(programs, candidates) if programs is not None else {}
     cost_model = GRAPH_MODEL if programs is None else COMPILED_MODEL
     strategies: dict[str, dict] = {}
     for b in candidates:
-        program = compiled.get(b.name)
-        on_graph = sim_json(simulated(b.strategy)) if program is None or program.enacted else None
+        enacted = compiled.get(b.name)
+        on_graph = sim_json(simulated(b.strategy)) if enacted is None or enacted.enacted else None
         strategies[b.name] = {
-            "simulated": on_graph if program is None else costed(program),
+            "simulated": on_graph if enacted is None else costed(enacted),
             "cost_model": cost_model,
             "graph_simulated": on_graph,
             "description": b.description,
             "buckets": len(b.strategy.buckets),
             "valid": on_graph is not None,
-            **({} if program is None else {"program": program.to_json()}),
+            **({} if enacted is None else {"program": enacted.to_json()}),
         }
 
-    cost = CostModel(estimator, allreduce, {}).evaluator(graph)  # incremental: `cost.kernels`
+    cost = CostModel(estimator, allreduce, {}).evaluator(program)  # incremental: `cost.kernels`
     starts, seen = [], set()
     for s in start_candidates(graph) + [b.strategy for b in candidates]:
         if s.key() not in seen:
@@ -339,7 +339,7 @@ def simulated_row(
     if regions.shardable:
         starts.append(sharding_all(xla_default(graph), regions.shardable))
     result = backtracking_search(
-        graph,
+        program,
         cost,
         SearchConfig(budget_s=budget_s, seed=seed),
         moves=with_sharding(regions.shardable),
@@ -413,7 +413,7 @@ def ranked_plan(
             return CompiledProgram(label, "relowered", {}, "not enacted", reason="the step could not be lowered again")
         return dataclasses.replace(program, name=label, enacted_by="relowered (sharded update, XLA's plan)")
 
-    default = xla_default(programs.graph)
+    default = xla_default(programs.program.graph)
     ranked = rank_by_compiled_cost(
         xla,
         result.top(RANKED_CANDIDATES, exclude={default.key()}),
@@ -428,7 +428,7 @@ def ranked_plan(
     plan = first.strategy
     graph_figure = strategies["JAX_default"]["graph_simulated"] if plan is None else None
     if plan is not None:
-        graph_figure = sim_json(simulate(programs.graph, plan, costs.estimator, costs.allreduce))
+        graph_figure = sim_json(simulate(programs.program, plan, costs.estimator, costs.allreduce))
     disco = {
         "simulated": None if first.cost is None else first.cost.to_json(),
         "cost_model": COMPILED_MODEL,
@@ -471,22 +471,22 @@ def sharded_paper_program(
         return {i for g in gradients for i in leaves_of.get(g, ())}
 
     lowered, _, _ = update.relower_positional(step, args, compiled, leaves)
-    return None if lowered is None else compile_program(lowered, graph, "sharded update", None, {})
+    return None if lowered is None else compile_program(lowered, None, "sharded update", None, {})
 
 
-def capture_paper_model(name: str, style: str, target: str | None = None) -> tuple[Graph, dict, jax.stages.Lowered]:
+def capture_paper_model(name: str, style: str, target: str | None = None) -> tuple[Program, dict, jax.stages.Lowered]:
     """The paper-size step of a zoo model, captured at the hook without running it: XLA:GPU's
     module compiled deviceless for `target` (`disco_jax.targets`), or XLA:CPU's when None."""
     spec = zoo.get_model(name, "paper")
     started = time.perf_counter()
     if target is None:
         lowered = zoo.lower_abstract(spec, optax.adam(1e-3), zoo.data_mesh(PAPER_DEVICES), style)
-        graph = capture(lowered, backends.CPU, (), {}).graph
+        program = capture(lowered, backends.CPU, (), {}).program
     else:
         lowered = zoo.lower_abstract(spec, optax.adam(1e-3), targets.mesh(target, PAPER_DEVICES), style)
-        graph, _ = capture_graph(lowered, backends.GPU)
+        program, _ = capture_program(lowered, backends.GPU)
     return (
-        graph,
+        program,
         {
             "captured_on": "xla-cpu" if target is None else "xla-gpu",
             "target": target,

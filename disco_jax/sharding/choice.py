@@ -113,14 +113,16 @@ def search_sharding(step: Captured, model, leaves_of: dict, limit: int | None, r
     graph, regions = step.graph, regions_of(step.graph)
     shardable = frozenset(leaves_of)
     starts = [*_strategy.start_candidates(graph), _strategy.sharding_all(_strategy.xla_default(graph), shardable)]
-    cost = model.evaluator(graph)
+    cost = model.evaluator(step.program)
     if (
         limit is not None
         and replicated_bytes is not None
         and regions.saved_bytes(shardable) >= replicated_bytes - limit
     ):
         cost = _WithinLimit(cost, regions, replicated_bytes, limit)
-    result = _search.backtracking_search(graph, cost, config, moves=_strategy.with_sharding(shardable), starts=starts)
+    result = _search.backtracking_search(
+        step.program, cost, config, moves=_strategy.with_sharding(shardable), starts=starts
+    )
     chosen = result.best.sharded
     leaves = tuple(sorted({i for g in chosen for i in leaves_of[g]}))
     info = {
@@ -168,7 +170,7 @@ class Candidate:
             "within_limit": None if limit is None or size is None else size <= limit,
             "simulated_us": self.simulated_us,
             "collectives": update.collectives(self.step.default_compiled.as_text()),
-            "comm_bytes_per_device": communication_bytes(self.step.graph, full.num_shards)["total"],
+            "comm_bytes_per_device": communication_bytes(self.step.program, full.num_shards)["total"],
         }
 
 
@@ -302,10 +304,10 @@ def parameter_candidates(fn, step, layout, args, kwargs, backend, held: dict, li
     return out
 
 
-def simulated_us(model, program: Captured) -> float | None:
+def simulated_us(model, step: Captured) -> float | None:
     """A candidate program's step time as the replicated step's cost model simulates XLA's plan
     of it (None where the simulation is invalid)."""
-    simulated = model.simulate(program.graph, _strategy.xla_default(program.graph))
+    simulated = model.simulate(step.program, _strategy.xla_default(step.graph))
     return None if simulated is None else simulated.iteration_us
 
 

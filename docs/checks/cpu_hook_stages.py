@@ -12,7 +12,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 from _common import Recorder, count, entry, fact, finish, operand_counts  # noqa: E402
 
-from disco_jax import _compile, _graph, _strategy, backends, zoo  # noqa: E402
+from disco_jax import _compile, _program, _strategy, backends, zoo  # noqa: E402
 
 rec = Recorder("cpu")
 spec = zoo.get_model("mlp", "tiny")
@@ -62,8 +62,8 @@ def kernels(text: str) -> list[tuple[str, tuple[str, ...]]]:
 
 # Every fusible op returned bare (disco-jax's unfused strategy): XLA:CPU wraps each lone op,
 # broadcasts included, in a one-op kLoop fusion after the hook; it forms no multi-op fusion.
-graph = _graph.build_graph(pre, backends.CPU)
-unfused, _ = _compile.compile_strategy(lowered, graph, _strategy.unfused(graph))
+program = _program.build_program(pre, backends.CPU)
+unfused, _ = _compile.compile_strategy(lowered, program, _strategy.unfused(program.graph))
 after = kernels(unfused.as_text())
 loop = [ops for kind, ops in after if kind == "kLoop"]
 fact(
