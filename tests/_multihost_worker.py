@@ -28,6 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _xla_cache  # noqa: E402
+
+_xla_cache.share()  # the test run's compilation cache, before jax is imported
+
 import disco_jax  # noqa: E402
 
 disco_jax.initialize_from_env()

@@ -21,6 +21,10 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _xla_cache  # noqa: E402
+
+_xla_cache.share()  # the test run's compilation cache, before jax is imported
+
 import jax  # noqa: E402
 import optax  # noqa: E402
 

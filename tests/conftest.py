@@ -1,12 +1,11 @@
 """Test setup: 8 virtual CPU devices, set before jax is imported anywhere, and one persistent
-compilation cache for the session (tests compile the same steps, timing programs and estimator
-buckets again and again; the cache is also how many clusters run JAX, and disco-jax must work
-under it). Subprocesses get no cache unless a test gives them one."""
+compilation cache for the whole run, shared by both xdist workers and the processes tests start
+(`_xla_cache.share`: tests compile the same steps, timing programs and estimator buckets again and
+again; the cache is also how many clusters run JAX, and disco-jax must work under it)."""
 
-import atexit
 import os
-import shutil
-import tempfile
+
+import _xla_cache
 
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
@@ -15,16 +14,9 @@ os.environ["XLA_FLAGS"] = " ".join(
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.pop("ENABLE_SEARCH", None)
 os.environ.pop("DISCO_JAX_PLAN_DIR", None)
+_xla_cache.share()
 
-import jax  # noqa: E402
 import pytest  # noqa: E402
-
-_cache_dir = tempfile.mkdtemp(prefix="disco-jax-test-xla-cache-")
-atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", _cache_dir)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-
 
 # Files whose tests take the most time (deviceless XLA:GPU compiles, searches in worker processes),
 # longest first (CPU seconds of `-n 0 --durations`, docs/testing.md). They run first, so that
