@@ -111,12 +111,12 @@ def main() -> None:
     searches = []
     search = _search.backtracking_search
 
-    def counted_search(graph, *a, **k):
+    def counted_search(program, *a, **k):
         if "moves" in k:  # the weight-update search (disco_jax.sharding.choice): not the plan's search
-            return search(graph, *a, **k)
+            return search(program, *a, **k)
         searches.append(1)
-        result = search(graph, *a, **k)
-        return dataclasses.replace(result, best=per_gradient(graph)) if args.pick_per_gradient else result
+        result = search(program, *a, **k)
+        return dataclasses.replace(result, best=per_gradient(program.graph)) if args.pick_per_gradient else result
 
     _search.backtracking_search = counted_search
     # --pick-per-gradient forces a candidate into validation; the measured search would time it
