@@ -1,5 +1,6 @@
 """Every tiny zoo model trains under both data-parallel styles with a plan enacted by the
-decorator, equal to the unmodified step; the bench's rows and report hold together."""
+decorator, equal to the unmodified step, and the two styles agree (the zoo's end-to-end check:
+test_zoo.py holds its cheap ones); the bench's rows and report hold together."""
 
 import dataclasses
 import functools
@@ -12,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 from _hlo_text import module_kernels
+from _trees import assert_trees_close, max_abs
 
 from disco_jax import (
     _capture,
@@ -41,14 +43,20 @@ def mesh():
     return zoo.data_mesh(8)
 
 
-@pytest.mark.parametrize("style", zoo.STYLES)
-@pytest.mark.parametrize("name", MODELS)
-def test_decorated_tiny_model_trains_and_equals_the_unmodified_step(name, style, mesh, tmp_path, monkeypatch):
-    """A hand-made plan (XLA's fusions, one all-reduce per gradient: the JAX_op_fusion
-    baseline) is enacted by @optimize_distributed without a search; only all-reduces are
-    regrouped, so the step must equal the unmodified one."""
+# SGD with momentum: the first update is exactly -LEARNING_RATE * grad, so comparing the two
+# styles' updates compares their gradients, and the optimizer state has leaves that must come back
+# replicated.
+LEARNING_RATE = 0.1
+OPTIMIZER = optax.sgd(LEARNING_RATE, momentum=0.9)
+
+
+def _decorated_step_with_a_handmade_plan(name, style, mesh, plan_dir, monkeypatch):
+    """One style of a tiny zoo model's step, decorated with a hand-made plan (XLA's fusions, one
+    all-reduce per gradient: the JAX_op_fusion baseline) and called once without a search: the
+    plan must be enacted and its outputs bitwise equal to the unmodified step's, which only
+    regroups all-reduces. Returns (initial state, outputs)."""
     spec = zoo.get_model(name, "tiny")
-    step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), mesh, style)
+    step, state, batch = zoo.make_train_step(spec, OPTIMIZER, mesh, style)
     captured = _compile.capture(step.lower(state, batch), backends.CPU, (state, batch), {})
     graph, default = captured.graph, captured.default_compiled
     reference = default(state, batch)
@@ -56,25 +64,51 @@ def test_decorated_tiny_model_trains_and_equals_the_unmodified_step(name, style,
     machine = _plan.MachineKey.current(_compile.step_devices((state, batch), {}))
     _plan.save_plan(
         _plan.Plan(graph.fingerprint, graph.module.name, machine, False, strategy.to_json(graph), "made by a test"),
-        tmp_path,
+        plan_dir,
     )
     # The decorator would capture the same module again (one more compile); it is given ours
     # (the plan compile still goes through the hook, which checks the module's fingerprint).
     monkeypatch.setattr(_pipeline, "capture", lambda lowered, *a, **k: captured)
 
-    decorated = optimize_distributed(search=False, plan_dir=tmp_path, verbose=False)(step)
-    new_state, loss = decorated(state, batch)
+    decorated = optimize_distributed(search=False, plan_dir=plan_dir, verbose=False)(step)
+    outputs = decorated(state, batch)
     step_report = decorated.last_report
     assert step_report.applied, step_report.reason
     assert step_report.compile_status == "rewritten"
     assert step_report.plan_counts["all-reduce"] == len(graph.gradients)
-    assert step_report.default_counts["all-reduce"] <= len(graph.gradients)
-    assert _validate.compare_outputs(reference, (new_state, loss), bitwise=True).bitwise_equal
-    assert np.isfinite(float(loss))
-    changed = [
-        not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(state.params))
-    ]
-    assert np.mean(changed) > 0.9
+    # Plain jit data parallelism: the SPMD partitioner must have inserted the gradient all-reduces.
+    assert 1 <= step_report.default_counts["all-reduce"] <= len(graph.gradients)
+    assert _validate.compare_outputs(reference, outputs, bitwise=True).bitwise_equal
+    return state, outputs
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_decorated_tiny_model_trains_and_equals_the_unmodified_step(name, mesh, tmp_path, monkeypatch):
+    """Both data-parallel styles of the model, each with a plan enacted by @optimize_distributed
+    (bitwise equal to its unmodified step), train one step and agree with each other: the same
+    loss, parameters and model state, and the same update (so the same gradients)."""
+    state, (jit_state, jit_loss) = _decorated_step_with_a_handmade_plan(
+        name, "jit", mesh, tmp_path / "jit", monkeypatch
+    )
+    same_state, (shard_map_state, shard_map_loss) = _decorated_step_with_a_handmade_plan(
+        name, "shard_map", mesh, tmp_path / "shard_map", monkeypatch
+    )
+    assert _validate.compare_outputs(state, same_state, bitwise=True).bitwise_equal  # one seed, one state
+
+    assert np.isfinite(float(jit_loss)) and np.isfinite(float(shard_map_loss))
+    jit_update = jax.tree.map(np.subtract, jit_state.params, state.params)
+    shard_map_update = jax.tree.map(np.subtract, shard_map_state.params, state.params)
+    changed = [float(np.max(np.abs(u))) > 0 for u in jax.tree.leaves(jit_update)]
+    assert np.mean(changed) > 0.9, f"only {sum(changed)} of {len(changed)} parameter arrays changed"
+
+    np.testing.assert_allclose(shard_map_loss, jit_loss, rtol=1e-5)
+    assert_trees_close(shard_map_state.params, jit_state.params, 1e-4, 1e-6, "params")
+    # The updates are -lr * grad: the styles must compute the same gradients, not just close params.
+    assert_trees_close(shard_map_update, jit_update, 1e-3, 1e-4, "update")
+    assert_trees_close(shard_map_state.model_state, jit_state.model_state, 1e-4, 1e-6, "model_state")
+    if "batch_stats" in state.model_state:  # ResNet: the step updates the running averages
+        assert max_abs(jax.tree.map(np.subtract, jit_state.model_state, state.model_state)) > 0
+    assert jax.tree.structure(shard_map_state) == jax.tree.structure(state)
 
 
 def test_fo_is_the_lowest_baseline_bound_never_disco_jax():

@@ -4,17 +4,16 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
+from _trees import assert_trees_close  # noqa: E402
 
 from disco_jax import zoo  # noqa: E402
 
 MODEL_NAMES = sorted(zoo.MODELS)
-LEARNING_RATE = 0.1
-# SGD with momentum: the first update is exactly -LEARNING_RATE * grad, so comparing updates compares
-# gradients, and the optimizer state has leaves that must come back replicated.
-OPTIMIZER = optax.sgd(LEARNING_RATE, momentum=0.9)
+# That every tiny model trains one step in both styles and the styles agree is checked end to end,
+# each style with a plan enacted by the decorator, in test_bench.py (one compile of each program).
+OPTIMIZER = optax.sgd(0.1, momentum=0.9)
 
 # Paper sizes (trainable parameters) from the papers; the zoo's counts must be within 5%.
 PAPER_PARAMETERS = {
@@ -36,49 +35,6 @@ def mesh():
         pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     # jax.make_mesh gives Explicit axes in JAX 0.10; the zoo must cope with them.
     return jax.make_mesh((8,), ("data",))
-
-
-def _max_abs(tree) -> float:
-    return max((float(np.max(np.abs(leaf))) for leaf in jax.tree.leaves(tree)), default=0.0)
-
-
-def _assert_trees_close(actual, expected, rtol, atol_fraction, what):
-    """Leafwise allclose, with atol a fraction of each expected leaf's largest magnitude."""
-    flat_actual = jax.tree_util.tree_leaves_with_path(actual)
-    flat_expected = jax.tree.leaves(expected)
-    assert len(flat_actual) == len(flat_expected)
-    for (path, a), e in zip(flat_actual, flat_expected):
-        a, e = np.asarray(a), np.asarray(e)
-        atol = atol_fraction * float(np.max(np.abs(e))) if e.size else 0.0
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=f"{what} {jax.tree_util.keystr(path)}")
-
-
-@pytest.mark.parametrize("name", MODEL_NAMES)
-def test_tiny_model_trains_one_step_and_styles_agree(name, mesh):
-    spec = zoo.get_model(name, "tiny")
-    step, state, batch = zoo.make_train_step(spec, OPTIMIZER, mesh, "jit")
-    compiled = step.lower(state, batch).compile()
-    # Plain jit data parallelism: the SPMD partitioner must have inserted the gradient all-reduce.
-    assert "all-reduce" in compiled.as_text()
-    jit_state, jit_loss = compiled(state, batch)
-
-    shard_map_step = zoo.build_train_step(spec, OPTIMIZER, mesh, "shard_map")
-    shard_map_state, shard_map_loss = shard_map_step(state, batch)
-
-    assert np.isfinite(jit_loss) and np.isfinite(shard_map_loss)
-    jit_update = jax.tree.map(np.subtract, jit_state.params, state.params)
-    shard_map_update = jax.tree.map(np.subtract, shard_map_state.params, state.params)
-    changed = [float(np.max(np.abs(u))) > 0 for u in jax.tree.leaves(jit_update)]
-    assert np.mean(changed) > 0.9, f"only {sum(changed)} of {len(changed)} parameter arrays changed"
-
-    np.testing.assert_allclose(shard_map_loss, jit_loss, rtol=1e-5)
-    _assert_trees_close(shard_map_state.params, jit_state.params, 1e-4, 1e-6, "params")
-    # The updates are -lr * grad: the styles must compute the same gradients, not just close params.
-    _assert_trees_close(shard_map_update, jit_update, 1e-3, 1e-4, "update")
-    _assert_trees_close(shard_map_state.model_state, jit_state.model_state, 1e-4, 1e-6, "model_state")
-    if "batch_stats" in state.model_state:  # ResNet: the step updates the running averages
-        assert _max_abs(jax.tree.map(np.subtract, jit_state.model_state, state.model_state)) > 0
-    assert jax.tree.structure(shard_map_state) == jax.tree.structure(state)
 
 
 @pytest.mark.parametrize("style", zoo.STYLES)
@@ -156,4 +112,4 @@ def test_reformer_reversible_backward_matches_plain_autodiff():
         return jax.jit(jax.grad(loss, argnums=(0, 1)))(layers, x)
 
     # Inputs are recomputed from outputs, so agreement is up to float32 rounding, not bitwise.
-    _assert_trees_close(grads(reversible_stack), grads(plain_stack), 1e-4, 1e-5, "grad")
+    assert_trees_close(grads(reversible_stack), grads(plain_stack), 1e-4, 1e-5, "grad")
