@@ -129,7 +129,9 @@ class UpdateCandidate:
         return {} if self.layout is None else self.layout.to_json()
 
     def to_json(self, limit: int | None) -> dict:
-        """The record the plan keeps (`choice.pick`'s fields: label, leaves, footprint_bytes)."""
+        """The record the plan keeps: label, leaves and footprint_bytes as the decorator's records
+        name them, with the compiled cost; no `measured` (nothing ran on the devices), so the
+        decorator's `choice.rechoose` under another memory limit does not pick it."""
         peak = self.peak_bytes
         return {
             "label": self.label,

@@ -10,7 +10,6 @@ import pytest
 from disco_jax import _plan, offline, targets, zoo
 from disco_jax._search import SearchConfig
 from disco_jax.eval import clusters
-from disco_jax.sharding import choice
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +93,6 @@ def test_a_limit_between_the_replicated_and_the_sharded_peak_gives_a_plan_that_f
     found, _ = _plan.find_plan(replicated.captured().program.graph.fingerprint, machine, tmp_path)
     assert found is not None and found.use_default and found.weight_update["program"] == plan.fingerprint
     assert found.weight_update["chosen"] == decided["chosen"]
-    # `choice.pick` reads the same records: the replicated update is over the limit there too.
-    assert choice.footprint(chosen.memory) == chosen.peak_bytes
 
 
 def test_the_limit_decides_between_the_sharded_updates(candidates):

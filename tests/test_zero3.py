@@ -157,7 +157,7 @@ def test_a_memory_limit_on_a_shard_map_step_says_what_to_do_instead():
 def test_nothing_fitting_warns_with_the_smallest_peak_found():
     step, params, opt_state, batches = flax_adam_step()
     args = (params, opt_state, *batches[0])
-    layout, _ = footprints(step, args)
+    layout, _ = update.find_layout(step, args, {}, args, {}, [x.sharding for x in jax.tree.leaves(args)])
     program = capture(step.lower(*args), backends.CPU, args, {})
     held = update.held_leaves(program)
     candidates = [choice.Candidate((), program, None, update.memory(program.default_compiled, held))]

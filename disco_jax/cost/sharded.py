@@ -47,7 +47,7 @@ class UpdateRegions:
     @property
     def shardable(self) -> frozenset[int]:
         """The gradients whose update can be sharded: it outputs a new value, keeps state, and
-        has a dimension the devices divide (as `sharding.update.split_dimension` asks)."""
+        has a dimension the devices divide (as `sharding.leaves.split_dimension` asks)."""
         n = self.num_shards
         if n < 2:
             return frozenset()

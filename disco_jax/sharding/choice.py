@@ -8,7 +8,9 @@ with the `shard_update` move: a strategy shards the update of chosen buckets' gr
 the layout's leaves by the entry parameters its update reads (`gradient_leaves`), and under a
 memory limit only strategies whose estimated footprint fits are valid. The candidates are then
 programs: the replicated step, the step with every group sharded, the search's choice and, under a
-memory limit, the step with the largest groups sharded until it fits (`leaf_sets`). Each is lowered
+memory limit, the step with the largest groups sharded until it fits (`leaf_sets`); when no
+state-only candidate fits, state plus the parameters of the 1, 2, 4, ... largest layers (ZeRO-3,
+`parameter_candidates`). Each is lowered
 again and captured (`update.relowered`), its per-device footprint read from its compiled
 executable, and its XLA plan simulated with the replicated step's cost model: the sharded update's
 all-gathers and reduce-scatters go on the communication channel at the measured scatter/gather line
@@ -178,7 +180,7 @@ def choose(
     fn, step: Captured, args: tuple, kwargs: dict, backend, costs, memory_limit: int | None, pairs: int, ui, config
 ):
     """(program, its `Layout` or None, what the plan records) for `weight_update="search"`.
-    `costs`: the replicated step's cost model and the profile database (`_pipeline.Profiled`);
+    `costs`: the replicated step's cost model and the profile database (`_search_phase.Profiled`);
     `config`: the search's `SearchConfig` (a quarter of its budget goes to `search_sharding`)."""
     info: dict[str, Any] = {"requested": "search", "memory_limit_bytes": memory_limit}
     input_shardings = jax.tree.leaves(step.default_compiled.input_shardings)

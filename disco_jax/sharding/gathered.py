@@ -41,10 +41,12 @@ def read_shards(editor: ModuleEditor) -> list[dict]:
     """Make every fusion that reads only its own block of an entry all-gather read the gathered
     operand; returns the applications (rule, the all-gather and the fusions, the operand read)."""
     comp = editor.module.entry
-    entry = Scope(comp)
     calls = [i.attr("calls") for i in comp.instructions if i.opcode == "fusion"]
     applications = []
     for gather in [i for i in comp.instructions if i.opcode == "all-gather" and len(i.operands) == 1]:
+        # Anew per gather: a rewrite below replaces a fusion, and one fusion may read the own
+        # blocks of two gathers (the second rewrite must start from the first's operands).
+        entry = Scope(comp)
         groups = group_positions(gather.attr("replica_groups"))
         dims, shard = dims_of(gather), entry.by_name.get(gather.operands[0])
         axis = (gather.attr("dimensions") or "").strip("{}")

@@ -12,7 +12,8 @@ returns its new value sharded. XLA's partitioner then reduces the gradient and e
 its block (`sharded_parameter_gradient`; a reduce-scatter on XLA:GPU, on XLA:CPU the hook's
 `own_block_of_all_reduce`), and the update of the parameter's own block reads the gathered
 value's own block, which the hook reads from the shard itself (`own_block_of_all_gather`,
-`sharding.gathered`), so the gathered parameters die after the backward pass.
+`sharding.gathered`; a hook rule of XLA:CPU only), so there the gathered parameters die after
+the backward pass; XLA:GPU keeps them live through it (docs/gpu.md).
 
 Leaves with no dimension the data axis divides stay replicated, with the reason recorded
 (`Layout.kept_whole`): JAX refuses uneven shardings of a jit's inputs and outputs ("implies that

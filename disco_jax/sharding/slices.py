@@ -26,7 +26,7 @@ import re
 import numpy as np
 
 from disco_jax import _hlo
-from disco_jax.cost.work import ELEMENTWISE
+from disco_jax._hlo import ELEMENTWISE
 
 # Ops of one array applied element by element (a `copy` changes only the layout).
 POINTWISE = ELEMENTWISE | {"copy"}

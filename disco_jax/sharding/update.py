@@ -1,5 +1,6 @@
 """The sharded weight update (Xu et al. 2020, "Automatic Cross-Replica Sharding of Weight Update in
-Data-Parallel Training"; ZeRO stage 1) for `jax.jit` + `NamedSharding` data-parallel steps.
+Data-Parallel Training"; ZeRO stage 1, and with `Layout.parameters` the parameters too, ZeRO-3) for
+`jax.jit` + `NamedSharding` data-parallel steps.
 
 In a data-parallel step every device holds the whole optimizer state and repeats the whole
 update. Here the optimizer state is kept sharded over the data axis between steps: each device
@@ -35,12 +36,10 @@ from disco_jax import _validate
 from disco_jax._compile import Captured, capture
 from disco_jax.sharding import params, rules
 from disco_jax.sharding.leaves import (  # noqa: F401  (the layout's reading of the jaxpr, re-exported)
-    ELEMENTWISE,
     choose_layout,
     elementwise_origins,
     leaf_groups,
     spec_for,
-    split_dimension,
 )
 from disco_jax.sharding.params import Parameter
 
@@ -137,12 +136,8 @@ class Layout:
 
     def state_bytes(self, avals: dict[int, Any]) -> int:
         """Per-device bytes of the sharded optimizer-state leaves (`avals`: index -> aval of every
-        input leaf); the sharded parameters' are `parameter_bytes`."""
+        input leaf)."""
         return self._bytes(avals, [i for i in self.inputs if i not in self.parameters])
-
-    def parameter_bytes(self, avals: dict[int, Any]) -> int:
-        """Per-device bytes of the sharded parameter leaves."""
-        return self._bytes(avals, self.gathered)
 
     def _bytes(self, avals: dict[int, Any], leaves) -> int:
         return sum(math.prod(avals[i].shape) * avals[i].dtype.itemsize // self.num_shards for i in leaves)
