@@ -163,10 +163,11 @@ def validate_stage(step: Captured, profiled: Profiled, searched: Searched, optio
     graph, cost_model, tuned = step.graph, profiled.cost_model, searched.tuned
     default, best = _strategy.xla_default(graph), searched.best
     sim_default = cost_model.simulate(step.program, default, record=True)
-    sim_best = cost_model.simulate(step.program, best, record=True)
+    same = best.key() == default.key()
+    sim_best = sim_default if same else cost_model.simulate(step.program, best, record=True)
     simulated = {"default": sim_default.to_json(), "plan": sim_best.to_json()}
     timelines = {"default": sim_default.events, "plan": sim_best.events}
-    if best.key() == default.key():
+    if same:
         reason = "the search found nothing better than XLA's plan in simulation"
         verdict = Verdict(True, tuned.reason or reason, tuned.evidence) if tuned else Verdict(True, reason, {})
         return Validated(verdict, None, simulated, timelines)

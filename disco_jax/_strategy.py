@@ -463,4 +463,5 @@ def is_valid(program: Program, s: Strategy) -> bool:
         return False
     if any(len({g in s.sharded for g in b}) != 1 for b in s.buckets):
         return False
-    return emittable(program, s) and kernel_dag(program, s) is not None
+    # kernel_dag checks emittable itself where the strategy has no kernel index
+    return (s.index is None or emittable(program, s)) and kernel_dag(program, s) is not None

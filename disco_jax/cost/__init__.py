@@ -7,17 +7,17 @@
   estimator plugins (entry-point group ``disco_jax.estimators``; the GNN is one).
 * `allreduce`: the `AllReduceCost` protocol and the measured line `AllReduceCostModel`.
 * `kernels`: a strategy's kernel graph as the simulator runs it (`KernelState`), built from
-  scratch or derived from its parent's by what the search's moves changed, and the simulation
-  core `run`.
+  scratch or derived from its parent's by what the search's moves changed.
 * `sharded`: the sharded weight update as the simulator costs it (`Strategy.sharded`): per
   gradient, its update region and optimizer state (`UpdateRegions`).
-* `events`: `run`, the event simulation of a kernel state.
+* `events`: `run`, the event simulation of a kernel state, and `SimulatorParams` (its
+  calibrated constants; `simulator.BARE_PARAMS`, uncalibrated).
 * `bound`: `dependency_bound`, the least iteration any order of a kernel state's kernels reaches
   (FO plus what dependencies force; `simulate(..., bound=True)`, reported per benchmark row).
 * `compiled`: the cost of a compiled program, kernel by kernel as XLA compiled and scheduled it
   (`compiled_program`, `cost_program`, `compiled_cost` -> `CompiledCost`; DESIGN.md point 18):
   what a strategy costs once compiled, beside the simulator that proposes strategies.
-* `simulator`: `simulate`, `SimulatorParams` and their multi-point `calibrate` (-> `Calibrated`:
+* `simulator`: `simulate`, the parameters' multi-point `calibrate` (-> `Calibrated`:
   the parameters, the misfit and each point), `CostModel`, and `SimulatedCost` (the search's
   cost function, `CostModel.evaluator`).
 

@@ -340,7 +340,7 @@ class CostModel:
     estimator: ChainEstimator
     allreduce: AllReduceCost
     sources: dict
-    params: SimulatorParams = SimulatorParams()
+    params: SimulatorParams = BARE_PARAMS
     kernel_times_us: dict[str, float] = dataclasses.field(default_factory=dict, repr=False)
 
     def evaluator(self, program: Program) -> SimulatedCost:
