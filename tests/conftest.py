@@ -3,7 +3,9 @@ compilation cache for the whole run, shared by both xdist workers and the proces
 (`_xla_cache.share`: tests compile the same steps, timing programs and estimator buckets again and
 again; the cache is also how many clusters run JAX, and disco-jax must work under it)."""
 
+import dataclasses
 import os
+import shutil
 
 import _xla_cache
 
@@ -42,11 +44,38 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+@pytest.fixture(scope="session")
+def measured_collectives(tmp_path_factory):
+    """A profile directory holding what a search measures of the collectives on all 8 devices (the
+    all-reduce fit and the reduce-scatter / all-gather line), measured once per worker by the
+    functions the profile phase calls. Every test's profile directory starts as a copy
+    (`_isolated_caches`), as a user's does after their first search: a search measures its own
+    kernel times, but not the collectives again (~10 CPU seconds each; docs/testing.md)."""
+    import jax
+    import numpy as np
+
+    from disco_jax import _device_timing, _profile_db
+
+    root = tmp_path_factory.mktemp("measured-profiles")
+    devices = jax.devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("all",))
+    allreduce, points = _device_timing.measure_allreduce_cost(mesh)
+    line, _ = _device_timing.measure_scatter_gather_cost(mesh)
+    profile = _profile_db.Profile.for_devices(
+        devices, allreduce=dataclasses.replace(allreduce, scatter_gather=line), allreduce_points=points
+    )
+    _profile_db.ProfileDatabase(root).save(profile)
+    return root
+
+
 @pytest.fixture(autouse=True)
-def _isolated_caches(tmp_path, monkeypatch):
-    """Every test gets its own plan and profile directories and ENABLE_SEARCH unset."""
+def _isolated_caches(measured_collectives, tmp_path, monkeypatch):
+    """Every test gets its own plan and profile directories and ENABLE_SEARCH unset; its profile
+    directory starts with the run's measured collectives."""
+    profiles = tmp_path / "profiles"
+    shutil.copytree(measured_collectives, profiles)
     monkeypatch.setenv("DISCO_JAX_PLAN_DIR", str(tmp_path / "plans"))
-    monkeypatch.setenv("DISCO_JAX_PROFILE_DIR", str(tmp_path / "profiles"))
+    monkeypatch.setenv("DISCO_JAX_PROFILE_DIR", str(profiles))
     monkeypatch.delenv("ENABLE_SEARCH", raising=False)
     yield
 

@@ -283,6 +283,28 @@ def _two_layer_step(n: int, tmp_path) -> tuple[_compile.Captured, ProfileDatabas
     return captured, database
 
 
+def test_a_search_profile_measures_the_collectives_once_and_stores_them(tmp_path, monkeypatch):
+    """The first profile of an empty database measures the all-reduce fit and stores it with its
+    points; the next one (another step, the same devices) reads it and measures none (what every
+    test's profile directory, seeded by conftest's `measured_collectives`, relies on)."""
+    measured = []
+
+    def measure(mesh, **kwargs):  # the real measurement, at fewer sizes
+        measured.append(mesh.size)
+        return measure_allreduce_cost(mesh, sizes_bytes=(4096, 65536, 262144), repeats=3, warmup=1, chain=2)
+
+    monkeypatch.setattr(_profile_phase._device_timing, "measure_allreduce_cost", measure)
+    captured, database = _two_layer_step(32, tmp_path)
+    database = ProfileDatabase(user_dir=tmp_path / "empty", shipped_dir=tmp_path / "shipped")
+    ui = _console.Ui(verbose=False)
+    first = _profile_phase.profile(captured, captured.runner(captured.default_compiled), database, ui)
+    stored = database.load(captured.machine.device_kind, captured.machine.backend, 8)
+    assert measured == [8] and stored.allreduce == first.allreduce and len(stored.allreduce_points) == 3
+    other, _ = _two_layer_step(16, tmp_path / "other")
+    second = _profile_phase.profile(other, other.runner(other.default_compiled), database, ui)
+    assert measured == [8] and second.allreduce == first.allreduce
+
+
 def test_profile_builds_its_estimator_chain_from_the_plugin_registry(tmp_path):
     """The profile phase asks the registry: a plugin added with `register_estimator` and the GNN
     (the `gnn` entry point; CPU weights are shipped) are each calibrated after the measured table,
