@@ -69,10 +69,11 @@ def measured_collectives(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _isolated_caches(measured_collectives, tmp_path, monkeypatch):
+def _isolated_caches(measured_collectives, tmp_path, tmp_path_factory, monkeypatch):
     """Every test gets its own plan and profile directories and ENABLE_SEARCH unset; its profile
-    directory starts with the run's measured collectives."""
-    profiles = tmp_path / "profiles"
+    directory (beside `tmp_path`, which tests use as they like) starts with the run's measured
+    collectives."""
+    profiles = tmp_path_factory.mktemp("profiles") / "profiles"
     shutil.copytree(measured_collectives, profiles)
     monkeypatch.setenv("DISCO_JAX_PLAN_DIR", str(tmp_path / "plans"))
     monkeypatch.setenv("DISCO_JAX_PROFILE_DIR", str(profiles))
