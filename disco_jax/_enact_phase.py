@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from typing import Any
 
 import jax
 
-from disco_jax import _plan
+from disco_jax import _plan, _warnings
 from disco_jax._compile import Captured, compile_strategy, compiled_stats, keeps_plan, rules_applied
 from disco_jax._console import Ui
 from disco_jax._options import Options, StepReport
@@ -32,11 +31,10 @@ def enact_phase(step: Captured, options: Options, report: StepReport, ui: Ui) ->
         return step.default_compiled
     recorded = (plan.weight_update or {}).get("leaves")
     if recorded is not None and recorded != (report.weight_update or {}).get("leaves"):
-        warnings.warn(
+        _warnings.warn(
             f"disco-jax: plan {report.plan_path} shards other optimizer-state leaves than this step; "
             "running the unmodified step",
             _plan.PlanWarning,
-            stacklevel=7,
         )
         report.reason = "the plan's weight update differs"
         return step.default_compiled
@@ -54,12 +52,11 @@ def load(step: Captured, plan_dir: str | None, report: StepReport) -> _plan.Plan
     report.plan_path = str(path)
     if plan is None:
         if not path.exists():
-            warnings.warn(
+            _warnings.warn(
                 f"disco-jax: no plan for {graph.module.name} (fingerprint {graph.fingerprint}) "
                 f"in {path.parent}; running the unmodified step. Run once with ENABLE_SEARCH=1 "
                 "to make one.",
                 _plan.PlanWarning,
-                stacklevel=7,
             )
         report.reason = "no usable plan"
         return None
@@ -76,21 +73,19 @@ def apply(step: Captured, plan: _plan.Plan, options: Options, report: StepReport
         strategy = Strategy.from_json(graph, plan.strategy)
         compiled, status = compile_strategy(step.lowered, step.program, strategy)
     except ValueError as e:
-        warnings.warn(
+        _warnings.warn(
             f"disco-jax: plan {report.plan_path} cannot be applied ({e}); running the unmodified step",
             _plan.PlanWarning,
-            stacklevel=7,
         )
         report.reason = f"plan not applicable: {e}"
         return step.default_compiled
     counts = compiled_stats(compiled.as_text())
     report.compile_status, report.plan_counts = status, counts
     if status == "fingerprint-mismatch" or not keeps_plan(counts, step.program, strategy):
-        warnings.warn(
+        _warnings.warn(
             f"disco-jax: the compiled step has {counts['all-reduce']} all-reduces and {counts['reduce-scatter']} "
             f"reduce-scatters, not the plan's ({len(strategy.buckets)} buckets); running the unmodified step",
             _plan.PlanWarning,
-            stacklevel=7,
         )
         report.reason = "plan not enacted by XLA"
         return step.default_compiled

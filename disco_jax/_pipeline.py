@@ -20,13 +20,12 @@ order; process 0 alone searches and decides (`_search_phase`, `_enact_phase`).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from disco_jax import _distributed, backends
+from disco_jax import _distributed, _warnings, backends
 from disco_jax._compile import Captured, capture, compiled_stats
 from disco_jax._console import Ui
 from disco_jax._enact_phase import enact_phase
@@ -81,10 +80,9 @@ def supported_backend(report: StepReport) -> Any:
     """The step's backend, or None (with a warning) where the decorator does not support it."""
     backend = backends.for_platform(report.backend)
     if backend is None or not backend.decorator_ready:
-        warnings.warn(
+        _warnings.warn(
             f"disco-jax: backend {report.backend!r} is not supported by the decorator yet (supported: "
             f"{', '.join(backends.supported_platforms(decorator=True))}); running the unmodified step",
-            stacklevel=6,
         )
         report.reason = "unsupported backend"
         return None
@@ -119,7 +117,7 @@ def weight_update_stage(
     back (`choice.recall`) in the enact phase; otherwise the replicated step."""
     if options.weight_update == "sharded":
         agree(step, report)  # its output check runs both programs and merges every process's verdict
-        program, layout, info = update.sharded_step(fn, step, args, kwargs, backend, search, stacklevel=7)
+        program, layout, info = update.sharded_step(fn, step, args, kwargs, backend, search)
         chosen = WeightUpdate(program, layout, info)
     elif options.weight_update == "search" and step.graph.gradients:
         agree(step, report)  # before anything collective

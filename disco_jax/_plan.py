@@ -13,14 +13,13 @@ import dataclasses
 import json
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import jax
 import jaxlib
 
-from disco_jax import _distributed
+from disco_jax import _distributed, _warnings
 from disco_jax._files import write_json_atomic
 
 PLAN_FORMAT_VERSION = 1
@@ -147,15 +146,14 @@ def find_plan(
     try:
         plan = read_plan_file(path)
     except (OSError, ValueError) as e:
-        warnings.warn(f"disco-jax: ignoring plan {path}: {e}; running the unmodified step", PlanWarning, stacklevel=3)
+        _warnings.warn(f"disco-jax: ignoring plan {path}: {e}; running the unmodified step", PlanWarning)
         return None, path
     problems = plan.mismatches(fingerprint, machine)
     if problems:
-        warnings.warn(
+        _warnings.warn(
             f"disco-jax: plan {path} does not match this run ({'; '.join(problems)}); "
             "running the unmodified step. Run with ENABLE_SEARCH=1 to make a new plan.",
             PlanWarning,
-            stacklevel=3,
         )
         return None, path
     return plan, path

@@ -16,13 +16,13 @@ import json
 import math
 import os
 import re
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 
+from disco_jax import _warnings
 from disco_jax._files import write_json_atomic
 from disco_jax.cost.allreduce import AllReduceCostModel
 
@@ -176,10 +176,9 @@ class ProfileDatabase:
             if data is None:
                 continue
             if data.get("backend") not in (None, backend):
-                warnings.warn(
+                _warnings.warn(
                     f"ignoring profile file {path}: recorded for backend {data['backend']!r}, not {backend!r}",
                     ProfileFileWarning,
-                    stacklevel=2,
                 )
                 continue
             layers.append(data)
@@ -237,10 +236,9 @@ class ProfileDatabase:
         except _UnreadableProfileFile as err:
             aside = path.with_name(path.name + ".corrupt")
             os.replace(path, aside)
-            warnings.warn(
+            _warnings.warn(
                 f"moved unreadable profile file {path} to {aside} ({err}); writing a new one",
                 ProfileFileWarning,
-                stacklevel=4,
             )
             data = None
         if data is None:
@@ -276,7 +274,7 @@ def _read_profile_file(path: Path) -> dict[str, Any] | None:
     try:
         return _parse_profile_file(path)
     except _UnreadableProfileFile as err:
-        warnings.warn(f"ignoring unreadable profile file {path}: {err}", ProfileFileWarning, stacklevel=3)
+        _warnings.warn(f"ignoring unreadable profile file {path}: {err}", ProfileFileWarning)
         return None
 
 

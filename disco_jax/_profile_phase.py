@@ -12,7 +12,6 @@ are in the units of measured ones, and reports how well they fit (the misfit).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from disco_jax import _device_timing, _distributed, _profile_db, _strategy, _validate, cost
+from disco_jax import _device_timing, _distributed, _profile_db, _strategy, _validate, _warnings, cost
 from disco_jax._compile import Captured, Runner, compile_strategy
 from disco_jax._console import Ui
 from disco_jax._graph import Graph
@@ -125,7 +124,7 @@ def profile(
         try:
             database.save(profile)
         except OSError as e:
-            warnings.warn(f"disco-jax: could not store the profile: {e}", stacklevel=2)
+            _warnings.warn(f"disco-jax: could not store the profile: {e}")
     known = dict(stored.kernel_times_us) if stored is not None else {}
     known.update(table)
     analytical = cost.AnalyticalEstimator.fit([(cost.kernel_features(graph, k), t) for k, t in measured.items()])
@@ -182,7 +181,7 @@ def with_scatter_gather(
         try:
             database.save(_profile_db.Profile.for_devices(devices, allreduce=allreduce, allreduce_points=points))
         except OSError as e:
-            warnings.warn(f"disco-jax: could not store the profile: {e}", stacklevel=2)
+            _warnings.warn(f"disco-jax: could not store the profile: {e}")
     return allreduce
 
 

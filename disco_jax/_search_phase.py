@@ -12,12 +12,11 @@ alone searches, its strategy is broadcast before validation and its plan after.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, NamedTuple
 
 import jax
 
-from disco_jax import _distributed, _files, _plan, _profile_db, _search, _strategy, _validate
+from disco_jax import _distributed, _files, _plan, _profile_db, _search, _strategy, _validate, _warnings
 from disco_jax._compile import Captured, Runner, compile_strategy, compiled_stats, keeps_plan, rules_applied
 from disco_jax._console import Ui
 from disco_jax._options import Options, StepReport
@@ -153,7 +152,7 @@ def store_kernel_times(database: _profile_db.ProfileDatabase, machine, times: di
     try:
         database.merge_kernel_times(machine.device_kind, times, backend=machine.backend)
     except OSError as e:
-        warnings.warn(f"disco-jax: could not store the measured kernel times: {e}", stacklevel=2)
+        _warnings.warn(f"disco-jax: could not store the measured kernel times: {e}")
 
 
 def validate_stage(step: Captured, profiled: Profiled, searched: Searched, options: Options) -> Validated:
@@ -264,5 +263,5 @@ def store_stage(plan: _plan.Plan, timeline: dict, plan_dir: str | None) -> str |
             _files.write_json_atomic(path.with_suffix(".timeline.json"), timeline)
         return str(path)
     except OSError as e:
-        warnings.warn(f"disco-jax: {e}; the plan is used for this run only", _plan.PlanWarning, stacklevel=7)
+        _warnings.warn(f"disco-jax: {e}; the plan is used for this run only", _plan.PlanWarning)
         return None

@@ -1,6 +1,7 @@
 """@optimize_distributed end to end: search phase, enactment phase, and bad input."""
 
 import dataclasses
+import inspect
 import warnings
 
 import jax
@@ -69,8 +70,11 @@ def test_stored_plan_is_enacted_in_the_compiled_hlo(style, tmp_path):
 def test_no_plan_warns_once_and_runs_the_unmodified_step(tmp_path):
     step, args = make_step("jit")
     wrapped = optimize_distributed(**FAST, plan_dir=tmp_path)(step)
-    with pytest.warns(_plan.PlanWarning, match="ENABLE_SEARCH=1"):
+    call_line = inspect.currentframe().f_lineno + 2
+    with pytest.warns(_plan.PlanWarning, match="ENABLE_SEARCH=1") as caught:
         out = wrapped(*args)
+    # Attributed to the user's call of the step, not to a line inside disco-jax or JAX.
+    assert {(w.filename, w.lineno) for w in caught} == {(__file__, call_line)}
     assert not wrapped.last_report.applied
     assert _validate.compare_outputs(step(*args), out, bitwise=True).bitwise_equal
 

@@ -251,6 +251,7 @@ LAYERS: dict[str, int] = {
     "disco_jax.targets": 0,
     "disco_jax._hlo": 0,
     "disco_jax._files": 0,
+    "disco_jax._warnings": 0,
     "disco_jax._validate": 0,
     "disco_jax._distributed": 0,
     "disco_jax._timeline": 0,

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from disco_jax import _warnings
 from disco_jax.cost.work import ANALYTICAL_FEATURES, kernel_work
 
 if TYPE_CHECKING:
@@ -299,10 +299,9 @@ def plugin_estimators(device_kind: str) -> list[Estimator]:
         try:
             estimator = factory(device_kind)
         except Exception as err:  # a broken plugin must not stop the search: the core has its own
-            warnings.warn(
+            _warnings.warn(
                 f"estimator plugin {name!r} failed for device kind {device_kind!r}: {type(err).__name__}: {err}",
                 EstimatorPluginWarning,
-                stacklevel=2,
             )
             continue
         if estimator is not None:

@@ -30,12 +30,11 @@ candidates again (`rechoose`), so it never switches to a candidate that was not 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import jax
 
-from disco_jax import _distributed, _plan, _profile_phase, _search, _strategy, _validate
+from disco_jax import _distributed, _plan, _profile_phase, _search, _strategy, _validate, _warnings
 from disco_jax._compile import Captured
 from disco_jax.cost.allreduce import communication_bytes
 from disco_jax.cost.sharded import UpdateRegions, regions_of
@@ -328,11 +327,10 @@ def preferred_by_simulation(candidates: list[Candidate], limit: int | None) -> l
         )
     if not fits:
         smallest = min(sharded, key=lambda c: footprint(c.memory) or 0)
-        warnings.warn(
+        _warnings.warn(
             f"disco-jax: no weight update fits the memory limit of {limit} bytes per device; the smallest "
             f"per-device peak found is {footprint(smallest.memory)} bytes ({smallest.label}); measuring it",
             UserWarning,
-            stacklevel=7,
         )
         return [smallest]
     return sorted(fits, key=by_time)
@@ -406,11 +404,10 @@ def _told(m: dict) -> str:
 def _limit_check(candidate: Candidate, limit: int | None, reason: str) -> dict:
     size = footprint(candidate.memory)
     if limit is not None and size is not None and size > limit:
-        warnings.warn(
+        _warnings.warn(
             f"disco-jax: the step needs {size} bytes per device, over the memory limit of {limit}, and "
             f"disco-jax cannot shard its parameters or optimizer state: {reason}",
             UserWarning,
-            stacklevel=6,
         )
     return {"footprint_bytes": size}
 
@@ -442,11 +439,10 @@ def recall(
     by_path = {} if layout is None else layout.all_paths()
     wanted = list(decided.get("leaves", {}))
     if layout is None or any(path not in by_path for path in wanted):
-        warnings.warn(
+        _warnings.warn(
             "disco-jax: the stored weight-update decision names parameter or optimizer-state leaves this step does not "
             f"have ({reason}); running the replicated update",
             _plan.PlanWarning,
-            stacklevel=6,
         )
         return step, None, {"mode": "replicated", "requested": "search", "reason": "stored decision does not fit"}
     layout = layout.subset(by_path[path] for path in wanted)
@@ -471,10 +467,9 @@ def rechoose(decided: dict, limit: int | None) -> dict:
     )
     fits = limit is None or (chosen.get("footprint_bytes") or 0) <= limit
     if chosen["leaves"] != stored or not fits:
-        warnings.warn(
+        _warnings.warn(
             f"disco-jax: {reason}; run once with ENABLE_SEARCH=1 to measure the candidates for this limit",
             _plan.PlanWarning,
-            stacklevel=7,
         )
     leaves = {path: True for path in chosen["leaves"]}
     return {

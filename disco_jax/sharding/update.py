@@ -25,14 +25,13 @@ import dataclasses
 import functools
 import math
 import re
-import warnings
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from disco_jax import _validate
+from disco_jax import _validate, _warnings
 from disco_jax._compile import Captured, capture
 from disco_jax.sharding import params, rules
 from disco_jax.sharding.leaves import (  # noqa: F401  (the layout's reading of the jaxpr, re-exported)
@@ -371,11 +370,10 @@ class Resharding:
         return self.steady.as_text()
 
 
-def not_applicable(reason: str, stacklevel: int) -> dict:
-    warnings.warn(
+def not_applicable(reason: str) -> dict:
+    _warnings.warn(
         f"disco-jax: sharded weight update not applicable ({reason}); running the replicated update",
         UserWarning,
-        stacklevel=stacklevel,
     )
     return {"mode": "replicated", "requested": "sharded", "reason": reason}
 
@@ -386,7 +384,7 @@ def collectives(text: str) -> dict[str, int]:
     return {op: len(re.findall(rf"\s{op}(?:-start)?\(", text)) for op in ops}
 
 
-def sharded_step(fn, step: Captured, args: tuple, kwargs: dict, backend, check: bool, stacklevel: int):
+def sharded_step(fn, step: Captured, args: tuple, kwargs: dict, backend, check: bool):
     """(the program to optimize, its `Layout` or None, what the report and plan record): `step`
     (the call as made) lowered again with the sharded update, or `step` itself with a warning
     when no leaf qualifies. `check`: run both once and fall back when their outputs differ
@@ -394,13 +392,13 @@ def sharded_step(fn, step: Captured, args: tuple, kwargs: dict, backend, check: 
     input_shardings = jax.tree.leaves(step.default_compiled.input_shardings)
     layout, reason = find_layout(fn, args, kwargs, step.args, step.kwargs, input_shardings)
     if layout is None:
-        return step, None, not_applicable(reason, stacklevel + 1)
+        return step, None, not_applicable(reason)
     # The layout's conditions (state updated elementwise, N divides the split dimension) are the
     # side conditions of the rules that make the sharded update equal the replicated one.
     try:
         cited = cited_rules(layout)
     except rules.RuleNotProven as e:
-        return step, None, not_applicable(f"the rule it rests on is not proven here ({e})", stacklevel + 1)
+        return step, None, not_applicable(f"the rule it rests on is not proven here ({e})")
     sharded = relowered(fn, step, layout, args, kwargs, backend)
     held = held_leaves(step)
     info = {
@@ -427,7 +425,7 @@ def sharded_step(fn, step: Captured, args: tuple, kwargs: dict, backend, check: 
         info["check"] = dataclasses.asdict(comparison)
         if not comparison.within_tolerance:
             reason = f"its outputs differ from the replicated update's: {comparison.summary()}"
-            return step, None, not_applicable(reason, stacklevel + 1)
+            return step, None, not_applicable(reason)
     return sharded, layout, info
 
 
