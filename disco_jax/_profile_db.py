@@ -1,7 +1,9 @@
 """The profile store: what was measured for one device kind, kept as JSON.
 
 `Profile` is everything measured for one device kind and device count (kernel times by kernel
-signature, the all-reduce fit and its points); `ProfileDatabase` keeps profiles as JSON files:
+signature, the all-reduce fit and its points; the fit also by the number of processes the devices
+belong to, since collectives between processes go over another transport (gloo, NCCL over the
+network) than those within one); `ProfileDatabase` keeps profiles as JSON files:
 shipped ones in the package data `disco_jax/profiles/<device kind>/profile.json`, and the user's own
 in a cache directory (`$DISCO_JAX_PROFILE_DIR` or `~/.cache/disco-jax/profiles`) that takes
 precedence. `disco_jax._device_timing` measures; this module only stores and loads.
@@ -71,12 +73,14 @@ class Profile:
 
     `kernel_times_us` maps kernel signatures (opaque strings chosen by the caller; they identify a
     kernel by what it computes, not by its name in one module) to microseconds. `allreduce` is the
-    fitted line for `num_devices` devices, `allreduce_points` the (bytes, us) points behind it.
+    fitted line for `num_devices` devices held by `num_processes` processes (a multi-process job's
+    collectives cross processes), `allreduce_points` the (bytes, us) points behind it.
     """
 
     device_kind: str
     backend: str
     num_devices: int
+    num_processes: int = 1
     allreduce: AllReduceCostModel | None = None
     allreduce_points: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     kernel_times_us: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -89,9 +93,16 @@ class Profile:
 
     @classmethod
     def for_devices(cls, devices: Sequence[jax.Device] | None = None, **fields: Any) -> Profile:
-        """An empty profile keyed to `devices` (default: all of `jax.devices()`)."""
+        """An empty profile keyed to `devices` (default: all of `jax.devices()`) and the number of
+        processes they belong to."""
         devices = list(jax.devices() if devices is None else devices)
-        return cls(device_kind=devices[0].device_kind, backend=devices[0].platform, num_devices=len(devices), **fields)
+        return cls(
+            device_kind=devices[0].device_kind,
+            backend=devices[0].platform,
+            num_devices=len(devices),
+            num_processes=process_count(devices),
+            **fields,
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -99,6 +110,7 @@ class Profile:
             "device_kind": self.device_kind,
             "backend": self.backend,
             "num_devices": int(self.num_devices),
+            "num_processes": int(self.num_processes),
             "allreduce": None if self.allreduce is None else self.allreduce.to_json(),
             "allreduce_points": [[int(b), float(us)] for b, us in self.allreduce_points],
             "kernel_times_us": {str(k): float(v) for k, v in sorted(self.kernel_times_us.items())},
@@ -113,12 +125,28 @@ class Profile:
             device_kind=str(d["device_kind"]),
             backend=str(d["backend"]),
             num_devices=int(d["num_devices"]),
+            num_processes=int(d.get("num_processes", 1)),  # written before multi-process fits were kept
             allreduce=None if d.get("allreduce") is None else AllReduceCostModel.from_json(d["allreduce"]),
             allreduce_points=[(int(b), float(us)) for b, us in d.get("allreduce_points", [])],
             kernel_times_us={str(k): float(v) for k, v in d.get("kernel_times_us", {}).items()},
             jax_version=str(d.get("jax_version", "")),
             created=str(d.get("created", "")),
         )
+
+
+def process_count(devices: Sequence[jax.Device]) -> int:
+    """How many processes hold `devices`."""
+    return len({d.process_index for d in devices})
+
+
+def allreduce_key(num_devices: int, num_processes: int = 1) -> str:
+    """The key of an all-reduce fit in a database file: the device count ('8') for devices of one
+    process, as files have always been keyed, and '4 in 2 processes' for devices spread over
+    several (another transport: a fit is reused only where it was measured). A disco-jax that
+    knows only the first kind of key reads such a file and ignores those entries."""
+    if num_processes <= 1:
+        return str(int(num_devices))
+    return f"{int(num_devices)} in {int(num_processes)} processes"
 
 
 def _check_format_version(d: Any, what: str) -> None:
@@ -136,12 +164,14 @@ class ProfileDatabase:
     Two roots: the shipped, read-only `profiles/` package data (`SHIPPED_PROFILE_DIR`), and the user cache
     (`user_dir`, else env `DISCO_JAX_PROFILE_DIR`, else `~/.cache/disco-jax/profiles`), where
     `save` writes. A file holds the kernel times of its device kind (they do not depend on how
-    many devices run) and one all-reduce fit per device count (they do):
+    many devices run) and one all-reduce fit per device count and process count (they do;
+    `allreduce_key`):
 
         {"format_version": 1, "device_kind": "cpu", "backend": "cpu" | null,
          "kernel_times_us": {signature: us},
          "allreduce": {"8": {"per_byte_us": C, "latency_us": D, "points": [[bytes, us], ...],
-                             "jax_version": ..., "created": ...}},
+                             "jax_version": ..., "created": ...},
+                       "4 in 2 processes": {...}},
          "jax_version": ..., "updated": ...}
 
     `load` layers the user file over the shipped one entry by entry: a kernel time or an
@@ -163,13 +193,15 @@ class ProfileDatabase:
     def shipped_path(self, device_kind: str) -> Path:
         return self.shipped_dir / sanitize_device_kind(device_kind) / PROFILE_FILE_NAME
 
-    def load(self, device_kind: str, backend: str, num_devices: int) -> Profile | None:
-        """The profile of `device_kind` (raw or sanitized) for `num_devices` devices, or None.
+    def load(self, device_kind: str, backend: str, num_devices: int, num_processes: int = 1) -> Profile | None:
+        """The profile of `device_kind` (raw or sanitized) for `num_devices` devices held by
+        `num_processes` processes, or None.
 
         Kernel times are the shipped ones updated by the user's; the all-reduce fit is the user's
-        for this device count if any, else the shipped one, else None. A file recorded for another
-        backend is skipped with a warning.
+        for this device and process count if any, else the shipped one, else None. A file recorded
+        for another backend is skipped with a warning.
         """
+        key = allreduce_key(num_devices, num_processes)
         layers = []
         for path in (self.shipped_path(device_kind), self.user_path(device_kind)):
             data = _read_profile_file(path)
@@ -188,12 +220,13 @@ class ProfileDatabase:
         allreduce_entry = None
         for data in layers:  # shipped first, so the user's entries overwrite
             kernel_times.update(data["kernel_times_us"])
-            allreduce_entry = data["allreduce"].get(str(int(num_devices)), allreduce_entry)
+            allreduce_entry = data["allreduce"].get(key, allreduce_entry)
         newest = layers[-1]
         return Profile(
             device_kind=newest["device_kind"],
             backend=backend,
             num_devices=int(num_devices),
+            num_processes=int(num_processes),
             allreduce=None if allreduce_entry is None else AllReduceCostModel.from_json(allreduce_entry),
             allreduce_points=(
                 [] if allreduce_entry is None else [(int(b), float(t)) for b, t in allreduce_entry["points"]]
@@ -207,13 +240,13 @@ class ProfileDatabase:
         """Merge `profile` into its device kind's user-cache file and write it atomically.
 
         Its kernel times are added (replacing equal signatures); its all-reduce fit, if any,
-        replaces the one stored for its device count. Returns the file's path.
+        replaces the one stored for its device and process count. Returns the file's path.
         """
         data = self._user_file_for_update(profile.device_kind)
         data["backend"] = profile.backend
         data["kernel_times_us"].update(_finite_times(profile.kernel_times_us))
         if profile.allreduce is not None:
-            data["allreduce"][str(int(profile.num_devices))] = {
+            data["allreduce"][allreduce_key(profile.num_devices, profile.num_processes)] = {
                 **profile.allreduce.to_json(),
                 "points": [[int(b), float(us)] for b, us in profile.allreduce_points],
                 "jax_version": profile.jax_version,

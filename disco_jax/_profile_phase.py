@@ -1,7 +1,8 @@
 """The profile and calibrate phases: what the simulator knows about this step on these devices.
 
-`profile` measures the kernel times of XLA's own executable and (once per device kind and count)
-the all-reduce cost, stores them in the profile database, and builds the `disco_jax.cost.CostModel`:
+`profile` measures the kernel times of XLA's own executable and (once per device kind, device count
+and process count: `shared_allreduce_fit`) the all-reduce cost, stores them in the profile database,
+and builds the `disco_jax.cost.CostModel`:
 a chain of kernel estimators (measured table, then each estimator plugin that has one for the
 device kind, calibrated, then the calibrated analytical estimator) and the all-reduce fit.
 `calibrate` then fits the simulator's device parameters (`disco_jax.cost.SimulatorParams`) to the
@@ -23,6 +24,7 @@ from disco_jax import _device_timing, _distributed, _profile_db, _strategy, _val
 from disco_jax._compile import Captured, Runner, compile_strategy
 from disco_jax._console import Ui
 from disco_jax._graph import Graph
+from disco_jax._profile_db import process_count
 from disco_jax._program import Program
 from disco_jax.cost.allreduce import collective_ops
 
@@ -94,33 +96,23 @@ def profile(
         if members is not None:
             table[graph.kernel_signature(members)] = t
             measured[members] = t
-    stored = database.load(machine.device_kind, machine.backend, machine.num_devices)
-    # Stored fits are keyed by device count only, not by transport: with several processes the
-    # fit is measured over the real one (gloo, NCCL) every time, and not stored.
-    multiprocess = _distributed.is_multiprocess()
-    allreduce = stored.allreduce if stored is not None and not multiprocess else None
-    if allreduce is not None and allreduce.spread is None:
-        allreduce = None  # fitted by an older disco-jax: one sample per size, no per-tensor cost
+    stored = database.load(machine.device_kind, machine.backend, machine.num_devices, process_count(devices))
+    allreduce = shared_allreduce_fit(stored, captured.scope)
+    fit_from = "profile"
     if allreduce is None:
-        where = f" in {jax.process_count()} processes" if multiprocess else ""
+        fit_from = "measured"
+        where = f" in {jax.process_count()} processes" if _distributed.is_multiprocess() else ""
         ui.say(f"measuring all-reduce cost on {len(devices)} devices{where}")
         mesh = jax.sharding.Mesh(np.array(devices), ("all",))
         allreduce, points = _device_timing.measure_allreduce_cost(mesh)  # a collective: every process runs it
-        if collective_ops(graph):
-            allreduce = with_scatter_gather(allreduce, captured, None, ui)
-        profile = _profile_db.Profile.for_devices(
-            devices,
-            allreduce=None if multiprocess else allreduce,
-            allreduce_points=[] if multiprocess else points,
-            kernel_times_us=table,
-        )
-    else:
-        if collective_ops(graph):
-            allreduce = with_scatter_gather(allreduce, captured, None, ui)
-        profile = _profile_db.Profile.for_devices(
-            devices, allreduce=allreduce, allreduce_points=stored.allreduce_points, kernel_times_us=table
-        )
+    else:  # process 0's stored fit, and only process 0 stores it again: another's points do not matter
+        points = stored.allreduce_points if stored is not None else []
+    if collective_ops(graph):
+        allreduce = with_scatter_gather(allreduce, captured, None, ui)
     if jax.process_index() == 0:
+        profile = _profile_db.Profile.for_devices(
+            devices, allreduce=allreduce, allreduce_points=points, kernel_times_us=table
+        )
         try:
             database.save(profile)
         except OSError as e:
@@ -143,9 +135,26 @@ def profile(
             "estimators": [e.name for e in estimators],
             "analytical": analytical.to_json(),
             "allreduce": allreduce.to_json(),
+            "allreduce_from": fit_from,
         },
         kernel_times_us=times,
     )
+
+
+def shared_allreduce_fit(stored: _profile_db.Profile | None, scope: str | None) -> cost.AllReduceCostModel | None:
+    """The stored all-reduce fit the step's cost model takes (None: measure one). `stored` is this
+    process's profile for the step's device kind, device count and process count. In a job of
+    several processes each host reads its own profile directory, and measuring is a collective
+    that every process must enter or none, so process 0 decides: its fit (or None) is broadcast
+    under `scope` and every process takes it."""
+    fit = stored.allreduce if stored is not None else None
+    if fit is not None and fit.spread is None:
+        fit = None  # fitted by an older disco-jax: one sample per size, no per-tensor cost
+    if not _distributed.is_multiprocess():
+        return fit
+    key = f"{scope or _distributed.new_scope('profile')}/allreduce-fit"
+    shared = _distributed.broadcast_json(key, None if fit is None else fit.to_json())
+    return None if shared is None else cost.AllReduceCostModel.from_json(shared)
 
 
 def kernels_by_name(graph: Graph) -> dict[str, frozenset[int]]:
@@ -164,18 +173,19 @@ def with_scatter_gather(
 ) -> cost.AllReduceCostModel:
     """`allreduce` with its reduce-scatter / all-gather line (`AllReduceCostModel.scatter_gather`),
     measured on the step's devices when it has none (`_device_timing.measure_scatter_gather_cost`, a
-    collective: every process runs it) and, given a `database`, stored with the all-reduce fit
-    (in one process; a job measures over its transport every time, as for the all-reduce fit).
-    `profile` stores it itself for a program that has such collectives."""
+    collective: every process runs it) and, given a `database`, stored with the all-reduce fit by
+    process 0. Every process measures or none: the fit's line comes from process 0's profile
+    (`shared_allreduce_fit`) or from none. `profile` stores it itself for a program that has such
+    collectives."""
     if allreduce.scatter_gather is not None:
         return allreduce
     devices = captured.devices
     ui.say(f"measuring reduce-scatter and all-gather cost on {len(devices)} devices")
     line, _ = _device_timing.measure_scatter_gather_cost(jax.sharding.Mesh(np.array(devices), ("all",)))
     allreduce = dataclasses.replace(allreduce, scatter_gather=line)
-    if database is not None and not _distributed.is_multiprocess() and jax.process_index() == 0:
+    if database is not None and jax.process_index() == 0:
         machine = captured.machine
-        stored = database.load(machine.device_kind, machine.backend, machine.num_devices)
+        stored = database.load(machine.device_kind, machine.backend, machine.num_devices, process_count(devices))
         same_fit = stored is not None and stored.allreduce == dataclasses.replace(allreduce, scatter_gather=None)
         points = stored.allreduce_points if same_fit else []
         try:

@@ -8,7 +8,9 @@ the plan in interleaved pairs. Process 0 prints per model:
 * measured step time of JAX default and of the plan, their ratio (median of per-pair ratios,
   interquartile range); when the plan was rejected, the ratio validation measured for it;
 * simulated step time of both, and the simulator's error against the measurement;
-* the all-reduce fit measured over gloo (T = C * bytes + D).
+* the all-reduce fit measured over gloo (T = C * bytes + D), in this run: the job gets a profile
+  directory of its own, the first model's search measures the fit and the next models take it
+  (as a job's later searches do).
 
 Usage:
 
@@ -31,6 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from disco_jax import _launch, _validate, initialize_from_env, optimize_distributed, zoo
+from disco_jax._profile_db import PROFILE_DIR_ENV
 
 RESULT_PREFIX = "BENCH "
 
@@ -172,7 +175,12 @@ def main(argv=None) -> None:
         flush=True,
     )
     result = _launch.launch(
-        command, args.processes, devices_per_process=args.devices_per_process, timeout_s=args.timeout, on_line=on_line
+        command,
+        args.processes,
+        devices_per_process=args.devices_per_process,
+        timeout_s=args.timeout,
+        on_line=on_line,
+        env={**os.environ, PROFILE_DIR_ENV: os.path.join(plan_dir, "profiles")},
     )
     if rows:
         print_rows(rows)

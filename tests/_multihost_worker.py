@@ -2,12 +2,14 @@
 
     python tests/_multihost_worker.py PLAN_DIR [--width-on-process-1 W] [--handmade-plan]
         [--default-plan-on-process-1] [--pick-per-gradient] [--weight-update MODE]
+        [--profile-dir DIR] [--profile-only]
 
 Joins the job (`disco_jax.initialize_from_env`), builds a small data-parallel MLP step over every
 device of the job, and calls it through `@optimize_distributed` (ENABLE_SEARCH from the
 environment) before anything else runs collectively; then runs the unmodified step on the same
 inputs and prints one line `RESULT {json}`: what the decorator reported, how often this process
-searched, and how the outputs compare. `{process}` in PLAN_DIR becomes the process index.
+searched, how often it measured the collectives' cost and which all-reduce fit its profile phase
+took, and how the outputs compare. `{process}` in PLAN_DIR and DIR becomes the process index.
 
 --width-on-process-1 W: process 1 builds another program (the mismatch case).
 --handmade-plan: process 0 first stores a plan with one all-reduce per gradient.
@@ -15,6 +17,10 @@ searched, and how the outputs compare. `{process}` in PLAN_DIR becomes the proce
 --pick-per-gradient: the search (process 0) runs, then picks one all-reduce per gradient, so
   that validation always runs.
 --weight-update MODE: the decorator's `weight_update` (default "search").
+--profile-dir DIR: the profile directory (`DISCO_JAX_PROFILE_DIR`) of this process.
+--profile-only: no decorator: the step's profile phase (`_profile_phase.profile`) and its
+  reduce-scatter / all-gather line (`with_scatter_gather`), stored by process 0 as a search stores
+  them, then the profile phase again (tests seed profile directories with what it stores).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -42,8 +49,22 @@ import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from disco_jax import _capture, _compile, _distributed, _graph, _plan, _search, _strategy, _validate, backends  # noqa: E402
+from disco_jax import (  # noqa: E402
+    _capture,
+    _compile,
+    _device_timing,
+    _distributed,
+    _graph,
+    _plan,
+    _profile_phase,
+    _search,
+    _strategy,
+    _validate,
+    backends,
+)
+from disco_jax._console import Ui  # noqa: E402
 from disco_jax._output_check import OutputCheck  # noqa: E402
+from disco_jax._profile_db import ProfileDatabase  # noqa: E402
 
 from _steps import mlp_init, mlp_loss  # noqa: E402
 
@@ -90,6 +111,41 @@ def outputs_digest(outputs) -> str:
     return h.hexdigest()[:16]
 
 
+def count_collective_measurements() -> dict:
+    """Counts of this process's measurements of the collectives' cost, and the stored fit each
+    profile phase took (`shared_allreduce_fit`: None where it then measured), as they happen."""
+    seen = {"allreduce_measured": 0, "scatter_gather_measured": 0, "allreduce_fits": []}
+
+    def counted(module, name, key, record=None):
+        original = getattr(module, name)
+
+        def wrapper(*a, **k):
+            result = original(*a, **k)
+            if record is None:
+                seen[key] += 1
+            else:
+                seen[key].append(record(result))
+            return result
+
+        setattr(module, name, wrapper)
+
+    counted(_device_timing, "measure_allreduce_cost", "allreduce_measured")
+    counted(_device_timing, "measure_scatter_gather_cost", "scatter_gather_measured")
+    counted(_profile_phase, "shared_allreduce_fit", "allreduce_fits", lambda fit: fit and fit.to_json())
+    return seen
+
+
+def profile_only(step, step_args) -> dict:
+    """The step's profile phase and its reduce-scatter / all-gather line, stored by process 0 as a
+    search stores them, then the profile phase again (what the job's next search does)."""
+    captured = _compile.capture(step.lower(*step_args), backends.CPU, step_args, {})
+    database, ui, runner = ProfileDatabase(), Ui(verbose=False), captured.runner(captured.default_compiled)
+    model = _profile_phase.profile(captured, runner, database, ui)
+    allreduce = _profile_phase.with_scatter_gather(model.allreduce, captured, database, ui)
+    again = _profile_phase.profile(captured, runner, database, ui)
+    return {"allreduce": allreduce.to_json(), "allreduce_again": again.allreduce.to_json()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("plan_dir")
@@ -98,11 +154,19 @@ def main() -> None:
     parser.add_argument("--default-plan-on-process-1", action="store_true")
     parser.add_argument("--pick-per-gradient", action="store_true")
     parser.add_argument("--weight-update", default="search")
+    parser.add_argument("--profile-dir", default=None)
+    parser.add_argument("--profile-only", action="store_true")
     args = parser.parse_args()
     process = jax.process_index()
     plan_dir = args.plan_dir.format(process=process)
+    if args.profile_dir is not None:
+        os.environ["DISCO_JAX_PROFILE_DIR"] = args.profile_dir.format(process=process)
+    measurements = count_collective_measurements()
     width = args.width_on_process_1 if process == 1 and args.width_on_process_1 is not None else 32
     step, step_args = make_step(width)
+    if args.profile_only:
+        print("RESULT " + json.dumps({**profile_only(step, step_args), **measurements}, sort_keys=True), flush=True)
+        return
     if args.handmade_plan and process == 0:
         store_plan(step, step_args, plan_dir, use_default=False)
     if args.default_plan_on_process_1 and process == 1:
@@ -172,6 +236,7 @@ def main() -> None:
                 "repeat_bitwise_equal": _validate.compare_outputs(local(out), local(again), bitwise=True).bitwise_equal,
                 "output_digest": outputs_digest(out),
                 "reference_digest": outputs_digest(reference),
+                **measurements,
             },
             sort_keys=True,
         ),

@@ -4,8 +4,11 @@ compilation cache for the whole run, shared by both xdist workers and the proces
 again; the cache is also how many clusters run JAX, and disco-jax must work under it)."""
 
 import dataclasses
+import fcntl
+import json
 import os
 import shutil
+from pathlib import Path
 
 import _xla_cache
 
@@ -101,3 +104,44 @@ def xla_gpu_zoo():
         return cache[model]
 
     return get
+
+
+@dataclasses.dataclass(frozen=True)
+class SeedProfiles:
+    """A profile directory holding what a 2-process x 2-device job over gloo measured of its
+    collectives (the all-reduce fit and the reduce-scatter / all-gather line, stored under
+    '4 in 2 processes'), and each process's report of that job (`_multihost_worker.py
+    --profile-only`), by process index."""
+
+    directory: Path
+    reports: dict[int, dict]
+
+    def copy_to(self, profile_dir: Path | None = None) -> None:
+        """Add the stored collectives' cost to `profile_dir` (a `DISCO_JAX_PROFILE_DIR`; default:
+        the test's own, `_isolated_caches`), beside what it holds."""
+        from disco_jax import _profile_db
+
+        stored = _profile_db.ProfileDatabase(self.directory).load("cpu", "cpu", 4, num_processes=2)
+        _profile_db.ProfileDatabase(profile_dir).save(stored)
+
+
+@pytest.fixture(scope="session")
+def two_process_profiles() -> SeedProfiles:
+    """The collectives' cost of a 2-process x 2-device job, measured once for the run (~35 CPU s
+    per process) so that the multi-process tests' searches do not each measure it. Under
+    pytest-xdist the first worker that asks makes it in the run's shared directory (the compilation
+    cache's, `_xla_cache`), under a file lock; the others find it there."""
+    from test_multihost import _succeeded, run_job
+
+    seed = Path(os.environ[_xla_cache.RUN_CACHE_ENV]) / "two-process-profiles"
+    with open(seed.with_name(seed.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (seed / "job.json").exists():
+            making = seed.with_name(seed.name + ".making")
+            shutil.rmtree(making, ignore_errors=True)
+            result, reports = run_job(making / "plans", "--profile-only", "--profile-dir", making, search=True)
+            _succeeded(result, reports)
+            (making / "job.json").write_text(json.dumps(reports))
+            os.replace(making, seed)
+    reports = {int(i): r for i, r in json.loads((seed / "job.json").read_text()).items()}
+    return SeedProfiles(seed, reports)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from disco_jax import _launch
+from disco_jax.cost import AllReduceCostModel
 
 # Under pytest-xdist, every multi-process job runs on one worker, one at a time (`--dist loadgroup`).
 pytestmark = pytest.mark.xdist_group("multiprocess")
@@ -50,13 +51,43 @@ def _succeeded(result, reports, num_processes=2):
     assert sorted(reports) == list(range(num_processes))
 
 
-def test_search_on_process_0_then_every_process_enacts_the_plan(tmp_path):
+def test_the_collectives_cost_is_measured_once_and_taken_by_the_jobs_next_profile(two_process_profiles):
+    """The seeding job (`two_process_profiles`): its first profile phase measured the all-reduce fit
+    on every process (a collective) and its reduce-scatter / all-gather line, process 0 stored
+    them under the device and process count, and the second profile phase measured nothing: every
+    process took process 0's stored fit."""
+    reports = two_process_profiles.reports
+    stored = json.loads((two_process_profiles.directory / "cpu" / "profile.json").read_text())["allreduce"]
+    assert list(stored) == ["4 in 2 processes"]  # not under "4": the devices of one process
+    assert AllReduceCostModel.from_json(stored["4 in 2 processes"]).to_json() == reports[0]["allreduce"]
+    for r in reports.values():
+        assert (r["allreduce_measured"], r["scatter_gather_measured"]) == (1, 1)
+        assert r["allreduce_fits"] == [None, reports[0]["allreduce"]]
+        assert r["allreduce_again"] == reports[0]["allreduce"]
+
+
+def test_search_on_process_0_then_every_process_enacts_the_plan(tmp_path, two_process_profiles):
     plan_dir = tmp_path / "plans"
+    # Process 0's profile directory holds the collectives' cost of 2 processes x 2 devices, process
+    # 1's nothing: process 0 decides, and neither measures.
+    two_process_profiles.copy_to(tmp_path / "profiles-0")
     # The replicated update: its outputs are whole on every process, so bitwise comparable (the
     # weight-update choice may shard the state over gloo, each process then holding its shards).
-    result, reports = run_job(plan_dir, "--pick-per-gradient", "--weight-update", "replicated", search=True)
+    result, reports = run_job(
+        plan_dir,
+        "--pick-per-gradient",
+        "--weight-update",
+        "replicated",
+        "--profile-dir",
+        tmp_path / "profiles-{process}",
+        search=True,
+    )
     _succeeded(result, reports)
     p0, p1 = reports[0], reports[1]
+    seeded = two_process_profiles.reports[0]["allreduce"]
+    for r in (p0, p1):
+        assert r["allreduce_measured"] == 0 and r["allreduce_fits"] == [seeded]
+    assert not list((tmp_path / "profiles-1").rglob("*.json")), "process 1 stored a profile"
     assert (p0["searches"], p0["search_ran"]) == (1, True)
     assert (p1["searches"], p1["search_ran"]) == (0, False)
     for r in (p0, p1):
@@ -83,13 +114,16 @@ def test_search_on_process_0_then_every_process_enacts_the_plan(tmp_path):
             assert r["plan_counts"]["all-reduce"] == r["gradients"]
 
 
-def test_a_forced_sharded_update_checks_outputs_across_processes(tmp_path):
+def test_a_forced_sharded_update_checks_outputs_across_processes(tmp_path, two_process_profiles):
     """weight_update="sharded": the processes agree before the output check runs both programs, and
     the check's verdict is merged: every process records the same one and keeps the sharding."""
+    two_process_profiles.copy_to()  # the profile directory of the test's job
     result, reports = run_job(tmp_path / "plans", "--weight-update", "sharded", search=True)
     _succeeded(result, reports)
     p0, p1 = reports[0], reports[1]
     for r in (p0, p1):
+        # The sharded program's reduce-scatters and all-gathers are costed by the stored line.
+        assert (r["allreduce_measured"], r["scatter_gather_measured"]) == (0, 0)
         assert r["weight_update"]["mode"] == "sharded", r["weight_update"]["reason"]
         assert r["weight_update"]["check"]["within_tolerance"] and r["within_tolerance"]
         # Each process gathered the inputs and ran the step in float64 on its own CPU device.

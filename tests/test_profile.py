@@ -213,6 +213,21 @@ def test_database_save_load_round_trip_keeps_one_allreduce_fit_per_device_count(
     assert not list(path.parent.glob("*.tmp")), "atomic write left a temp file"
 
 
+def test_database_keeps_an_allreduce_fit_per_process_count_and_reads_files_without_one(tmp_path):
+    """Devices spread over processes all-reduce over another transport: their fit is kept apart
+    from one process's, under a key older files never hold (so they read as before)."""
+    db = ProfileDatabase(user_dir=tmp_path / "user", shipped_dir=tmp_path / "shipped")
+    db.save(_profile(num_devices=4, allreduce=AllReduceCostModel(1e-4, 20.0)))
+    path = db.save(_profile(num_devices=4, num_processes=2, allreduce=AllReduceCostModel(3e-4, 900.0)))
+    assert sorted(json.loads(path.read_text())["allreduce"]) == ["4", "4 in 2 processes"]
+    assert db.load("NVIDIA H100 80GB HBM3", "gpu", 4).allreduce == AllReduceCostModel(1e-4, 20.0)
+    two = db.load("NVIDIA H100 80GB HBM3", "gpu", 4, num_processes=2)
+    assert two.allreduce == AllReduceCostModel(3e-4, 900.0) and two.num_processes == 2
+    assert db.load("NVIDIA H100 80GB HBM3", "gpu", 4, num_processes=4).allreduce is None
+    old = {k: v for k, v in _profile().to_json().items() if k != "num_processes"}  # written before the field
+    assert Profile.from_json(old) == _profile()
+
+
 def test_database_corrupt_file_warns_is_absent_and_is_moved_aside_on_save(tmp_path):
     db = ProfileDatabase(user_dir=tmp_path / "user", shipped_dir=tmp_path / "shipped")
     path = db.user_path("cpu")

@@ -277,10 +277,11 @@ def test_measured_candidates_0_measures_nothing(tmp_path, monkeypatch):
 
 
 @pytest.mark.xdist_group("multiprocess")
-def test_every_process_measures_the_candidates_process_0_picks(tmp_path):
+def test_every_process_measures_the_candidates_process_0_picks(tmp_path, two_process_profiles):
     """Two processes: process 0 searches and picks, both compile and time the same candidates
     (collectives: a mismatch would hang or fail the job), and both end with process 0's plan."""
     plan_dir = tmp_path / "plans"
+    two_process_profiles.copy_to()  # the collectives' cost is not this test's
     # The replicated update: one program, one plan (the weight-update choice is not this test's).
     result, reports = run_job(plan_dir, "--weight-update", "replicated", search=True)
     assert result.exit_code == 0, "\n".join(result.outputs)
