@@ -47,28 +47,46 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+def made_once(name: str, make) -> Path:
+    """The run's directory `name`, made by `make(directory)` in the first process of the run that
+    asks: under pytest-xdist the others wait on a file lock in the run's shared directory (the
+    compilation cache's, `_xla_cache`) and find it made."""
+    made = Path(os.environ[_xla_cache.RUN_CACHE_ENV]) / name
+    with open(made.with_name(name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not made.exists():
+            making = made.with_name(name + ".making")
+            shutil.rmtree(making, ignore_errors=True)
+            making.mkdir()
+            make(making)
+            os.replace(making, made)
+    return made
+
+
 @pytest.fixture(scope="session")
-def measured_collectives(tmp_path_factory):
+def measured_collectives() -> Path:
     """A profile directory holding what a search measures of the collectives on all 8 devices (the
-    all-reduce fit and the reduce-scatter / all-gather line), measured once per worker by the
+    all-reduce fit and the reduce-scatter / all-gather line), measured once for the run by the
     functions the profile phase calls. Every test's profile directory starts as a copy
     (`_isolated_caches`), as a user's does after their first search: a search measures its own
     kernel times, but not the collectives again (~10 CPU seconds each; docs/testing.md)."""
-    import jax
-    import numpy as np
 
-    from disco_jax import _device_timing, _profile_db
+    def measure(root: Path) -> None:
+        import jax
+        import numpy as np
 
-    root = tmp_path_factory.mktemp("measured-profiles")
-    devices = jax.devices()
-    mesh = jax.sharding.Mesh(np.array(devices), ("all",))
-    allreduce, points = _device_timing.measure_allreduce_cost(mesh)
-    line, _ = _device_timing.measure_scatter_gather_cost(mesh)
-    profile = _profile_db.Profile.for_devices(
-        devices, allreduce=dataclasses.replace(allreduce, scatter_gather=line), allreduce_points=points
-    )
-    _profile_db.ProfileDatabase(root).save(profile)
-    return root
+        from disco_jax import _device_timing, _profile_db
+
+        devices = jax.devices()
+        mesh = jax.sharding.Mesh(np.array(devices), ("all",))
+        allreduce, points = _device_timing.measure_allreduce_cost(mesh)
+        line, _ = _device_timing.measure_scatter_gather_cost(mesh)
+        profile = _profile_db.Profile.for_devices(
+            devices, allreduce=dataclasses.replace(allreduce, scatter_gather=line), allreduce_points=points
+        )
+        _profile_db.ProfileDatabase(root).save(profile)
+
+    return made_once("eight-device-profiles", measure)
 
 
 @pytest.fixture(autouse=True)
@@ -128,20 +146,14 @@ class SeedProfiles:
 @pytest.fixture(scope="session")
 def two_process_profiles() -> SeedProfiles:
     """The collectives' cost of a 2-process x 2-device job, measured once for the run (~35 CPU s
-    per process) so that the multi-process tests' searches do not each measure it. Under
-    pytest-xdist the first worker that asks makes it in the run's shared directory (the compilation
-    cache's, `_xla_cache`), under a file lock; the others find it there."""
+    per process, `made_once`) so that the multi-process tests' searches do not each measure it."""
     from test_multihost import _succeeded, run_job
 
-    seed = Path(os.environ[_xla_cache.RUN_CACHE_ENV]) / "two-process-profiles"
-    with open(seed.with_name(seed.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (seed / "job.json").exists():
-            making = seed.with_name(seed.name + ".making")
-            shutil.rmtree(making, ignore_errors=True)
-            result, reports = run_job(making / "plans", "--profile-only", "--profile-dir", making, search=True)
-            _succeeded(result, reports)
-            (making / "job.json").write_text(json.dumps(reports))
-            os.replace(making, seed)
+    def measure(root: Path) -> None:
+        result, reports = run_job(root / "plans", "--profile-only", "--profile-dir", root, search=True)
+        _succeeded(result, reports)
+        (root / "job.json").write_text(json.dumps(reports))
+
+    seed = made_once("two-process-profiles", measure)
     reports = {int(i): r for i, r in json.loads((seed / "job.json").read_text()).items()}
     return SeedProfiles(seed, reports)
