@@ -221,7 +221,7 @@ def test_adam_step_on_a100_xla_plan_reproduces_xla_program():
 def zoo_captured(request, xla_gpu_zoo):
     """Zoo models whose XLA:GPU programs fuse across opaque ops (embedding gathers), recompute
     layer norms and LSTM gates in later fusions, and reassociate sums of all-reduces by default
-    (compiled once per session: `conftest.xla_gpu_zoo`)."""
+    (compiled once per session at `conftest.XLA_GPU_SIZES`: `conftest.xla_gpu_zoo`)."""
     return xla_gpu_zoo(request.param)
 
 
@@ -248,9 +248,10 @@ def test_xla_plan_as_read_is_valid_and_compiles_to_xla_program(zoo_captured):
 
 
 def test_per_gradient_buckets_survive_reassociation(xla_gpu_zoo):
-    """With XLA's all-reduce reassociation on, tiny RNNLM's 52 gradients compile to 40 all-reduces
-    Run on the RNNLM alone, the model whose reassociation is known (each deviceless compile of a
-    zoo model costs about 50 CPU seconds)."""
+    """With XLA's all-reduce reassociation on, a plan of one all-reduce per gradient compiles to
+    fewer all-reduces on the RNNLM (its weights' sums over time steps reassociated: 7 for the 16
+    gradients of conftest's size); the rewrite options turn the pass off, so every gradient keeps
+    its own. Run on the RNNLM alone, the model whose reassociation is known."""
     rnnlm = xla_gpu_zoo("rnnlm")
     _, program, _ = rnnlm
     graph = program.graph

@@ -1,7 +1,8 @@
 """The compiled-program cost model (`disco_jax.cost.compiled`): it costs exactly the kernels and
-collectives of the module XLA compiled (XLA:GPU deviceless for 8 H100s, every tiny zoo model;
-XLA:CPU), in XLA's schedule on a compute and a communication stream, by measurement where a
-profile timed the kernel, and 16-bit dots at the tensor cores' 16-bit rate."""
+collectives of the module XLA compiled (XLA:GPU deviceless for 8 H100s, every zoo model at the
+size `conftest.xla_gpu_zoo` compiles; XLA:CPU), in XLA's schedule on a compute and a
+communication stream, by measurement where a profile timed the kernel, and 16-bit dots at the
+tensor cores' 16-bit rate."""
 
 import json
 

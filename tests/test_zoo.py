@@ -78,6 +78,19 @@ def test_get_model_rejects_unknown_names():
     assert zoo.get_model("bert") is zoo.get_model("bert", "tiny")
 
 
+def test_resized_model_has_the_changed_config_and_says_so():
+    spec = zoo.resized("transformer", num_encoder_layers=1, num_decoder_layers=1)
+    assert spec.config == "tiny:num_encoder_layers=1,num_decoder_layers=1"
+    assert (
+        spec.description.startswith("Transformer 1+1 layers")
+        and spec.param_count() < zoo.get_model("transformer").param_count()
+    )
+    with pytest.raises(TypeError):
+        zoo.resized("rnnlm", layers=1)
+    with pytest.raises(KeyError):
+        zoo.resized("alexnet", num_layers=1)
+
+
 def test_batch_not_divisible_by_devices_is_rejected(mesh):
     with pytest.raises(ValueError, match="divisible"):
         zoo.make_train_step(zoo.get_model("mlp"), OPTIMIZER, mesh, "jit", global_batch_size=12)

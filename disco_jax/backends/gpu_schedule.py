@@ -313,29 +313,25 @@ def _bridged(graph: Graph, part: frozenset[int], mapped: set[int]) -> set[int]:
 
 
 def _choose_homes(
-    graph: Graph, groups: list[frozenset[int]], names: list[str], positions: list[float], op_position: dict[int, int]
+    graph: Graph, groups: list[frozenset[int]], names: list[str], positions: list[float], unheld_at: dict[int, float]
 ) -> dict[int, int]:
     """Each fusible op's home group. An op XLA computes in several fusions (a broadcast of a
     constant; a layer norm recomputed in the next residual's fusion) lives in the first of them
     in XLA's schedule: its readers outside run after that one. Only when a reader outside them
-    runs before it (or is unscheduled) does it get a group of one (appended) as its home."""
+    runs before it (or is unscheduled) does it get a group of one (appended) as its home.
+    `unheld_at`: where each op runs when no group holds it (`_unheld_positions`)."""
     holders: dict[int, list[int]] = {}
     for gi, members in enumerate(groups):
         for o in members:
             holders.setdefault(o, []).append(gi)
-
-    def scheduled_at(u: int) -> float:
-        if u < 0:  # the module's output
-            return float("inf")
-        if graph.ops[u].kind == "fusible":
-            return min((positions[gi] for gi in holders.get(u, ())), default=float("inf"))
-        return op_position.get(u, float("inf"))
-
+    # Each held op's first holder in XLA's schedule, and where every op runs (held: at its first).
+    firsts = {o: held[0] if len(held) == 1 else min(held, key=positions.__getitem__) for o, held in holders.items()}
+    at = unheld_at | {o: positions[first] for o, first in firsts.items()}
     homes: dict[int, int] = {}
     for o, held in holders.items():
-        first = min(held, key=lambda gi: positions[gi])
-        readers = [u for u in graph.consumers(o) if u < 0 or all(u not in groups[gi] for gi in held)]
-        if any(scheduled_at(u) < positions[first] for u in readers):
+        first = firsts[o]
+        start = positions[first]
+        if any(at[u] < start and all(u not in groups[gi] for gi in held) for u in graph.consumers(o)):
             homes[o] = len(groups)
             groups.append(frozenset([o]))
             names.append(graph.ops[o].name)
@@ -345,22 +341,37 @@ def _choose_homes(
     return homes
 
 
-def _providers(
-    graph: Graph, members: frozenset[int], homes: dict[int, int], bucket_of: dict[int, int], o: int
-) -> set[int]:
-    """Nodes of `_group_cycle`'s graph that op `o` (of a kernel with `members`) reads from."""
+def _unheld_positions(graph: Graph, kernels: list[ScheduledKernel]) -> dict[int, float]:
+    """Where each op runs when no group holds it: a non-fusible op at its kernel's place in XLA's
+    schedule; a fusible op, an op XLA did not schedule, and the module's output (-1) never."""
+    at = dict.fromkeys(range(-1, len(graph.ops)), float("inf"))
+    at.update((o, k.position) for k in kernels for o in k.ops if graph.ops[o].kind != "fusible")
+    return at
+
+
+def _read_nodes(graph: Graph, bucket_of: dict[int, int]) -> list[tuple[tuple[int, int | None], ...]]:
+    """For each op, the non-free ops it reads (through free ops, in operand order) that are nodes of
+    `_group_cycle`'s graph: with the node where it is fixed (an opaque op, a gradient's all-reduce),
+    None for a fusible op (its node is its home group)."""
+    fixed = {o: -1 - o for o in graph.opaque_ops} | bucket_of
+    return [
+        tuple(
+            (src, fixed.get(src))
+            for v in op.operands
+            for src in graph.free_sources[v]
+            if src in fixed or graph.ops[src].kind == "fusible"
+        )
+        for op in graph.ops
+    ]
+
+
+def _providers(members: frozenset[int], homes: dict[int, int], reads: tuple[tuple[int, int | None], ...]) -> set[int]:
+    """Nodes of `_group_cycle`'s graph that an op (of a kernel with `members`) reads from, given its
+    `reads` (`_read_nodes`)."""
     out: set[int] = set()
-    for v in graph.ops[o].operands:
-        for src in graph.free_sources[v]:
-            if src in members:
-                continue
-            kind = graph.ops[src].kind
-            if kind == "fusible":
-                out.add(homes[src])
-            elif kind == "opaque":
-                out.add(-1 - src)
-            elif kind == "reduced" and src in bucket_of:
-                out.add(bucket_of[src])
+    for src, node in reads:
+        if src not in members:
+            out.add(homes[src] if node is None else node)
     return out
 
 
@@ -370,17 +381,20 @@ def _bucket_nodes(graph: Graph, buckets: list[tuple[int, ...]]) -> dict[int, int
 
 
 def _group_cycle(
-    graph: Graph, groups: list[frozenset[int]], homes: dict[int, int], buckets: list[tuple[int, ...]]
+    graph: Graph,
+    groups: list[frozenset[int]],
+    homes: dict[int, int],
+    buckets: list[tuple[int, ...]],
+    reads: list[tuple[tuple[int, int | None], ...]],
 ) -> list[int] | None:
     """A dependency cycle among groups (by index), opaque ops (op o as -1 - o) and all-reduces
     (bucket b as -1 - len(ops) - b), in order (each node reads from the next, the last from the
-    first); None when there is none."""
-    bucket_of = _bucket_nodes(graph, buckets)
+    first); None when there is none. `reads`: `_read_nodes` of the graph and `buckets`."""
     deps: dict[int, set[int]] = {}
     for gi, members in enumerate(groups):
-        deps[gi] = set().union(*(_providers(graph, members, homes, bucket_of, o) for o in members)) - {gi}
+        deps[gi] = set().union(*(_providers(members, homes, reads[o]) for o in members)) - {gi}
     for o in graph.opaque_ops:
-        deps[-1 - o] = _providers(graph, frozenset([o]), homes, bucket_of, o)
+        deps[-1 - o] = _providers(frozenset([o]), homes, reads[o])
     for b, bucket in enumerate(buckets):
         producers = {graph.gradients[g].producer for g in bucket}
         deps[-1 - len(graph.ops) - b] = {homes[p] if graph.ops[p].kind == "fusible" else -1 - p for p in producers}
@@ -436,7 +450,7 @@ def with_xla_decisions(graph: Graph, text: str) -> Graph:
             groups.append(frozenset([o]))
             names.append(graph.ops[o].name)
             positions.append(float("inf"))
-    op_position = {o: k.position for k in kernels for o in k.ops if graph.ops[o].kind != "fusible"}
+    unheld_at = _unheld_positions(graph, kernels)
     buckets: list[tuple[int, ...]] = []
     carried: set[int] = set()
     for k in kernels:  # a gradient mapped to two all-reduces (an ambiguous name) counts once
@@ -445,12 +459,12 @@ def with_xla_decisions(graph: Graph, text: str) -> Graph:
             buckets.append(bucket)
             carried |= set(bucket)
     buckets += [(g.id,) for g in graph.gradients if g.id not in carried]
-    bucket_of = _bucket_nodes(graph, buckets)
+    reads = _read_nodes(graph, _bucket_nodes(graph, buckets))
     base = len(groups)
     while True:
         del groups[base:], names[base:], positions[base:]
-        homes = _choose_homes(graph, groups, names, positions, op_position)
-        cycle = _group_cycle(graph, groups, homes, buckets)
+        homes = _choose_homes(graph, groups, names, positions, unheld_at)
+        cycle = _group_cycle(graph, groups, homes, buckets, reads)
         if cycle is None:
             break
         # A cycle means a member was mapped to the wrong fusion or a recomputed op to the wrong
@@ -460,7 +474,7 @@ def with_xla_decisions(graph: Graph, text: str) -> Graph:
         for a, b in zip(cycle, cycle[1:] + cycle[:1]):
             if not 0 <= a < base or len(groups[a]) < 2:
                 continue
-            readers = {o for o in groups[a] if b in _providers(graph, groups[a], homes, bucket_of, o)}
+            readers = {o for o in groups[a] if b in _providers(groups[a], homes, reads[o])}
             if readers and readers != groups[a]:
                 groups[a] -= readers
                 cut = True

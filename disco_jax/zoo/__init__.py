@@ -12,8 +12,10 @@ data-parallel training steps in two styles (``"jit"`` and ``"shard_map"``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
+from types import ModuleType
 
 from . import _bert, _dlrm, _gpt, _mlp, _reformer, _resnet, _rnnlm, _transformer, _vgg
 from ._common import (
@@ -30,18 +32,21 @@ from ._common import (
 
 CONFIGS: tuple[str, ...] = ("tiny", "paper")
 
-# name -> builder(config) -> ModelSpec
-MODELS: dict[str, Callable[[str], ModelSpec]] = {
-    "vgg19": _vgg.make_spec,
-    "resnet50": _resnet.make_spec,
-    "transformer": _transformer.make_spec,
-    "rnnlm": _rnnlm.make_spec,
-    "bert": _bert.make_spec,
-    "reformer": _reformer.make_spec,
-    "mlp": _mlp.make_spec,
-    "dlrm": _dlrm.make_spec,
-    "gpt": _gpt.make_spec,
+
+# name -> its module: `CONFIGS` (size -> config dataclass) and `spec_of(config dataclass, size name)`
+_MODULES: dict[str, ModuleType] = {
+    "vgg19": _vgg,
+    "resnet50": _resnet,
+    "transformer": _transformer,
+    "rnnlm": _rnnlm,
+    "bert": _bert,
+    "reformer": _reformer,
+    "mlp": _mlp,
+    "dlrm": _dlrm,
+    "gpt": _gpt,
 }
+# name -> builder(config) -> ModelSpec
+MODELS: dict[str, Callable[[str], ModelSpec]] = {name: module.make_spec for name, module in _MODULES.items()}
 
 
 def get_model(name: str, config: str = "tiny") -> ModelSpec:
@@ -61,6 +66,16 @@ def _build_spec(name: str, config: str) -> ModelSpec:
     return MODELS[name](config)
 
 
+def resized(name: str, config: str = "tiny", **changes) -> ModelSpec:
+    """Model ``name`` at size ``config`` with fields of its config dataclass changed, e.g.
+    ``resized("transformer", num_encoder_layers=1, num_decoder_layers=1)``; the spec's `config`
+    names the changes (``'tiny:num_encoder_layers=1,num_decoder_layers=1'``). Not cached."""
+    get_model(name, config)  # the same errors for an unknown name or size
+    module = _MODULES[name]
+    cfg = dataclasses.replace(module.CONFIGS[config], **changes)
+    return module.spec_of(cfg, f"{config}:" + ",".join(f"{k}={v}" for k, v in changes.items()))
+
+
 __all__ = [
     "CONFIGS",
     "MODELS",
@@ -74,4 +89,5 @@ __all__ = [
     "get_model",
     "lower_abstract",
     "make_train_step",
+    "resized",
 ]

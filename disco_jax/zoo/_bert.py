@@ -86,8 +86,8 @@ def _make_batch(cfg: BertConfig, rng: jax.Array, global_batch_size: int):
     }
 
 
-def make_spec(config: str) -> ModelSpec:
-    cfg = CONFIGS[config]
+def spec_of(cfg: BertConfig, config: str = "custom") -> ModelSpec:
+    """The zoo spec of this model at size `cfg`; `config` names it (``'tiny'``, ``'paper'``, ...)."""
     model = Bert(cfg)
 
     def init(rng):
@@ -109,3 +109,7 @@ def make_spec(config: str) -> ModelSpec:
             f"BERT {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, length {cfg.seq_len}"
         ),
     )
+
+
+def make_spec(config: str) -> ModelSpec:
+    return spec_of(CONFIGS[config], config)

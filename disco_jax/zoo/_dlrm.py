@@ -92,8 +92,8 @@ def _make_batch(cfg: DLRMConfig, rng: jax.Array, global_batch_size: int):
     }
 
 
-def make_spec(config: str) -> ModelSpec:
-    cfg = CONFIGS[config]
+def spec_of(cfg: DLRMConfig, config: str = "custom") -> ModelSpec:
+    """The zoo spec of this model at size `cfg`; `config` names it (``'tiny'``, ``'paper'``, ...)."""
     model = DLRM(cfg)
 
     def init(rng):
@@ -114,3 +114,7 @@ def make_spec(config: str) -> ModelSpec:
         default_global_batch=cfg.global_batch,
         description=(f"DLRM, {len(cfg.table_sizes)} tables ({sum(cfg.table_sizes)} rows) of dim {cfg.embedding_dim}"),
     )
+
+
+def make_spec(config: str) -> ModelSpec:
+    return spec_of(CONFIGS[config], config)

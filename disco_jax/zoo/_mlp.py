@@ -55,8 +55,8 @@ def _make_batch(cfg: MLPConfig, rng: jax.Array, global_batch_size: int):
     }
 
 
-def make_spec(config: str) -> ModelSpec:
-    cfg = CONFIGS[config]
+def spec_of(cfg: MLPConfig, config: str = "custom") -> ModelSpec:
+    """The zoo spec of this model at size `cfg`; `config` names it (``'tiny'``, ``'paper'``, ...)."""
     model = MLP(cfg)
 
     def init(rng):
@@ -75,3 +75,7 @@ def make_spec(config: str) -> ModelSpec:
         default_global_batch=cfg.global_batch,
         description=f"Unity MLP, {cfg.num_layers} dense layers of width {cfg.width}",
     )
+
+
+def make_spec(config: str) -> ModelSpec:
+    return spec_of(CONFIGS[config], config)

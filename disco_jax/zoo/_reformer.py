@@ -248,8 +248,8 @@ def _make_batch(cfg: ReformerConfig, rng: jax.Array, global_batch_size: int):
     return {"tokens": random_tokens(rng, (global_batch_size, cfg.seq_len), cfg.vocab_size)}
 
 
-def make_spec(config: str) -> ModelSpec:
-    cfg = CONFIGS[config]
+def spec_of(cfg: ReformerConfig, config: str = "custom") -> ModelSpec:
+    """The zoo spec of this model at size `cfg`; `config` names it (``'tiny'``, ``'paper'``, ...)."""
     assert cfg.axial_shape[0] * cfg.axial_shape[1] == cfg.seq_len
     assert sum(cfg.axial_dims) == cfg.d_model and cfg.seq_len % cfg.chunk_len == 0
     model = ReformerLM(cfg)
@@ -274,3 +274,7 @@ def make_spec(config: str) -> ModelSpec:
             f"{cfg.num_hashes} hashes"
         ),
     )
+
+
+def make_spec(config: str) -> ModelSpec:
+    return spec_of(CONFIGS[config], config)

@@ -87,8 +87,8 @@ def _make_batch(cfg: ResNetConfig, rng: jax.Array, global_batch_size: int):
     return random_image_batch(rng, global_batch_size, cfg.image_size, cfg.num_classes)
 
 
-def make_spec(config: str) -> ModelSpec:
-    cfg = CONFIGS[config]
+def spec_of(cfg: ResNetConfig, config: str = "custom") -> ModelSpec:
+    """The zoo spec of this model at size `cfg`; `config` names it (``'tiny'``, ``'paper'``, ...)."""
 
     def init(rng):
         dummy = jnp.zeros((1, cfg.image_size, cfg.image_size, 3), jnp.float32)
@@ -111,3 +111,7 @@ def make_spec(config: str) -> ModelSpec:
         default_global_batch=cfg.global_batch,
         description=f"ResNet-50 (stages {cfg.stage_sizes}), {cfg.image_size}x{cfg.image_size} images",
     )
+
+
+def make_spec(config: str) -> ModelSpec:
+    return spec_of(CONFIGS[config], config)

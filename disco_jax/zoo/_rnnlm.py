@@ -64,8 +64,8 @@ def _make_batch(cfg: RNNLMConfig, rng: jax.Array, global_batch_size: int):
     return {"tokens": random_tokens(rng, (global_batch_size, cfg.seq_len), cfg.vocab_size)}
 
 
-def make_spec(config: str) -> ModelSpec:
-    cfg = CONFIGS[config]
+def spec_of(cfg: RNNLMConfig, config: str = "custom") -> ModelSpec:
+    """The zoo spec of this model at size `cfg`; `config` names it (``'tiny'``, ``'paper'``, ...)."""
     model = RNNLM(cfg)
 
     def init(rng):
@@ -84,3 +84,7 @@ def make_spec(config: str) -> ModelSpec:
         default_global_batch=cfg.global_batch,
         description=(f"RNNLM {cfg.num_layers}x LSTM {cfg.hidden_size}, vocab {cfg.vocab_size}, {cfg.seq_len} steps"),
     )
+
+
+def make_spec(config: str) -> ModelSpec:
+    return spec_of(CONFIGS[config], config)

@@ -123,8 +123,8 @@ def _make_batch(cfg: TransformerConfig, rng: jax.Array, global_batch_size: int):
     }
 
 
-def make_spec(config: str) -> ModelSpec:
-    cfg = CONFIGS[config]
+def spec_of(cfg: TransformerConfig, config: str = "custom") -> ModelSpec:
+    """The zoo spec of this model at size `cfg`; `config` names it (``'tiny'``, ``'paper'``, ...)."""
     model = Transformer(cfg)
 
     def init(rng):
@@ -147,3 +147,7 @@ def make_spec(config: str) -> ModelSpec:
             f"vocab {cfg.vocab_size}, length {cfg.seq_len}"
         ),
     )
+
+
+def make_spec(config: str) -> ModelSpec:
+    return spec_of(CONFIGS[config], config)

@@ -59,8 +59,8 @@ def _make_batch(cfg: VGGConfig, rng: jax.Array, global_batch_size: int):
     return random_image_batch(rng, global_batch_size, cfg.image_size, cfg.num_classes)
 
 
-def make_spec(config: str) -> ModelSpec:
-    cfg = CONFIGS[config]
+def spec_of(cfg: VGGConfig, config: str = "custom") -> ModelSpec:
+    """The zoo spec of this model at size `cfg`; `config` names it (``'tiny'``, ``'paper'``, ...)."""
     model = VGG(cfg)
 
     def init(rng):
@@ -80,3 +80,7 @@ def make_spec(config: str) -> ModelSpec:
         default_global_batch=cfg.global_batch,
         description=f"VGG19, {cfg.image_size}x{cfg.image_size} images, channels {cfg.stage_channels}",
     )
+
+
+def make_spec(config: str) -> ModelSpec:
+    return spec_of(CONFIGS[config], config)
