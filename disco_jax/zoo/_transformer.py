@@ -123,8 +123,9 @@ def _make_batch(cfg: TransformerConfig, rng: jax.Array, global_batch_size: int):
     }
 
 
-def make_spec(config: str) -> ModelSpec:
-    cfg = CONFIGS[config]
+def make_spec(config: str | TransformerConfig) -> ModelSpec:
+    """The spec of a config of `CONFIGS` by name, or of one given whole (a test's own size)."""
+    cfg = CONFIGS[config] if isinstance(config, str) else config
     model = Transformer(cfg)
 
     def init(rng):
@@ -137,7 +138,7 @@ def make_spec(config: str) -> ModelSpec:
 
     return ModelSpec(
         name="transformer",
-        config=config,
+        config=config if isinstance(config, str) else "custom",
         init=init,
         loss_fn=loss_fn,
         make_batch=partial(_make_batch, cfg),
