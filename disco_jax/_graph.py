@@ -324,6 +324,7 @@ def build_graph(text: str, fusible: frozenset[str], *, merge_duplicates: bool = 
     its loop emitter fuses (`fusible`: `Backend.fusible`; the graph keeps no backend).
     `merge_duplicates=False`: every fusion's ops its own (a compiled module, `cost.compiled`)."""
     module = _hlo.parse_module(text)
+    fingerprint = _hlo.module_fingerprint(module)  # before anything reads the parsed module
     entry = module.entry
     ops: list[Op] = []
     cse: dict[tuple, int] = {}
@@ -488,5 +489,5 @@ def build_graph(text: str, fusible: frozenset[str], *, merge_duplicates: bool = 
         templates,
         value,
         outputs,
-        _hlo.fingerprint(text),
+        fingerprint,
     )

@@ -340,7 +340,11 @@ def fingerprint(text: str) -> str:
 
     Two compiles of the same program on the same backend give the same fingerprint; any change
     in shapes, ops or their wiring changes it."""
-    module = parse_module(text)
+    return module_fingerprint(parse_module(text))
+
+
+def module_fingerprint(module: HloModuleText) -> str:
+    """`fingerprint` of a module already parsed (`build_graph` parses once for both)."""
     canonical = module.to_text(drop_metadata=True)
     canonical = re.sub(r", entry_computation_layout=\{.*?\}(?=,|$)", "", canonical, count=1)
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]

@@ -17,6 +17,7 @@ Model, per kernel:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -214,4 +215,11 @@ def init_params(config: ModelConfig, seed: int = 0):
     )
     ones_n, ones_k = np.ones(len(NODE_FEATURES), np.float32), np.ones(len(KERNEL_FEATURES), np.float32)
     batch = batch_graphs([example], 0 * ones_n, ones_n, 0 * ones_k, ones_k)
-    return FusedOpEstimator(config).init(jax.random.key(seed), batch)["params"]
+    return _init(config, jax.random.key(seed), batch)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init(config: ModelConfig, key: jax.Array, batch: GraphBatch):
+    """The network's initialization as one program per config (members and later trainings of the
+    config reuse it); run op by op it compiled each of its few dozen ops alone."""
+    return FusedOpEstimator(config).init(key, batch)["params"]

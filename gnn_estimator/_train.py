@@ -213,7 +213,7 @@ def train(
     members, history = [], []
     for m, params in enumerate(start_params):
         params, member_history = _train_member(
-            FusedOpEstimator(config),
+            config,
             params,
             normalization,
             samples,
@@ -233,8 +233,32 @@ def train(
     return TrainedEstimator(config, members, normalization), history
 
 
+@functools.lru_cache(maxsize=8)
+def _training_functions(config: ModelConfig, learning_rate: float, weight_decay: float, warmup: int, total: int):
+    """(optimizer, jitted step, jitted loss) of one network (`config.members` 1) and training
+    setting, built once for every member of an ensemble and every `train` with the same setting,
+    so each program compiles once per batch shape."""
+    model = FusedOpEstimator(config)
+    schedule = optax.warmup_cosine_decay_schedule(
+        learning_rate * 0.1, learning_rate, warmup, total, learning_rate * 0.01
+    )
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(schedule, weight_decay=weight_decay) if weight_decay else optax.adam(schedule),
+    )
+
+    @jax.jit
+    def step(params, opt_state, batch, y):
+        loss, grads = jax.value_and_grad(lambda p: _loss(model, p, batch, y))(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    eval_loss = jax.jit(lambda params, batch, y: _loss(model, params, batch, y))
+    return optimizer, step, eval_loss
+
+
 def _train_member(
-    model: FusedOpEstimator,
+    config: ModelConfig,
     params,
     normalization: Normalization,
     samples: Sequence[dict],
@@ -257,22 +281,9 @@ def _train_member(
     total = max(1, epochs * steps_per_epoch)
     total = max(2, total)
     warmup = min(200, total // 10 + 1, total - 1)
-    schedule = optax.warmup_cosine_decay_schedule(
-        learning_rate * 0.1, learning_rate, warmup, total, learning_rate * 0.01
-    )
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.adamw(schedule, weight_decay=weight_decay) if weight_decay else optax.adam(schedule),
-    )
+    one_network = dataclasses.replace(config, members=1)  # the step trains one member, whatever their number
+    optimizer, step, eval_loss = _training_functions(one_network, learning_rate, weight_decay, warmup, total)
     opt_state = optimizer.init(params)
-
-    @jax.jit
-    def step(params, opt_state, batch, y):
-        loss, grads = jax.value_and_grad(lambda p: _loss(model, p, batch, y))(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    eval_loss = jax.jit(lambda params, batch, y: _loss(model, params, batch, y))
     val_features = sample_features(validation, True) + sample_features(validation, False)
     val_targets = np.concatenate([log_targets(validation)] * 2) if validation else np.zeros(0, np.float32)
 

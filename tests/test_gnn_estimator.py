@@ -193,11 +193,23 @@ def test_a_kernel_compiles_alone_and_is_timed(program, graph):
         assert timing is not None and timing.time_us > 0 and len(timing.round_us) == 2
 
 
-def test_model_overfits_a_tiny_dataset(program):
+@pytest.fixture(scope="module")
+def overfitted(program):
+    """(samples, trained, history): the TINY network trained 150 epochs on the 16 kernels of
+    `_tiny_dataset`, all in one batch. Its fit is what test_model_overfits_a_tiny_dataset checks;
+    the tests that need some trained network read it through `trained_tiny` (one training and
+    one compile of the step for the module)."""
     samples = _tiny_dataset(program)
-    trained, history = train(
-        samples, config=TINY, epochs=300, batch_size=len(samples), learning_rate=1e-2, drop_times=0.0
-    )
+    trained, history = train(samples, config=TINY, **OVERFIT)
+    return samples, trained, history
+
+
+# The training of `overfitted`: all 16 samples in one batch, own times always known.
+OVERFIT = dict(epochs=150, batch_size=16, learning_rate=1e-2, drop_times=0.0)
+
+
+def test_model_overfits_a_tiny_dataset(overfitted):
+    samples, trained, history = overfitted
     first, last = history[0]["train_loss"], history[-1]["train_loss"]
     assert last < first / 100, (first, last)
     predicted = trained.predict_us(_train.sample_features(samples))
@@ -206,10 +218,9 @@ def test_model_overfits_a_tiny_dataset(program):
 
 
 @pytest.fixture(scope="module")
-def trained_tiny(program):
-    trained, _ = train(_tiny_dataset(program, 8), config=TINY, epochs=2, batch_size=8)
-    trained.metadata = {"device_kind": "cpu"}
-    return trained
+def trained_tiny(overfitted):
+    """The overfitted network with the metadata of CPU weights (a copy: the tests may change it)."""
+    return dataclasses.replace(overfitted[1], metadata={"device_kind": "cpu"})
 
 
 def test_weights_round_trip_through_the_file_format(program, tmp_path, graph, trained_tiny):
@@ -224,10 +235,14 @@ def test_weights_round_trip_through_the_file_format(program, tmp_path, graph, tr
     assert not (tmp_path / WEIGHTS_FILE).read_bytes().startswith(b"\x80")
 
 
-def test_an_ensemble_round_trips_and_averages_its_members(program, tmp_path, graph):
-    config = ModelConfig(hidden=8, heads=2, layers=1, mlp=(8,), members=2)
-    trained, history = train(_tiny_dataset(program, 6), config=config, epochs=1, batch_size=6)
+def test_an_ensemble_round_trips_and_averages_its_members(program, tmp_path, graph, overfitted):
+    # Trained as `overfitted` is: its compiled step serves both members, and member 0 (seed 0) is
+    # that network to the bit.
+    config = dataclasses.replace(TINY, members=2)
+    trained, history = train(_tiny_dataset(program), config=config, **OVERFIT)
     assert len(trained.params) == 2 and {h["member"] for h in history} == {0, 1}
+    for a, b in zip(jax.tree.leaves(trained.params[0]), jax.tree.leaves(overfitted[1].params[0])):
+        np.testing.assert_array_equal(a, b)
     write_weights(tmp_path, trained)
     restored = read_weights(tmp_path)
     features = [kernel_features(graph, k) for k in _fused_kernels(program, 4)]

@@ -14,7 +14,7 @@ import random
 import optax
 import pytest
 
-from disco_jax import _capture, _compile, _edit, _program, _strategy, backends, targets, zoo
+from disco_jax import _capture, _compile, _edit, _program, _strategy, backends
 from disco_jax.cost import AllReduceCostModel, AnalyticalEstimator, CostModel, chain, kernels, sharded, simulate
 
 from _steps import make_step
@@ -66,14 +66,15 @@ def _by_key(st: kernels.KernelState) -> dict:
 @pytest.fixture(scope="module", params=[*sorted(STEPS), "mlp-tiny-adam-xla-gpu"])
 def two_programs(request):
     """Two programs of one step, parsed apart (no shared caches). The XLA:GPU one (compiled
-    deviceless for H100s) has groups with equal members: XLA:GPU clones small fusions."""
+    deviceless for H100s) has groups with equal members: XLA:GPU clones small fusions; the first
+    of its two is the session's capture of the tiny MLP (`xla_gpu_zoo`), the second a capture of
+    its own."""
     if request.param in STEPS:
         style, sizes, optimizer = STEPS[request.param]
         step, args = make_step(style, sizes=sizes, optimizer=optimizer)
         text, _ = _capture.capture(step.lower(*args))
         return _program.build_program(text, backends.CPU), _program.build_program(text, backends.CPU)
-    lowered = zoo.lower_abstract(zoo.get_model("mlp", "tiny"), optax.adam(1e-3), targets.mesh("h100-sxm", 8))
-    program, _ = _compile.capture_program(lowered, backends.GPU)
+    lowered, program, _ = request.getfixturevalue("xla_gpu_zoo")("mlp")
     xla = _strategy.xla_default(program.graph)
     assert len(set(xla.groups)) < len(xla.groups)
     assert len(set(kernels.group_keys(xla))) == len(xla.groups)

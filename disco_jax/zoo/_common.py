@@ -25,6 +25,7 @@ are model state, replicated and updated in the step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -197,10 +198,23 @@ def abstract_state_and_batch(
     global_batch_size: int | None = None,
     data_axis: str = DATA_AXIS,
 ) -> tuple[TrainState, Batch]:
-    """The train state and batch as `jax.ShapeDtypeStruct` pytrees carrying their shardings."""
-    mesh = _auto_axes(mesh)
+    """The train state and batch as `jax.ShapeDtypeStruct` pytrees carrying their shardings
+    (immutable; remembered per arguments, so both styles of a model trace its init once)."""
     size = spec.default_global_batch if global_batch_size is None else global_batch_size
-    _check_batch_size(size, mesh, data_axis)
+    _check_batch_size(size, _auto_axes(mesh), data_axis)
+    arguments = (spec, optimizer, mesh, size, data_axis)
+    try:
+        hash(arguments)
+    except TypeError:  # an optimizer holding something unhashable: traced every time
+        return _abstract_state_and_batch.__wrapped__(*arguments)
+    return _abstract_state_and_batch(*arguments)
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract_state_and_batch(
+    spec: ModelSpec, optimizer: optax.GradientTransformation, mesh: Mesh, size: int, data_axis: str
+) -> tuple[TrainState, Batch]:
+    mesh = _auto_axes(mesh)
 
     def with_sharding(tree, sharding):
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)

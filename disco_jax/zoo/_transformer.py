@@ -137,7 +137,7 @@ def spec_of(cfg: TransformerConfig, config: str = "custom") -> ModelSpec:
 
     return ModelSpec(
         name="transformer",
-        config=config,
+        config=config if isinstance(config, str) else "custom",
         init=init,
         loss_fn=loss_fn,
         make_batch=partial(_make_batch, cfg),
