@@ -8,6 +8,8 @@ data-parallel training steps in two styles (``"jit"`` and ``"shard_map"``).
     state, loss = step(state, batch)
 
     lowered = zoo.lower_abstract(zoo.get_model("bert", "paper"), optax.adam(1e-4), zoo.data_mesh())
+
+    spec = zoo.resized("transformer", num_encoder_layers=1, num_decoder_layers=1)  # tiny, 1+1 layers
 """
 
 from __future__ import annotations
