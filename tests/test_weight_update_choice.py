@@ -130,11 +130,12 @@ def test_search_simulates_both_updates_and_records_state_bytes(tmp_path):
     run = optimize_distributed(search=True, plan_dir=tmp_path, **FAST)(step)  # weight_update="search"
     _, new_state, losses = train(run, params, opt_state, batches)
     info = run.reports[0].weight_update
-    assert info["requested"] == "search" and [c["label"] for c in info["candidates"]] == [
-        "replicated",
-        "sharded (5 groups, 10 leaves)",
-    ]
-    replicated, sharded = info["candidates"]
+    # Replicated and all five groups sharded; between them, the search's own pick when it shards
+    # fewer gradients (which it picks rests on the measured collectives: it may be none).
+    labels = [c["label"] for c in info["candidates"]]
+    assert info["requested"] == "search" and labels[0] == "replicated" and labels[-1] == "sharded (5 groups, 10 leaves)"
+    assert len(labels) <= 3 and all(c["leaves"] and len(c["leaves"]) < 10 for c in info["candidates"][1:-1])
+    replicated, sharded = info["candidates"][0], info["candidates"][-1]
     state_bytes = sum(x.nbytes for x in jax.tree.leaves((opt_state[0].mu, opt_state[0].nu)) if x.shape[0] % 8 == 0)
     assert replicated["state_bytes_per_device"] == state_bytes and sharded["state_bytes_per_device"] == state_bytes // 8
     # Five split parameters, one bucket: one reduce-scatter and one all-gather (the hook's rules).
@@ -143,7 +144,8 @@ def test_search_simulates_both_updates_and_records_state_bytes(tmp_path):
     assert sharded["footprint_bytes"] < replicated["footprint_bytes"]
     assert replicated["simulated_us"] > 0 and sharded["simulated_us"] > 0
     # Measured against the replicated update exactly when the simulator prefers it.
-    assert ("check" in sharded) == (sharded["simulated_us"] < replicated["simulated_us"])
+    for c in info["candidates"][1:]:
+        assert ("check" in c) == (c["simulated_us"] < replicated["simulated_us"])
     assert "check" not in replicated and "measured" not in replicated
     sharded_state = [x for x in jax.tree.leaves(new_state[0].mu) if not x.sharding.is_fully_replicated]
     assert bool(sharded_state) == (info["mode"] == "sharded")  # the step runs what was decided
