@@ -102,30 +102,14 @@ def _isolated_caches(measured_collectives, tmp_path, tmp_path_factory, monkeypat
     yield
 
 
-# The sizes `xla_gpu_zoo` compiles: the tiny ones, four with fewer layers (time steps, stages),
-# each about half the compile of its tiny size (a deviceless compile of the tiny Transformer or
-# RNNLM costs ~35 CPU seconds, these ~20 and ~8). What the tests check of them holds at either
-# size, and was checked on both: the same kinds of kernels (Triton gemms, cuDNN convolutions, loop
-# and input fusions, gathers fused, ops recomputed in later fusions, the same collectives); XLA's
-# combining still several buckets (Transformer: 4 for 46 gradients, tiny 5 for 88; ResNet-50 many);
-# the RNNLM's sums over time steps still reassociated by XLA (7 all-reduces for its 16 gradients
-# with the pass on, tiny 10 for 52); and reading XLA's decisions runs the same lines of
-# `gpu_schedule` and `gpu_buckets` as on the tiny size (a cycle among the groups as read included).
-XLA_GPU_SIZES = {
-    "transformer": {"num_encoder_layers": 1, "num_decoder_layers": 1},
-    "rnnlm": {"num_layers": 1, "seq_len": 4},
-    "reformer": {"num_layers": 1},
-    "resnet50": {"stage_sizes": (1, 1, 1), "stage_widths": (4, 8, 16)},
-}
-
-
 @pytest.fixture(scope="session")
 def xla_gpu_zoo():
-    """`get(model)`: a zoo model's Adam step at its `XLA_GPU_SIZES` size (the tiny one otherwise)
-    compiled deviceless for 8 H100s and captured (`_compile.capture_program`: XLA's program as the
-    rows' JAX_default), as (lowered, program, compiled module text); each model compiled once per
-    session, for every test module that reads it (test_backends_gpu, test_compiled_cost, test_bench)."""
+    """`get(model)`: a zoo model's Adam step at its `_zoo_sizes.SMALL` size compiled deviceless
+    for 8 H100s and captured (`_compile.capture_program`: XLA's program as the rows' JAX_default),
+    as (lowered, program, compiled module text); each model compiled once per session, for every
+    test module that reads it (test_backends_gpu, test_compiled_cost, test_bench)."""
     import optax
+    from _zoo_sizes import small
 
     from disco_jax import _compile, backends, targets, zoo
 
@@ -133,7 +117,7 @@ def xla_gpu_zoo():
 
     def get(model: str):
         if model not in cache:
-            spec = zoo.resized(model, **XLA_GPU_SIZES[model]) if model in XLA_GPU_SIZES else zoo.get_model(model)
+            spec = small(model)
             lowered = zoo.lower_abstract(spec, optax.adam(1e-3), targets.mesh("h100-sxm", 8), "jit")
             program, compiled = _compile.capture_program(lowered, backends.GPU)
             cache[model] = (lowered, program, compiled.as_text())

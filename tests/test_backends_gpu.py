@@ -221,7 +221,7 @@ def test_adam_step_on_a100_xla_plan_reproduces_xla_program():
 def zoo_captured(request, xla_gpu_zoo):
     """Zoo models whose XLA:GPU programs fuse across opaque ops (embedding gathers), recompute
     layer norms and LSTM gates in later fusions, and reassociate sums of all-reduces by default
-    (compiled once per session at `conftest.XLA_GPU_SIZES`: `conftest.xla_gpu_zoo`)."""
+    (compiled once per session at `_zoo_sizes.SMALL`: `conftest.xla_gpu_zoo`)."""
     return xla_gpu_zoo(request.param)
 
 

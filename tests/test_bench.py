@@ -14,6 +14,7 @@ import optax
 import pytest
 from _hlo_text import module_kernels
 from _trees import assert_trees_close, max_abs
+from _zoo_sizes import CPU_SMALL, small
 
 from disco_jax import (
     _capture,
@@ -55,7 +56,7 @@ def _decorated_step_with_a_handmade_plan(name, style, mesh, plan_dir, monkeypatc
     all-reduce per gradient: the JAX_op_fusion baseline) and called once without a search: the
     plan must be enacted and its outputs bitwise equal to the unmodified step's, which only
     regroups all-reduces. Returns (initial state, outputs)."""
-    spec = zoo.get_model(name, "tiny")
+    spec = small(name, CPU_SMALL)
     step, state, batch = zoo.make_train_step(spec, OPTIMIZER, mesh, style)
     captured = _compile.capture(step.lower(state, batch), backends.CPU, (state, batch), {})
     graph, default = captured.graph, captured.default_compiled
