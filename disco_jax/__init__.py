@@ -9,7 +9,7 @@ from disco_jax import backends, cost
 from disco_jax._api import OptimizedStep, optimize_distributed
 from disco_jax._distributed import PlanMismatchError, initialize_from_env
 from disco_jax._graph import Graph, build_graph
-from disco_jax._pipeline import StepReport, search_enabled
+from disco_jax._options import StepReport, search_enabled
 from disco_jax._plan import Plan, PlanWarning, find_plan, read_plan_file
 from disco_jax._profile_db import Profile, ProfileDatabase
 from disco_jax._program import Program, build_program

@@ -18,7 +18,8 @@ from typing import Any
 
 import jax
 
-from disco_jax._pipeline import Options, StepReport, prepare, search_enabled
+from disco_jax._options import Options, StepReport, search_enabled
+from disco_jax._pipeline import prepare
 from disco_jax._search import SearchConfig
 from disco_jax.sharding.update import Resharding
 

@@ -111,7 +111,7 @@ def first_run(
         ratio = simulated["plan"]["iteration_us"] / simulated["default"]["iteration_us"]
     except (KeyError, TypeError, ZeroDivisionError):
         ratio = float("nan")
-    verdict = validate(step, step.runner(step.default_compiled), strategy, compiled, options.validation_pairs, ratio)
+    verdict = validate(step, strategy, compiled, options.validation_pairs, ratio)
     plan = dataclasses.replace(
         plan,
         use_default=verdict.use_default,

@@ -29,12 +29,12 @@ from disco_jax import _distributed, _warnings, backends
 from disco_jax._compile import Captured, capture, compiled_stats
 from disco_jax._console import Ui
 from disco_jax._enact_phase import enact_phase
-from disco_jax._options import ENABLE_SEARCH_ENV, Options, StepReport, search_enabled
+from disco_jax._options import Options, StepReport
 from disco_jax._output_check import Float64Run
 from disco_jax._search_phase import Profiled, profile_stage, search_phase, store_stage
 from disco_jax.sharding import choice, update
 
-__all__ = ["ENABLE_SEARCH_ENV", "Options", "StepReport", "prepare", "search_enabled"]
+__all__ = ["prepare"]
 
 
 @dataclasses.dataclass
@@ -137,7 +137,7 @@ def weight_update_stage(
             )
             chosen = WeightUpdate(program, layout, info, profiled if layout is None else None)
             if layout is not None and jax.process_index() == 0:
-                store_stage(choice.decision_plan(step, info), {}, options.plan_dir)
+                store_stage(choice.decision_plan(step.graph, step.machine, info), {}, options.plan_dir)
         else:
             program, layout, info = choice.recall(
                 fn, step, args, kwargs, backend, options.plan_dir, options.memory_limit_bytes

@@ -70,24 +70,18 @@ def rank_by_compiled_cost(
     default: CompiledProgram,
     candidates: list[tuple[Strategy, float | None]],
     compile: Any,
-    backend: Backend,
-    estimator: Any,
-    allreduce: Any,
+    costed: ProgramCosts,
     *,
-    params: Any = None,
     default_graph_us: float | None = None,
-    costs: ProgramCosts | None = None,
 ) -> list[Ranked]:
     """XLA's own program (`default`, compiled) and each candidate (a strategy with the graph
     simulator's figure; `compile(label, strategy)` -> `CompiledProgram`) costed by the
-    compiled-program model (`cost.compiled_cost` with `estimator`, `allreduce` and the
-    simulator's `params`), cheapest first; candidates that were not enacted come last. XLA's
-    program is always among them, so a plan ranks first only when its compiled cost beats
-    XLA's. Candidates are the search's best distinct ones (`SearchResult.top`); one equal to
-    XLA's program compiles to it and ties with it (the stable sort keeps XLA's first). `costs`: the
-    caller's `ProgramCosts` of the same model, so programs it costed already are not costed again."""
-
-    costed = costs or ProgramCosts(backend, estimator, allreduce, params)
+    compiled-program model (`costed`: its estimator, collectives and simulator params; a caller's
+    `ProgramCosts` does not cost a program it costed already again), cheapest first; candidates
+    that were not enacted come last. XLA's program is always among them, so a plan ranks first
+    only when its compiled cost beats XLA's. Candidates are the search's best distinct ones
+    (`SearchResult.top`); one equal to XLA's program compiles to it and ties with it (the stable
+    sort keeps XLA's first)."""
 
     ranked = [Ranked(XLA_PROGRAM, None, default_graph_us, default, costed(default))]
     for i, (strategy, graph_us) in enumerate(candidates):
@@ -120,10 +114,7 @@ class CompiledRanking:
             self.xla,
             candidates,
             lambda label, s: compile_program(step.lowered, step.program, label, s, None),
-            step.backend,
-            model.estimator,
-            model.allreduce,
-            params=model.params,
+            ProgramCosts(step.backend, model.estimator, model.allreduce, model.params),
         )
         self.rounds.append([r.to_json() for r in ranked])
         xla_us = self.xla_us = next(r.compiled_us for r in ranked if r.strategy is None)

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import jax
 
 from disco_jax import _distributed, _files, _plan, _profile_db, _search, _strategy, _validate, _warnings
-from disco_jax._compile import Captured, Runner, compile_strategy, compiled_stats, keeps_plan, rules_applied
+from disco_jax._compile import Captured, compile_strategy, compiled_stats, keeps_plan, rules_applied
 from disco_jax._console import Ui
 from disco_jax._options import Options, StepReport
 from disco_jax._profile_phase import calibrate, profile
@@ -171,9 +171,8 @@ def validate_stage(step: Captured, profiled: Profiled, searched: Searched, optio
         verdict = Verdict(True, tuned.reason or reason, tuned.evidence) if tuned else Verdict(True, reason, {})
         return Validated(verdict, None, simulated, timelines)
     compiled, _ = compile_strategy(step.lowered, step.program, best)
-    runner = step.runner(step.default_compiled)
     ratio = sim_best.iteration_us / sim_default.iteration_us
-    verdict = validate(step, runner, best, compiled, options.validation_pairs, ratio)
+    verdict = validate(step, best, compiled, options.validation_pairs, ratio)
     return Validated(verdict, compiled, simulated, timelines)
 
 
@@ -202,16 +201,14 @@ def plan_of(step: Captured, searched: Searched, validated: Validated, report: St
     return plan
 
 
-def validate(
-    step: Captured, default_runner: Runner, best: Strategy, compiled: Any, pairs: int, simulated_ratio: float
-) -> Verdict:
+def validate(step: Captured, best: Strategy, compiled: Any, pairs: int, simulated_ratio: float) -> Verdict:
     """Compare the candidate's outputs with XLA's (bitwise when only all-reduces were regrouped:
     every element is then reduced in the same order; else `step.output_check`'s float64 reference
     or ulp tolerance), time both interleaved, and check that XLA kept the planned all-reduces. With
     several processes each compares its own output shards."""
     graph = step.graph
     counts = compiled_stats(compiled.as_text())
-    plan_runner = step.runner(compiled)
+    default_runner, plan_runner = step.runner(step.default_compiled), step.runner(compiled)
     bitwise = _strategy.regroups_only(graph, best)
     merge_key = None if step.scope is None else f"{step.scope}/validation"
     comparison = step.output_check.compare(plan_runner(), bitwise=bitwise, merge_key=merge_key)

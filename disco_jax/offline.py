@@ -160,9 +160,7 @@ def weight_update_candidates(step, args: tuple, kwargs: dict, costs: ProgramCost
         lowered, layout, why = build(step, args, kwargs, replicated.xla.compiled)
         candidates.append(UpdateCandidate(label, lowered, layout, why_not=None if lowered is not None else why))
     # The leaves the replicated step holds whole on every device: parameters and optimizer state.
-    shardings = jax.tree.leaves(replicated.xla.compiled.input_shardings)
-    avals = jax.tree.leaves((args, kwargs))
-    held = {i: avals[i] for i, s in enumerate(shardings) if s.is_fully_replicated}
+    held = update.replicated_leaves(replicated.xla.compiled, args, kwargs)
     for c in candidates:
         if c.lowered is None:
             continue
@@ -225,16 +223,6 @@ def choose_weight_update(candidates: list[UpdateCandidate], limit: int) -> dict:
     }
 
 
-def decision_plan(replicated: UpdateCandidate, machine: _plan.MachineKey, decided: dict, chosen) -> _plan.Plan:
-    """The replicated program's plan when another update was chosen: no fusion plan of its own
-    (the chosen program's plan has it), the decision in `weight_update` (`choice.recall` reads it)."""
-    graph = replicated.captured().program.graph
-    chosen_graph = chosen.captured().program.graph
-    info = {**decided, "program": chosen_graph.fingerprint}
-    reason = f"weight update {decided['chosen']}: the plan is program {chosen_graph.fingerprint}'s"
-    return _plan.Plan(graph.fingerprint, graph.module.name, machine, True, None, reason, weight_update=info)
-
-
 def plan_for_target(
     step: Callable,
     *args,
@@ -270,7 +258,6 @@ def plan_for_target(
     # As `MachineKey.current` reads it on the real machine: JAX's name of the devices' backend.
     machine = _plan.MachineKey(devices[0].platform, device_kind_key(devices[0]), len(devices), processes)
     costs = program_costs(cluster)
-    estimator, allreduce = costs.estimator, costs.allreduce
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -290,20 +277,21 @@ def plan_for_target(
     chosen.captured()
     lap("capture")
     config = config or _search.SearchConfig()
-    plan = _fusion_plan(chosen, cluster, machine, estimator, allreduce, costs, config, ranked, memory_limit_bytes)
+    plan = _fusion_plan(chosen, cluster, machine, costs, config, ranked, memory_limit_bytes)
     lap("search and ranking")
     if decision is not None:
         plan.weight_update = {**decision, **chosen.layout_json()}
         replicated = candidates[0]
         if chosen is not replicated:  # what the decorator finds first: the replicated program's plan
-            _plan.save_plan(decision_plan(replicated, machine, plan.weight_update, chosen), plan_dir)
+            info = {**plan.weight_update, "program": chosen.program.graph.fingerprint}
+            _plan.save_plan(choice.decision_plan(replicated.captured().program.graph, machine, info), plan_dir)
             lap("replicated program captured (its fingerprint)")
     plan.search["offline"]["seconds"] = seconds
     _plan.save_plan(plan, plan_dir)
     return plan
 
 
-def _fusion_plan(candidate, cluster, machine, estimator, allreduce, costs, config, ranked: int, limit) -> _plan.Plan:
+def _fusion_plan(candidate, cluster, machine, costs: ProgramCosts, config, ranked: int, limit) -> _plan.Plan:
     """Steps 2-3 of the module docstring on one program: the search on its graph, its best
     `ranked` candidates and XLA's own program compiled and ranked by the compiled-program model.
     Under a memory `limit` a candidate whose own executable exceeds it is not chosen (a plan
@@ -312,7 +300,7 @@ def _fusion_plan(candidate, cluster, machine, estimator, allreduce, costs, confi
     graph = program.graph
 
     def cost(s: _strategy.Strategy) -> float | None:
-        result = simulate(program, s, estimator, allreduce)
+        result = simulate(program, s, costs.estimator, costs.allreduce)
         return None if result is None else result.iteration_us
 
     default = _strategy.xla_default(graph)
@@ -325,11 +313,8 @@ def _fusion_plan(candidate, cluster, machine, estimator, allreduce, costs, confi
         candidate.xla or programs.compile(XLA_PROGRAM, None, {}),  # what runs without a plan
         result.top(ranked, exclude={default.key()}),
         lambda label, s: programs.compile(label, s, None),
-        backends.GPU,
-        estimator,
-        allreduce,
+        costs,
         default_graph_us=default_us,
-        costs=costs,
     )
     # A plan whose compiled program lost its planned all-reduces is one the decorator rejects.
     kept = lambda r: r.strategy is None or r.program.stats["all-reduce"] == len(r.strategy.buckets)  # noqa: E731

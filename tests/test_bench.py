@@ -388,9 +388,7 @@ def test_ranking_keeps_xla_program_when_no_candidate_beats_it_compiled(gpu_mlp):
         xla,
         [(worse, 1.0)],  # a graph figure that would win on the graph
         lambda label, s: programs.compile(label, s, None),
-        backends.GPU,
-        cluster.kernel_estimator(),
-        cluster.allreduce_model(),
+        _ranking.ProgramCosts(backends.GPU, cluster.kernel_estimator(), cluster.allreduce_model()),
     )
     assert [r.label for r in ranked][0] == _ranking.XLA_PROGRAM and ranked[0].strategy is None
     assert ranked[1].strategy is worse and ranked[1].compiled_us > ranked[0].compiled_us

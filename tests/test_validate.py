@@ -87,7 +87,7 @@ def test_pipeline_rejects_a_plan_that_is_not_faster_with_confidence(monkeypatch)
     compiled, _ = _compile.compile_strategy(captured.lowered, captured.program, best)
     undecided = _validate.summarize([100.0] * 20, [100.0 * r for r in [0.9, 1.1] * 10])
     monkeypatch.setattr(_validate, "time_until_decided", lambda *a, **k: undecided)
-    verdict = _search_phase.validate(captured, captured.runner(captured.default_compiled), best, compiled, 20, 0.9)
+    verdict = _search_phase.validate(captured, best, compiled, 20, 0.9)
     assert verdict.use_default and "not faster with confidence" in verdict.reason
     assert verdict.measured["verdict"] == "undecided" and verdict.measured["rule"] == _validate.ACCEPTANCE_RULE
     assert verdict.measured["ratio_ci95"][0] < 1.0 < verdict.measured["ratio_ci95"][1]
@@ -95,7 +95,7 @@ def test_pipeline_rejects_a_plan_that_is_not_faster_with_confidence(monkeypatch)
 
     faster = _validate.summarize([100.0] * 20, [90.0] * 20)
     monkeypatch.setattr(_validate, "time_until_decided", lambda *a, **k: faster)
-    verdict = _search_phase.validate(captured, captured.runner(captured.default_compiled), best, compiled, 20, 0.9)
+    verdict = _search_phase.validate(captured, best, compiled, 20, 0.9)
     assert not verdict.use_default and verdict.plan_counts["all-reduce"] == len(graph.gradients)
 
 
@@ -111,7 +111,7 @@ def test_validating_a_fusion_plan_for_adam_records_the_float64_check(monkeypatch
     compiled, _ = _compile.compile_strategy(captured.lowered, captured.program, best)
     faster = _validate.summarize([100.0] * 20, [90.0] * 20)
     monkeypatch.setattr(_validate, "time_until_decided", lambda *a, **k: faster)
-    verdict = _search_phase.validate(captured, captured.runner(captured.default_compiled), best, compiled, 20, 0.9)
+    verdict = _search_phase.validate(captured, best, compiled, 20, 0.9)
     measured = json.loads(json.dumps(verdict.measured))  # as the plan stores it
     assert not verdict.use_default and not measured["bitwise_required"]
     assert measured["check"] == _validate.FLOAT64_CHECK and measured["fallback_reason"] is None

@@ -418,11 +418,8 @@ def ranked_plan(
         xla,
         result.top(RANKED_CANDIDATES, exclude={default.key()}),
         compile_candidate,
-        costs.backend,
-        costs.estimator,
-        costs.allreduce,
+        costs,
         default_graph_us=strategies["JAX_default"]["graph_simulated"]["iteration_us"],
-        costs=costs,
     )
     first = ranked[0]
     plan = first.strategy

@@ -412,12 +412,13 @@ def _limit_check(candidate: Candidate, limit: int | None, reason: str) -> dict:
     return {"footprint_bytes": size}
 
 
-def decision_plan(step: Captured, info: dict) -> _plan.Plan:
-    """The replicated program's plan when the search sharded its update: no fusion plan of its
-    own (the sharded program's plan has it), the decision in `weight_update`."""
-    graph = step.graph
-    reason = f"weight update sharded: the plan is program {info['program']}'s"
-    return _plan.Plan(graph.fingerprint, graph.module.name, step.machine, True, None, reason, weight_update=info)
+def decision_plan(graph, machine: _plan.MachineKey, info: dict) -> _plan.Plan:
+    """The replicated program's plan (`graph`: its graph) when another weight update was chosen:
+    no fusion plan of its own (the chosen program's, `info["program"]`, has it), the decision in
+    `weight_update`, which the enact phase reads first (`recall`). The decorator's search and
+    `offline.plan_for_target` both store it."""
+    reason = f"weight update {info.get('chosen', 'sharded')}: the plan is program {info['program']}'s"
+    return _plan.Plan(graph.fingerprint, graph.module.name, machine, True, None, reason, weight_update=info)
 
 
 def recall(

@@ -441,10 +441,16 @@ def relowered(fn, step: Captured, layout: Layout, args: tuple, kwargs: dict, bac
 
 
 def held_leaves(step: Captured) -> dict[int, Any]:
-    """Index -> aval of the input leaves the replicated step holds whole on every device (none
-    where the executable's inputs are not one per leaf)."""
-    shardings = jax.tree.leaves(step.default_compiled.input_shardings)
-    leaves = jax.tree.leaves((step.args, step.kwargs))
+    """Index -> aval of the input leaves the replicated step holds whole on every device
+    (`replicated_leaves` of its executable and arguments)."""
+    return replicated_leaves(step.default_compiled, step.args, step.kwargs)
+
+
+def replicated_leaves(compiled: Any, args: tuple, kwargs: dict) -> dict[int, Any]:
+    """Index -> aval of the leaves of `(args, kwargs)` that `compiled` takes whole on every device
+    (none where the executable's inputs are not one per leaf)."""
+    shardings = jax.tree.leaves(compiled.input_shardings)
+    leaves = jax.tree.leaves((args, kwargs))
     if len(shardings) != len(leaves):  # XLA dropped unused arguments: no leaf-by-leaf account
         return {}
     return {i: jax.typeof(x) for i, x in enumerate(leaves) if shardings[i].is_fully_replicated}
