@@ -173,11 +173,13 @@ def rules_applied(program: Program, strategy: Strategy) -> list[dict]:
 def keeps_plan(counts: dict[str, int], program: Program, strategy: Strategy) -> bool:
     """Whether a compiled strategy (`compiled_stats` of it) holds the all-reduces the hook
     returned (one per bucket, less those the hook rules turned into reduce-scatters) and, where
-    the pipeline applies rules itself, its reduce-scatters."""
+    the pipeline makes reduce-scatters itself (`apply.REDUCE_SCATTER_RULE` a hook rule), its
+    reduce-scatters; a compiler that forms them after the hook (XLA:GPU) may add more."""
     planned = _hook_result(program, strategy)[1]
     if counts["all-reduce"] != planned["all-reduce"]:
         return False
-    return not program.backend.hook_rules or counts.get("reduce-scatter", 0) == planned["reduce-scatter"]
+    scatters = apply.REDUCE_SCATTER_RULE in program.backend.hook_rules
+    return not scatters or counts.get("reduce-scatter", 0) == planned["reduce-scatter"]
 
 
 def compile_strategy(
@@ -279,18 +281,23 @@ def compile_program(
     name: str,
     strategy: Strategy | None,
     compiler_options: dict | None,
+    hook_rules_of: Backend | None = None,
 ) -> CompiledProgram:
     """Compile one strategy of the step the way it is enacted: with `compiler_options` (XLA's own
     program under them; neither `strategy` nor `program` is read, so a step never captured passes
     None) or, when they are None, by writing `strategy` into the module at the hook
-    (`compile_strategy`). A strategy the rewriter refuses, or a compile XLA
-    fails, gives a program marked 'not enacted' with the reason instead of an error."""
+    (`compile_strategy`). `hook_rules_of`: a backend whose hook rules XLA's own program gets, as
+    the decorator's capture gives them to the program it runs (a sharded update's program,
+    costed or measured for its peak before it is captured). A strategy the rewriter refuses, or a
+    compile XLA fails, gives a program marked 'not enacted' with the reason instead of an error."""
     enacted_by = "rewrite" if compiler_options is None else "compile options"
     options = {**program.backend.rewrite_options} if compiler_options is None else dict(compiler_options)
     started, cpu = time.perf_counter(), time.process_time()
     try:
         if compiler_options is None:
             compiled, status = compile_strategy(lowered, program, strategy)
+        elif hook_rules_of is not None and hook_rules_of.hook_rules:
+            compiled, status = _with_hook_rules(lowered, hook_rules_of, options), "compiled"
         else:
             compiled, status = lowered.compile(compiler_options=options or None), "compiled"
     except (ValueError, jax.errors.JaxRuntimeError) as e:
@@ -308,6 +315,21 @@ def compile_program(
         reason,
         time.perf_counter() - started,
         time.process_time() - cpu,
+    )
+
+
+def _with_hook_rules(lowered: jax.stages.Lowered, backend: Backend, options: dict) -> Any:
+    """XLA's own program of `lowered` under `options`, with `backend`'s hook rules applied at its
+    hook stage; cached under the module, the rules and the options (a cached executable was
+    compiled with the same rules)."""
+    key = json.dumps([sorted(backend.hook_rules), options], sort_keys=True) + lowered.as_text()
+    return _capture.compile_with_hook(
+        lowered,
+        hook_rules_handler(backend, []),
+        cache_tag="hook-rules:" + hashlib.sha256(key.encode()).hexdigest()[:24],
+        compiler_options=options or None,
+        platform=backend.platform,
+        stage=backend.hook_stage,
     )
 
 

@@ -175,8 +175,9 @@ def weight_update_candidates(step, args: tuple, kwargs: dict, costs: ProgramCost
 
 
 def _compiled_xla(lowered) -> CompiledProgram:
-    """XLA's own program of `lowered` (every pass on): what runs without a fusion plan."""
-    return compile_program(lowered, None, XLA_PROGRAM, None, {})
+    """XLA's own program of `lowered` (every pass on) with XLA:GPU's hook rules, as the decorator
+    captures it on the real machine: what runs without a fusion plan."""
+    return compile_program(lowered, None, XLA_PROGRAM, None, {}, hook_rules_of=backends.GPU)
 
 
 def _peak(compiled) -> int | None:

@@ -8,9 +8,10 @@ between the replicated and the sharded peaks gives a plan that fits."""
 import optax
 import pytest
 
-from disco_jax import _plan, offline, targets, zoo
+from disco_jax import _capture, _compile, _plan, backends, offline, targets, zoo
 from disco_jax._search import SearchConfig
 from disco_jax.eval import clusters
+from disco_jax.sharding import apply
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,26 @@ def test_every_weight_update_is_compiled_for_the_target_with_its_peak(candidates
     # ... and XLA:GPU's program gathers them: the parameters arrive sharded.
     assert " all-gather" in everything.xla.text or "all-gather-start" in everything.xla.text
     assert everything.peak_bytes < replicated.peak_bytes
+
+
+def test_parameters_sharded_read_their_shard_for_the_update_on_xla_gpu(candidates):
+    """XLA:GPU's hook rule (`backends.GPU.hook_rules`, as the decorator captures the program): the
+    update of a sharded parameter reads its shard, not its own block of the gathered value, so
+    that the gathered parameter can die after its last use; the candidates are compiled with it."""
+    everything = candidates[offline.ALL_SHARDED]
+    assert apply.OWN_BLOCK_OF_ALL_GATHER_RULE in backends.GPU.hook_rules
+    applied = []
+    _capture.compile_with_hook(
+        everything.lowered,
+        _compile.hook_rules_handler(backends.GPU, applied),
+        compiler_options={},
+        platform="cuda",
+        stage=backends.GPU.hook_stage,
+    )
+    assert applied[-1].counts().get(apply.OWN_BLOCK_OF_ALL_GATHER_RULE, 0) > 0
+    plain = _compile.compile_program(everything.lowered, None, "plain", None, {}).compiled.memory_analysis()
+    with_rule = everything.xla.compiled.memory_analysis()
+    assert with_rule.temp_size_in_bytes < plain.temp_size_in_bytes
 
 
 def test_a_limit_between_the_replicated_and_the_sharded_peak_gives_a_plan_that_fits(gpt_step, candidates, tmp_path):

@@ -61,8 +61,9 @@ class Backend:
     hook_rules: the proven sharding rules (`sharding.rules` names) the pipeline applies itself to
       every module it compiles on this backend, at the hook after any plan's rewrite
       (`sharding.apply.apply_rules`): those the compiler does not apply (XLA:CPU: the
-      reduce-scatter of an all-reduce read as blocks, grouped all-gathers; XLA:GPU: none, it
-      forms reduce-scatters and combines all-gathers itself).
+      reduce-scatter of an all-reduce read as blocks, grouped all-gathers; XLA:GPU, which forms
+      reduce-scatters and combines all-gathers itself: the shard read for the own block of a
+      gathered parameter).
     read_kernels: the kernels of a compiled executable's module text in schedule order, what
       `cost.compiled` costs (`backends.compiled.read_kernels`, which reads XLA:GPU's and XLA:CPU's).
     profile_options: XLA compile options of an executable the profile phase traces, so that every

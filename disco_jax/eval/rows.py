@@ -458,7 +458,8 @@ def sharded_paper_program(
 ) -> CompiledProgram | None:
     """XLA:GPU's program (deviceless, `target`) of a model's paper step lowered again with the
     optimizer state of `gradients` (of `graph`, the replicated step's module) sharded over the
-    data axis (`sharding.update`), compiled with XLA's defaults (`compile_program`); None where
+    data axis (`sharding.update`), compiled with XLA's defaults and XLA:GPU's hook rules, as the
+    decorator captures it (`compile_program`); None where
     the step has no such state."""
     step, args, compiled = _paper_step(name, style, target, config)
     avals = dict(enumerate(jax.tree.leaves(args)))
@@ -468,7 +469,7 @@ def sharded_paper_program(
         return {i for g in gradients for i in leaves_of.get(g, ())}
 
     lowered, _, _ = update.relower_positional(step, args, compiled, leaves)
-    return None if lowered is None else compile_program(lowered, None, "sharded update", None, {})
+    return None if lowered is None else compile_program(lowered, None, "sharded update", None, {}, backends.GPU)
 
 
 def capture_paper_model(name: str, style: str, target: str | None = None) -> tuple[Program, dict, jax.stages.Lowered]:
