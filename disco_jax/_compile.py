@@ -112,9 +112,16 @@ def compiled_stats(text: str) -> dict[str, int]:
     return stats
 
 
-def plan_tag(fingerprint: str, strategy_json: dict) -> str:
-    """Cache tag of a plan: JAX's executable cache must not serve one plan's executable for another."""
-    digest = hashlib.sha256(json.dumps(strategy_json, sort_keys=True).encode()).hexdigest()[:16]
+def plan_tag(fingerprint: str, strategy_json: dict, hook_rules: frozenset[str] = frozenset()) -> str:
+    """Cache tag of a plan: JAX's executable cache must not serve one plan's executable for another
+    (nor for the same plan compiled with other hook rules: a program whose layout gathers its
+    parameters again has the module of one that does not, `update.hook_backend`)."""
+    key = (
+        json.dumps([strategy_json, sorted(hook_rules)], sort_keys=True)
+        if hook_rules
+        else json.dumps(strategy_json, sort_keys=True)
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return f"{fingerprint}:{digest}"
 
 
@@ -158,7 +165,7 @@ def _rewritten(program: Program, strategy: Strategy, tag: str) -> str:
 
 
 def _hook_result(program: Program, strategy: Strategy) -> tuple[tuple[dict, ...], dict[str, int]]:
-    tag = plan_tag(program.graph.fingerprint, strategy.to_json(program.graph))
+    tag = plan_tag(program.graph.fingerprint, strategy.to_json(program.graph), program.backend.hook_rules)
     if tag not in _HOOK_RESULTS:
         _rewritten(program, strategy, tag)
     return _HOOK_RESULTS[tag]
@@ -195,7 +202,7 @@ def compile_strategy(
     'fingerprint-mismatch' when the module at the hook is not the one the plan was made for
     (it is then compiled unmodified)."""
     graph, backend = program.graph, program.backend
-    tag = plan_tag(graph.fingerprint, strategy.to_json(graph))
+    tag = plan_tag(graph.fingerprint, strategy.to_json(graph), backend.hook_rules)
     text = _rewritten(program, strategy, tag)
     status = ["cached"]
 

@@ -69,11 +69,13 @@ def _target_of(device_kind: str) -> str:
 REPLICATED = "replicated"
 STATE_SHARDED = "optimizer state sharded"  # ZeRO-1
 ALL_SHARDED = "parameters and state sharded"  # ZeRO-3 / FSDP: all-gathered before use
+REGATHERED = "parameters and state sharded, gathered again for each use"  # FSDP, reshard after forward
 
 
-def _sharded_update(parameters: bool) -> Callable:
+def _sharded_update(parameters: bool, regather: bool = False) -> Callable:
     """A builder of the step lowered again with every optimizer-state group sharded over the data
-    axis (`sharding.update`), and with `parameters` their parameters too (`sharding.params`)."""
+    axis (`sharding.update`), and with `parameters` their parameters too (`sharding.params`),
+    gathered again for each use with `regather` (`sharding.regather`, applied at the hook)."""
 
     def build(step, args: tuple, kwargs: dict, replicated_compiled) -> tuple:
         """(lowered, layout, why) of the sharded step; (None, None, why not) where it does not apply."""
@@ -83,7 +85,7 @@ def _sharded_update(parameters: bool) -> Callable:
             return None, None, reason
         if parameters and not layout.parameters:
             return None, None, "no parameter is updated from its own optimizer state only"
-        layout = layout.subset(layout.all_leaves(parameters=parameters))
+        layout = dataclasses.replace(layout.subset(layout.all_leaves(parameters=parameters)), regather=regather)
         return update.relower(step, layout, args, kwargs, (args, kwargs), replicated_compiled)[0], layout, reason
 
     return build
@@ -94,6 +96,7 @@ def _sharded_update(parameters: bool) -> Callable:
 SHARDED_UPDATES: dict[str, Callable] = {
     STATE_SHARDED: _sharded_update(parameters=False),
     ALL_SHARDED: _sharded_update(parameters=True),
+    REGATHERED: _sharded_update(parameters=True, regather=True),
 }
 
 
@@ -122,7 +125,7 @@ class UpdateCandidate:
 
     def captured(self) -> UpdateCandidate:
         if self.program is None:
-            self.program, _ = capture_program(self.lowered, backends.GPU)
+            self.program, _ = capture_program(self.lowered, update.hook_backend(backends.GPU, self.layout))
         return self
 
     def layout_json(self) -> dict:
@@ -152,7 +155,7 @@ def weight_update_candidates(step, args: tuple, kwargs: dict, costs: ProgramCost
     lowered and compiled by XLA:GPU for the target, with its memory and, given `costs`, its
     compiled-program cost. An update that does not apply to the step is kept with `why_not`."""
     replicated = UpdateCandidate(REPLICATED, step.lower(*args, **kwargs), None)
-    replicated.xla = _compiled_xla(replicated.lowered)
+    replicated.xla = _compiled_xla(replicated.lowered, None)
     if replicated.xla.compiled is None:
         raise ValueError(f"XLA:GPU could not compile the step for the target: {replicated.xla.reason}")
     candidates = [replicated]
@@ -165,7 +168,7 @@ def weight_update_candidates(step, args: tuple, kwargs: dict, costs: ProgramCost
         if c.lowered is None:
             continue
         if c.xla is None:
-            c.xla = _compiled_xla(c.lowered)
+            c.xla = _compiled_xla(c.lowered, c.layout)
         if c.xla.compiled is None:
             c.why_not, c.xla = c.xla.reason, None
             continue
@@ -174,10 +177,13 @@ def weight_update_candidates(step, args: tuple, kwargs: dict, costs: ProgramCost
     return candidates
 
 
-def _compiled_xla(lowered) -> CompiledProgram:
-    """XLA's own program of `lowered` (every pass on) with XLA:GPU's hook rules, as the decorator
-    captures it on the real machine: what runs without a fusion plan."""
-    return compile_program(lowered, None, XLA_PROGRAM, None, {}, hook_rules_of=backends.GPU)
+def _compiled_xla(lowered, layout) -> CompiledProgram:
+    """XLA's own program of `lowered` (every pass on) with XLA:GPU's hook rules for `layout`
+    (`update.hook_backend`), as the decorator captures it on the real machine: what runs
+    without a fusion plan."""
+    return compile_program(
+        lowered, None, XLA_PROGRAM, None, {}, hook_rules_of=update.hook_backend(backends.GPU, layout)
+    )
 
 
 def _peak(compiled) -> int | None:

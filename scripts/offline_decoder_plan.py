@@ -69,15 +69,15 @@ def main(argv=None) -> int:
     candidates_s = time.perf_counter() - started
     print(f"\nper-device memory limit {limit / GB:.1f} GB; weight updates compiled and costed in {candidates_s:.0f} s")
     header = ("peak GB/dev", "fits", "params+state GB", "compiled ms", "compile s")
-    print(f"{'weight update':34} " + " ".join(header))
+    print(f"{'weight update':58} " + " ".join(header))
     for c in candidates:
         if c.xla is None:
-            print(f"{c.label:34} not applicable: {c.why_not}")
+            print(f"{c.label:58} not applicable: {c.why_not}")
             continue
         held = c.memory.get("params_and_state_bytes_per_device", 0) / GB
         compiled_ms = "-" if c.cost is None else f"{c.cost.iteration_us / 1e3:.1f}"
         print(
-            f"{c.label:34} {c.peak_bytes / GB:>11.1f} {'yes' if c.peak_bytes <= limit else 'no':>4} "
+            f"{c.label:58} {c.peak_bytes / GB:>11.1f} {'yes' if c.peak_bytes <= limit else 'no':>4} "
             f"{held:>15.1f} {compiled_ms:>11} {c.xla.compile_s:>9.1f}",
             flush=True,
         )

@@ -260,7 +260,7 @@ LAYERS: dict[str, int] = {
     "disco_jax._graph": 1,
     "disco_jax._program": 1,
     "disco_jax.cost.work": 2,
-    **{f"disco_jax.sharding.{m}": 2 for m in ("slices", "gathers", "gathered", "apply")},
+    **{f"disco_jax.sharding.{m}": 2 for m in ("slices", "gathers", "gathered", "regather", "apply")},
     **{f"disco_jax.{m}": 3 for m in ("_edit", "_strategy", "_search", "_rewrite")},
     "disco_jax.backends": 4,
     "disco_jax.cost": 5,

@@ -1,7 +1,7 @@
 """Offline plans under a per-device memory limit (`offline.plan_for_target(memory_limit_bytes=)`),
-deviceless for 8 H100s: the zoo's tiny GPT with one of its two layers (what is checked, the
-updates' peaks and their order, holds at any depth, and each compile costs a sixth less), Adam,
-its state donated. Every weight update is compiled by XLA:GPU for the target and its peak read
+deviceless for 8 H100s: the zoo's GPT with one layer of width 1024 (`GPT`; what is checked, the
+updates' peaks and their order, holds at any depth), Adam, its state donated. Every weight update
+is compiled by XLA:GPU for the target, with the hook rules its program gets, and its peak read
 from the executable's memory analysis; the plan is the chosen update's program, and a limit
 between the replicated and the sharded peaks gives a plan that fits."""
 
@@ -11,12 +11,25 @@ import pytest
 from disco_jax import _capture, _compile, _plan, backends, offline, targets, zoo
 from disco_jax._search import SearchConfig
 from disco_jax.eval import clusters
-from disco_jax.sharding import apply
+from disco_jax.sharding import apply, update
+
+# One layer of width 1024, bfloat16 compute: wide enough that gathering the parameters again for
+# each use lowers XLA:GPU's peak (82.1 -> 73.9 MB per device); at width 256 in float32 it raises it
+# (9.7 -> 11.4 MB: XLA:GPU's combiner merges small all-gathers at the step's start). The choice
+# reads the peaks, so either way it takes the smaller.
+GPT = {
+    "d_model": 1024,
+    "num_heads": 8,
+    "num_layers": 1,
+    "seq_len": 128,
+    "vocab_size": 1024,
+    "compute_dtype": "bfloat16",
+}
 
 
 @pytest.fixture(scope="module")
 def gpt_step():
-    spec, optimizer = zoo.resized("gpt", num_layers=1), optax.adam(1e-3)
+    spec, optimizer = zoo.resized("gpt", **GPT), optax.adam(1e-3)
     mesh = targets.mesh("h100-sxm", 8)
     state, batch = zoo.abstract_state_and_batch(spec, optimizer, mesh)
     return zoo.build_train_step(spec, optimizer, mesh, "jit", donate=True), (state, batch)
@@ -78,6 +91,26 @@ def test_parameters_sharded_read_their_shard_for_the_update_on_xla_gpu(candidate
     plain = _compile.compile_program(everything.lowered, None, "plain", None, {}).compiled.memory_analysis()
     with_rule = everything.xla.compiled.memory_analysis()
     assert with_rule.temp_size_in_bytes < plain.temp_size_in_bytes
+
+
+def test_parameters_gathered_again_for_each_use_trade_all_gathers_for_memory(candidates):
+    """The third parameters-sharded update (`offline.REGATHERED`): each reader of a gathered (and
+    converted) parameter beyond the first gets its own all-gather at the hook (`sharding.regather`),
+    only in this candidate's program (`update.hook_backend`); XLA:GPU then frees each gathered copy
+    after its reader (XLA's combiner merges all-gathers, so the compiled module's count says
+    little): fewer temporaries, the same parameters and state held."""
+    once, again = candidates[offline.ALL_SHARDED], candidates[offline.REGATHERED]
+    assert again.layout.regather and not once.layout.regather and again.layout.gathered == once.layout.gathered
+    assert apply.REGATHER_RULE not in backends.GPU.hook_rules
+    assert apply.REGATHER_RULE in update.hook_backend(backends.GPU, again.layout).hook_rules
+    assert again.to_json(None)["leaves"] == once.to_json(None)["leaves"]
+    assert again.layout.to_json()["regather"] and "regather" not in once.layout.to_json()
+    assert again.memory["params_and_state_bytes_per_device"] == once.memory["params_and_state_bytes_per_device"]
+    assert again.memory["temp_size_in_bytes"] < once.memory["temp_size_in_bytes"]
+    assert again.peak_bytes < once.peak_bytes
+    # Its own program at the hook: captured with the rule, the rule recorded where it applied.
+    assert apply.REGATHER_RULE in {a["rule"] for a in again.captured().program.rules_applied}
+    assert apply.REGATHER_RULE not in {a["rule"] for a in once.captured().program.rules_applied}
 
 
 def test_a_limit_between_the_replicated_and_the_sharded_peak_gives_a_plan_that_fits(gpt_step, candidates, tmp_path):

@@ -391,8 +391,9 @@ def test_on_xla_gpu_the_sharded_update_reduce_scatters_and_sends_what_the_replic
     lowered, _ = update.relower(step, layout, args, {}, (args, {}), compiled)
     sharded, sharded_compiled = capture_program(lowered, backends.GPU)
     assert update.collectives(sharded_compiled.as_text())["reduce-scatter"] >= 1
-    # XLA:GPU forms the reduce-scatters itself: the hook applies no rule where its own would match.
-    assert not backends.GPU.hook_rules and sharded.rules_applied == ()
+    # XLA:GPU forms the reduce-scatters itself: the hook applies none of the rules its own would
+    # match (its one hook rule, own_block_of_all_gather, has no gathered parameter here).
+    assert apply.REDUCE_SCATTER_RULE not in backends.GPU.hook_rules and sharded.rules_applied == ()
     assert len(apply.scatterable(sharded.graph.module)) == len(layout.groups)
     scattered = [g for g, moved in zip(sharded.graph.gradients, transfer_bytes(sharded)) if moved < g.nbytes]
     assert len(scattered) == len(layout.groups)  # one per sharded parameter

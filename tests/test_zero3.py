@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from test_sharded_update import FAST, flax_adam_step, train
 
-from disco_jax import _api, _search, backends, optimize_distributed
+from disco_jax import _api, _plan, _search, backends, optimize_distributed
 from disco_jax._compile import capture
 from disco_jax._console import Ui
 from disco_jax.sharding import choice, rules, update
@@ -165,3 +165,33 @@ def test_nothing_fitting_warns_with_the_smallest_peak_found():
     smallest = choice.footprint(candidates[1].memory)
     with pytest.warns(UserWarning, match=f"smallest per-device peak found is {smallest} bytes"):
         assert choice.preferred_by_simulation(candidates, 1000) == [candidates[1]]
+
+
+def test_parameters_gathered_again_for_each_use_compute_the_same_and_are_recalled(tmp_path):
+    """The re-gathered update (`Layout.regather`, `sharding.regather` at the hook of that program
+    only): each reader of a gathered parameter beyond the first gets its own all-gather, the
+    outputs stay bitwise equal, `parameter_candidates` tries it when nothing else fits, and a
+    stored decision brings it back (with the rule) in the enact phase."""
+    step, params, opt_state, batches = flax_adam_step()
+    args = (params, opt_state, *batches[0])
+    layout, _ = update.find_layout(step, args, {}, args, {}, [x.sharding for x in jax.tree.leaves(args)])
+    program = capture(step.lower(*args), backends.CPU, args, {})
+    held = update.held_leaves(program)
+    once = choice.candidate(step, program, layout, layout.all_leaves(), args, {}, backends.CPU, held)
+    again = choice.candidate(step, program, layout, layout.all_leaves(), args, {}, backends.CPU, held, regather=True)
+    applied = lambda p: {a["rule"] for a in p.program.rules_applied}  # noqa: E731
+    assert "all_gather_before_use" in applied(again.step) and "all_gather_before_use" not in applied(once.step)
+    gathers = lambda p: update.collectives(p.default_compiled.as_text())["all-gather"]  # noqa: E731
+    assert gathers(again.step) > gathers(once.step)
+    assert update.check_outputs(program, again.step).bitwise_equal
+    assert "gathered again for each use" in again.label
+    assert again.to_json(layout, held, None)["regather"] and not once.to_json(layout, held, None)["regather"]
+
+    tried = choice.parameter_candidates(step, program, layout, args, {}, backends.CPU, held, 1)
+    assert tried[-1].layout.regather and not any(c.layout.regather for c in tried[:-1])
+
+    info = {**again.layout.to_json(), "mode": "sharded", "program": again.step.graph.fingerprint}
+    _plan.save_plan(choice.decision_plan(program.graph, program.machine, info), tmp_path)
+    recalled, recalled_layout, recalled_info = choice.recall(step, program, args, {}, backends.CPU, str(tmp_path))
+    assert recalled_layout.regather and recalled_info["regather"]
+    assert recalled.graph.fingerprint == again.step.graph.fingerprint and "all_gather_before_use" in applied(recalled)

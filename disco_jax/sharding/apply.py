@@ -19,6 +19,9 @@ made only where the rules that justify it are proven (`rules.require`), and reco
 3. **Grouped all-gather** (`grouped_all_gather`, `sharding.gathers`). The all-gathers whose
    results are only the step's outputs (the updated parameters), grouped by the reduce-scatters
    they depend on (so they follow the gradients' buckets), become one all-gather each group.
+4. **Gathered again for each use** (`all_gather_before_use` per use, `sharding.regather`): only
+   where a program's layout chooses it (`update.hook_backend` adds `REGATHER_RULE` to the
+   backend's rules for that program), since it trades an all-gather for memory.
 
 The rewrites leave the module's parameters, outputs and every other instruction as they were;
 `Applied.applications` lists each application: the rule, the instructions it matched (`at`) and
@@ -32,7 +35,7 @@ import functools
 import math
 
 from disco_jax import _hlo
-from disco_jax.sharding import gathered, gathers, rules
+from disco_jax.sharding import gathered, gathers, regather, rules
 from disco_jax.sharding.hlo_edit import (
     ModuleEditor,
     array,
@@ -56,6 +59,8 @@ RULES = (
     GROUPED_ALL_GATHER_RULE,
     OWN_BLOCK_OF_ALL_GATHER_RULE,
 )
+# Applied only to programs whose layout chooses it (`update.hook_backend`): it trades time for memory.
+REGATHER_RULE = regather.RULE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +82,7 @@ class Applied:
 def proven() -> frozenset[str]:
     """The rules of this module that z3 proved and the numeric check passed (once per process)."""
     found = set()
-    for name in RULES:
+    for name in (*RULES, REGATHER_RULE):
         try:
             rules.require(name)
             found.add(name)
@@ -92,7 +97,9 @@ def apply_rules(text: str, allowed: frozenset[str] | None = None) -> Applied:
     allowed = proven() if allowed is None else allowed & proven()
     scatters = REDUCE_SCATTER_RULE in allowed and "partition-id(" in text  # own blocks need device ids
     shards = OWN_BLOCK_OF_ALL_GATHER_RULE in allowed and "partition-id(" in text and " all-gather(" in text
-    if not scatters and not shards and (GROUPED_ALL_GATHER_RULE not in allowed or " all-gather(" not in text):
+    gathers_again = REGATHER_RULE in allowed and " all-gather(" in text
+    grouped = GROUPED_ALL_GATHER_RULE in allowed and " all-gather(" in text
+    if not scatters and not shards and not gathers_again and not grouped:
         return Applied(text)
     module = _hlo.parse_module(text)
     writer = _Writer(module, text, allowed)
@@ -102,6 +109,8 @@ def apply_rules(text: str, allowed: frozenset[str] | None = None) -> Applied:
                 writer.scatter(inst)
     if shards:  # before grouping: the gathers it reads through are the step's first ones
         writer.applications += gathered.read_shards(writer)
+    if gathers_again:  # after the shard reads: the update's slices are no longer readers
+        writer.applications += regather.regather(writer)
     if GROUPED_ALL_GATHER_RULE in allowed:
         writer.applications += gathers.group_all_gathers(writer)
     if not writer.applications:

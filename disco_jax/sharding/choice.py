@@ -149,9 +149,10 @@ class Candidate:
         if self.layout is None:
             return "replicated"
         if self.layout.gathered:
+            again = ", gathered again for each use" if self.layout.regather else ""
             return (
                 f"parameters and state sharded ({len(self.layout.gathered)} parameters, "
-                f"{len(self.layout.groups)} groups, {len(self.leaves)} leaves)"
+                f"{len(self.layout.groups)} groups, {len(self.leaves)} leaves{again})"
             )
         return f"sharded ({len(self.layout.groups)} groups, {len(self.leaves)} leaves)"
 
@@ -164,6 +165,7 @@ class Candidate:
         return {
             "label": self.label,
             "leaves": [] if self.layout is None else sorted(self.layout.paths.values()),
+            "regather": self.layout is not None and self.layout.regather,
             "state_bytes_per_device": state,
             "choices": {} if self.layout is None else self.layout.choices(),
             "params_and_state_bytes_per_device": self.memory.get("params_and_state_bytes_per_device"),
@@ -259,9 +261,12 @@ def choose(
     return best.step, best.layout, info
 
 
-def candidate(fn, step: Captured, layout: update.Layout, leaves, args, kwargs, backend, held: dict) -> Candidate:
-    """The step lowered again with `leaves` sharded, compiled, its memory read."""
-    sub = layout.subset(leaves)
+def candidate(
+    fn, step: Captured, layout: update.Layout, leaves, args, kwargs, backend, held: dict, regather: bool = False
+) -> Candidate:
+    """The step lowered again with `leaves` sharded (its parameters among them gathered again for
+    each use with `regather`), compiled, its memory read."""
+    sub = dataclasses.replace(layout.subset(leaves), regather=regather)
     program = update.relowered(fn, step, sub, args, kwargs, backend)
     return Candidate(tuple(leaves), program, sub, update.memory(program.default_compiled, held))
 
@@ -291,7 +296,8 @@ def parameter_candidates(fn, step, layout, args, kwargs, backend, held: dict, li
     """Candidates with parameters and state sharded (ZeRO-3), for a limit that sharding every
     group's state does not meet: every group's state plus the parameters of the 1, 2, 4, ...
     largest layers (`layers_by_size`), each compiled and its footprint read, until one fits
-    (the last: every parameter sharded)."""
+    (the last: every parameter sharded); when none fits, every parameter gathered again for each
+    use (`sharding.regather`: FSDP's memory, another all-gather per use)."""
     layers = layers_by_size(layout, held)
     state = layout.all_leaves(parameters=False)
     out, k = [], 1
@@ -302,6 +308,8 @@ def parameter_candidates(fn, step, layout, args, kwargs, backend, held: dict, li
         if within(out[-1], limit) or k == len(layers):
             break
         k *= 2
+    if out and not within(out[-1], limit):
+        out.append(candidate(fn, step, layout, out[-1].leaves, args, kwargs, backend, held, regather=True))
     return out
 
 
@@ -446,7 +454,9 @@ def recall(
             _plan.PlanWarning,
         )
         return step, None, {"mode": "replicated", "requested": "search", "reason": "stored decision does not fit"}
-    layout = layout.subset(by_path[path] for path in wanted)
+    layout = dataclasses.replace(
+        layout.subset(by_path[path] for path in wanted), regather=bool(decided.get("regather"))
+    )
     recalled = {**decided, **layout.to_json(), "rules": update.cited_rules(layout)}
     return update.relowered(fn, step, layout, args, kwargs, backend), layout, recalled
 
@@ -467,7 +477,7 @@ def rechoose(decided: dict, limit: int | None) -> dict:
         f"per device (the stored decision, {decided.get('mode')}, was made for {old}): {why}"
     )
     fits = limit is None or (chosen.get("footprint_bytes") or 0) <= limit
-    if chosen["leaves"] != stored or not fits:
+    if chosen["leaves"] != stored or bool(chosen.get("regather")) != bool(decided.get("regather")) or not fits:
         _warnings.warn(
             f"disco-jax: {reason}; run once with ENABLE_SEARCH=1 to measure the candidates for this limit",
             _plan.PlanWarning,
@@ -476,6 +486,7 @@ def rechoose(decided: dict, limit: int | None) -> dict:
     return {
         "mode": "sharded" if leaves else "replicated",
         "leaves": leaves,
+        **({"regather": True} if chosen.get("regather") else {}),
         "forced": forced,
         "reason": reason,
         "candidates": candidates,

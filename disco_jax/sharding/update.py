@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from disco_jax import _validate, _warnings
 from disco_jax._compile import Captured, capture
-from disco_jax.sharding import params, rules
+from disco_jax.sharding import apply, params, rules
 from disco_jax.sharding.leaves import (  # noqa: F401  (the layout's reading of the jaxpr, re-exported)
     choose_layout,
     elementwise_origins,
@@ -97,6 +97,9 @@ class Layout:
     parameters: dict[int, Parameter] = dataclasses.field(default_factory=dict)
     # Leaves of the update (parameters, state) kept replicated, by path, and why.
     kept_whole: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The sharded parameters gathered again for each use (`sharding.regather`, applied at the hook:
+    # `hook_backend`), not once for the step: less memory, more all-gathers.
+    regather: bool = False
 
     def subset(self, leaves) -> Layout:
         """This layout with only the input leaves `leaves` sharded: a union of `groups`, plus the
@@ -193,6 +196,7 @@ class Layout:
             "parameters": sorted(self.paths[i] for i in self.gathered),
             "choices": self.choices(),
             "kept_whole": dict(self.kept_whole),
+            **({"regather": True} if self.regather and self.gathered else {}),
         }
 
     def reshard(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -429,13 +433,22 @@ def sharded_step(fn, step: Captured, args: tuple, kwargs: dict, backend, check: 
     return sharded, layout, info
 
 
+def hook_backend(backend, layout: Layout | None):
+    """The backend a program with `layout` is compiled for: `backend`, with the re-gather rule
+    among its hook rules where the layout gathers its parameters again for each use (the
+    program's every compile then applies it: its capture, its plans' rewrites)."""
+    if layout is None or not (layout.regather and layout.gathered) or apply.REGATHER_RULE in backend.hook_rules:
+        return backend
+    return dataclasses.replace(backend, hook_rules=backend.hook_rules | {apply.REGATHER_RULE})
+
+
 def relowered(fn, step: Captured, layout: Layout, args: tuple, kwargs: dict, backend) -> Captured:
-    """The program of `step` lowered again with `layout` (`relower`), captured. It computes the
-    same call: it shares `step`'s float64 run."""
+    """The program of `step` lowered again with `layout` (`relower`), captured (for
+    `hook_backend(backend, layout)`). It computes the same call: it shares `step`'s float64 run."""
     lowered, (dynamic_args, dynamic_kwargs) = relower(
         fn, layout, args, kwargs, (step.args, step.kwargs), step.default_compiled
     )
-    program = capture(lowered, backend, dynamic_args, dynamic_kwargs)
+    program = capture(lowered, hook_backend(backend, layout), dynamic_args, dynamic_kwargs)
     program.exact = step.exact
     return program
 
