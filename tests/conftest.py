@@ -24,7 +24,7 @@ _xla_cache.share()
 import pytest  # noqa: E402
 
 # Files whose tests take the most time (deviceless XLA:GPU compiles, searches in worker processes),
-# longest first (CPU seconds of `-n 0 --durations`, docs/testing.md). They run first, so that
+# longest first (CPU seconds per file of a quiet full run, docs/testing.md). They run first, so that
 # under `--dist loadfile` (pyproject's addopts) the short files fill both workers at the end
 # rather than one long file running alone. test_compiled_cost right after test_backends_gpu: the
 # worker that ran the shorter of the first two (test_backends_gpu) usually takes it next and finds
@@ -33,11 +33,16 @@ LONGEST_FILES = (
     "test_bench.py",
     "test_backends_gpu.py",
     "test_compiled_cost.py",
-    "test_faults.py",
     "test_tuning.py",
     "test_multihost.py",
+    "test_offline_memory.py",
+    "test_faults.py",
+    "test_zoo.py",
+    "test_calls.py",
     "test_weight_update_choice.py",
-    "test_gnn_estimator.py",
+    "test_api.py",
+    "test_facts.py",
+    "test_rewrite.py",
 )
 
 
