@@ -314,6 +314,19 @@ def test_rechoose_falls_back_only_to_measured_candidates_or_the_replicated_updat
     assert sorted(again["leaves"]) == ["a", "b"] and again["forced"]
 
 
+def test_rechoose_carries_the_regathered_choice_and_warns_when_only_that_changes():
+    # Two records of the same leaves: gathered once (700 bytes) and gathered again for each use (500).
+    once, again = _record(["a", "b"], 700, ratio=0.9), {**_record(["a", "b"], 500, ratio=1.1), "regather": True}
+    candidates = [_record([], 1000), once, again]
+    with pytest.warns(_plan.PlanWarning, match="chosen again"):
+        tighter = choice.rechoose(_decision(["a", "b"], 800, candidates, forced=True), 600)
+    assert tighter["regather"] and sorted(tighter["leaves"]) == ["a", "b"] and tighter["forced"]
+    stored = {**_decision(["a", "b"], 600, candidates, forced=True), "regather": True}
+    with pytest.warns(_plan.PlanWarning, match="chosen again"):
+        looser = choice.rechoose(stored, 800)  # the faster one gathered once fits again
+    assert "regather" not in looser and sorted(looser["leaves"]) == ["a", "b"]
+
+
 @pytest.fixture
 def prefers_sharded(monkeypatch):
     """The simulator made to prefer every sharded candidate to the replicated update (on XLA:CPU it
