@@ -73,12 +73,17 @@ def decoder(mesh, tiny: bool):
     return zoo.build_train_step(spec, optimizer, mesh, "jit", donate=True), state, batch, spec
 
 
-def programs(step, state, batch, only: str | None = None):
+def programs(step, state, batch, only: str | None = None, backend=None):
     """Yield (label, compiled program or None, why not, compile seconds): the replicated step,
     then each of `offline.SHARDED_UPDATES` (`only`: just that one; the replicated step is then
-    compiled too where the update needs its shardings, but not yielded)."""
-    from disco_jax import offline
+    compiled too where the update needs its shardings, but not yielded). Each is compiled as the
+    decorator captures it: with `backend`'s hook rules for its layout (`update.hook_backend`;
+    default XLA:GPU's), e.g. the re-gathered update's `all_gather_before_use` per use."""
+    from disco_jax import backends, offline
+    from disco_jax._compile import compile_program
+    from disco_jax.sharding import update
 
+    backend = backend or backends.GPU
     started = time.perf_counter()
     replicated = step.lower(state, batch).compile()
     if only in (None, offline.REPLICATED):
@@ -87,8 +92,11 @@ def programs(step, state, batch, only: str | None = None):
         if only not in (None, label):
             continue
         started = time.perf_counter()
-        lowered, _, why = build(step, (state, batch), {}, replicated)
-        compiled = None if lowered is None else lowered.compile()
+        lowered, layout, why = build(step, (state, batch), {}, replicated)
+        compiled = None
+        if lowered is not None:
+            program = compile_program(lowered, None, label, None, {}, update.hook_backend(backend, layout))
+            compiled, why = program.compiled, program.reason or why
         yield label, compiled, why, time.perf_counter() - started
 
 
@@ -128,13 +136,16 @@ def child_device(out: str, label: str, tiny: bool, steps: int) -> None:
     import numpy as np
     from jax.sharding import Mesh
 
+    from disco_jax import backends
+
     device = jax.local_devices()[0]
     mesh = Mesh(np.array(jax.devices()[:DEVICES]), ("data",))
     step, state, batch, spec = decoder(mesh, tiny)
     base = {"phase": "device", "program": label, "model": spec.description, "device_kind": device.device_kind}
     base.update(platform=device.platform, devices=len(jax.devices()), local_devices=len(jax.local_devices()))
     before_compile = memory_stats(device)
-    found = [(compiled, why, seconds) for _, compiled, why, seconds in programs(step, state, batch, only=label)]
+    backend = backends.for_platform(device.platform)  # XLA:GPU's hook rules on the GPU, XLA:CPU's in a dry run
+    found = [(c, why, seconds) for _, c, why, seconds in programs(step, state, batch, only=label, backend=backend)]
     if not found or found[0][0] is None:
         write_row(out, {**base, "skipped": found[0][1] if found else "unknown program"})
         return
