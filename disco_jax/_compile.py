@@ -116,11 +116,7 @@ def plan_tag(fingerprint: str, strategy_json: dict, hook_rules: frozenset[str] =
     """Cache tag of a plan: JAX's executable cache must not serve one plan's executable for another
     (nor for the same plan compiled with other hook rules: a program whose layout gathers its
     parameters again has the module of one that does not, `update.hook_backend`)."""
-    key = (
-        json.dumps([strategy_json, sorted(hook_rules)], sort_keys=True)
-        if hook_rules
-        else json.dumps(strategy_json, sort_keys=True)
-    )
+    key = json.dumps([strategy_json, sorted(hook_rules)], sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return f"{fingerprint}:{digest}"
 
@@ -293,11 +289,13 @@ def compile_program(
     """Compile one strategy of the step the way it is enacted: with `compiler_options` (XLA's own
     program under them; neither `strategy` nor `program` is read, so a step never captured passes
     None) or, when they are None, by writing `strategy` into the module at the hook
-    (`compile_strategy`). `hook_rules_of`: a backend whose hook rules XLA's own program gets, as
-    the decorator's capture gives them to the program it runs (a sharded update's program,
-    costed or measured for its peak before it is captured). A strategy the rewriter refuses, or a
-    compile XLA fails, gives a program marked 'not enacted' with the reason instead of an error."""
+    (`compile_strategy`). XLA's own program gets the hook rules of `program`'s backend (or of
+    `hook_rules_of`, for a program not captured yet: a sharded update's, compiled for its peak),
+    as the decorator's capture gives them to the program it runs, so that it is compared with
+    rewritten strategies (which get them too) on one footing. A strategy the rewriter refuses, or
+    a compile XLA fails, gives a program marked 'not enacted' with the reason instead of an error."""
     enacted_by = "rewrite" if compiler_options is None else "compile options"
+    hook_rules_of = hook_rules_of or (program.backend if program is not None else None)
     options = {**program.backend.rewrite_options} if compiler_options is None else dict(compiler_options)
     started, cpu = time.perf_counter(), time.process_time()
     try:
@@ -415,16 +413,10 @@ class Captured:
         options as `default_compiled` (only the debug option that keys JAX's caches differs,
         `_capture.CACHE_KEY_OPTION`), a separate executable that others are timed against. Where
         the backend applies hook rules, they are applied to the copy as to `default_compiled`
-        (compiled afresh then: a cached executable would skip the hook)."""
+        (`_with_hook_rules`: its cache tag names the rules, so a cached copy had them too)."""
         backend = self.backend
         if backend.hook_rules:
-            return _capture.compile_with_hook(
-                self.lowered,
-                hook_rules_handler(backend, []),
-                compiler_options=dict(backend.decisions_options),
-                platform=backend.platform,
-                stage=backend.hook_stage,
-            )
+            return _with_hook_rules(self.lowered, backend, dict(backend.decisions_options))
         tag = _capture.cache_key_value(f"copy/{self.graph.fingerprint}")
         options = {**backend.decisions_options, _capture.CACHE_KEY_OPTION: tag}
         return self.lowered.compile(compiler_options=options)

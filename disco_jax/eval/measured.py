@@ -39,7 +39,7 @@ import jax
 import optax
 
 from disco_jax import ProfileDatabase, Strategy, _distributed, _validate, backends, optimize_distributed, zoo
-from disco_jax._compile import Captured, capture, compile_strategy, compiled_stats
+from disco_jax._compile import Captured, capture, compile_program, compile_strategy, compiled_stats
 from disco_jax._console import Ui
 from disco_jax._output_check import Float64Run
 from disco_jax._profile_phase import calibrate, profile
@@ -94,7 +94,11 @@ def compile_baseline(captured: Captured, b: baselines.Baseline) -> tuple:
         return compile_strategy(captured.lowered, captured.program, b.strategy)
     if not b.compiler_options:
         return captured.default_compiled, "default"
-    return captured.lowered.compile(compiler_options=b.compiler_options), "compile options"
+    # XLA's program under the options, with the backend's hook rules as the capture's has them.
+    program = compile_program(captured.lowered, captured.program, b.name, None, b.compiler_options)
+    if program.compiled is None:
+        raise ValueError(f"{b.name} did not compile: {program.reason}")
+    return program.compiled, "compile options"
 
 
 def plan_executable(optimized, args: tuple) -> tuple[Any, tuple]:
