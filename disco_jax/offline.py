@@ -85,7 +85,7 @@ def _sharded_update(parameters: bool, regather: bool = False) -> Callable:
             return None, None, reason
         if parameters and not layout.parameters:
             return None, None, "no parameter is updated from its own optimizer state only"
-        layout = dataclasses.replace(layout.subset(layout.all_leaves(parameters=parameters)), regather=regather)
+        layout = layout.subset(layout.all_leaves(parameters=parameters), regather)
         return update.relower(step, layout, args, kwargs, (args, kwargs), replicated_compiled)[0], layout, reason
 
     return build

@@ -266,7 +266,7 @@ def candidate(
 ) -> Candidate:
     """The step lowered again with `leaves` sharded (its parameters among them gathered again for
     each use with `regather`), compiled, its memory read."""
-    sub = dataclasses.replace(layout.subset(leaves), regather=regather)
+    sub = layout.subset(leaves, regather)
     program = update.relowered(fn, step, sub, args, kwargs, backend)
     return Candidate(tuple(leaves), program, sub, update.memory(program.default_compiled, held))
 
@@ -454,9 +454,7 @@ def recall(
             _plan.PlanWarning,
         )
         return step, None, {"mode": "replicated", "requested": "search", "reason": "stored decision does not fit"}
-    layout = dataclasses.replace(
-        layout.subset(by_path[path] for path in wanted), regather=bool(decided.get("regather"))
-    )
+    layout = layout.subset((by_path[path] for path in wanted), bool(decided.get("regather")))
     recalled = {**decided, **layout.to_json(), "rules": update.cited_rules(layout)}
     return update.relowered(fn, step, layout, args, kwargs, backend), layout, recalled
 

@@ -101,9 +101,10 @@ class Layout:
     # `hook_backend`), not once for the step: less memory, more all-gathers.
     regather: bool = False
 
-    def subset(self, leaves) -> Layout:
+    def subset(self, leaves, regather: bool = False) -> Layout:
         """This layout with only the input leaves `leaves` sharded: a union of `groups`, plus the
-        parameters (`parameters`) of some of those groups for parameters and state sharded."""
+        parameters (`parameters`) of some of those groups for parameters and state sharded,
+        gathered again for each use with `regather`."""
         keep = set(leaves)
         for p in keep & self.parameters.keys():
             if not set(self.parameters[p].group) <= keep:
@@ -119,6 +120,7 @@ class Layout:
             outputs={j: spec for j, spec in outputs.items() if sources.get(j, frozenset()) <= keep},
             paths=pick(paths),
             groups=tuple(g for g in self.groups if set(g) <= keep),
+            regather=regather,
         )
 
     def all_leaves(self, parameters: bool = True) -> tuple[int, ...]:
