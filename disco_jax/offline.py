@@ -70,21 +70,30 @@ REPLICATED = "replicated"
 STATE_SHARDED = "optimizer state sharded"  # ZeRO-1
 ALL_SHARDED = "parameters and state sharded"  # ZeRO-3 / FSDP: all-gathered before use
 REGATHERED = "parameters and state sharded, gathered again for each use"  # FSDP, reshard after forward
+SPLIT = "parameters and state sharded, split over several dimensions"  # where no one dimension divides
 
 
-def _sharded_update(parameters: bool, regather: bool = False) -> Callable:
+def _sharded_update(parameters: bool, regather: bool = False, split: bool = False) -> Callable:
     """A builder of the step lowered again with every optimizer-state group sharded over the data
     axis (`sharding.update`), and with `parameters` their parameters too (`sharding.params`),
-    gathered again for each use with `regather` (`sharding.regather`, applied at the hook)."""
+    gathered again for each use with `regather` (`sharding.regather`, applied at the hook), with
+    `split` the leaves no dimension of which the axis divides split over several (only where
+    there are such leaves: `find_layout(split=True)`)."""
 
     def build(step, args: tuple, kwargs: dict, replicated_compiled) -> tuple:
         """(lowered, layout, why) of the sharded step; (None, None, why not) where it does not apply."""
         shardings = jax.tree.leaves(replicated_compiled.input_shardings)
-        layout, reason = update.find_layout(step, args, kwargs, args, kwargs, shardings)
+        layout, reason = update.find_layout(step, args, kwargs, args, kwargs, shardings, split=split)
         if layout is None:
             return None, None, reason
         if parameters and not layout.parameters:
             return None, None, "no parameter is updated from its own optimizer state only"
+        if split and layout.step_mesh is layout.mesh:
+            return (
+                None,
+                None,
+                "no leaf is split over several dimensions (none needs it, or the mesh's axes are Explicit)",
+            )
         layout = layout.subset(layout.all_leaves(parameters=parameters), regather)
         return update.relower(step, layout, args, kwargs, (args, kwargs), replicated_compiled)[0], layout, reason
 
@@ -97,6 +106,7 @@ SHARDED_UPDATES: dict[str, Callable] = {
     STATE_SHARDED: _sharded_update(parameters=False),
     ALL_SHARDED: _sharded_update(parameters=True),
     REGATHERED: _sharded_update(parameters=True, regather=True),
+    SPLIT: _sharded_update(parameters=True, split=True),
 }
 
 

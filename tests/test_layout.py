@@ -256,7 +256,7 @@ LAYERS: dict[str, int] = {
     "disco_jax._distributed": 0,
     "disco_jax._timeline": 0,
     "disco_jax.sharding": 7,
-    **{f"disco_jax.sharding.{m}": 0 for m in ("terms", "axioms", "numeric", "prover", "rules", "hlo_edit")},
+    **{f"disco_jax.sharding.{m}": 0 for m in ("terms", "axioms", "numeric", "prover", "rules", "hlo_edit", "leaves")},
     "disco_jax._graph": 1,
     "disco_jax._program": 1,
     "disco_jax.cost.work": 2,

@@ -16,7 +16,7 @@ from disco_jax._compile import capture, capture_program
 from disco_jax.cost import AllReduceCostModel, AnalyticalEstimator, chain, kernel_state, kernels, sharded, simulate
 from disco_jax.cost.allreduce import collective_time_us, transfer_bytes
 from disco_jax.eval import clusters
-from disco_jax.sharding import choice, update
+from disco_jax.sharding import state_search, update
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_the_shard_move_toggles_whole_buckets_and_merges_keep_buckets_alike(flax
 
 def test_the_choice_ties_each_gradient_to_its_parameters_moments(flax_step):
     captured, layout = flax_step
-    leaves_of = choice.gradient_leaves(captured.graph, layout, update.held_leaves(captured))
+    leaves_of = state_search.gradient_leaves(captured.graph, layout, update.held_leaves(captured))
     assert len(leaves_of) == 5
     for leaves in leaves_of.values():
         paths = sorted(layout.paths[i] for i in leaves)

@@ -21,25 +21,30 @@ FAST = dict(budget_s=1.0, validation_pairs=4, measured_candidates=0, verbose=Fal
 
 
 class MLP(nn.Module):
+    width: int = 64
+
     @nn.compact
     def __call__(self, x):
-        x = nn.tanh(nn.Dense(64)(x))
-        x = nn.tanh(nn.Dense(64)(x))
+        x = nn.tanh(nn.Dense(self.width)(x))
+        x = nn.tanh(nn.Dense(self.width)(x))
         return nn.Dense(4)(x)
 
 
-def flax_adam_step():
-    """(jitted step, params, opt_state, batches) for a Flax MLP with optax.adam, data parallel
-    over 8 devices with `jax.jit` and a `NamedSharding`-sharded batch."""
-    mesh = jax.make_mesh((8,), ("data",))
-    model, opt = MLP(), optax.adam(1e-2)
-    params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 16)))
+def flax_adam_step(model=None, features: int = 16, mesh=None, steps: int = 4):
+    """(jitted step, params, opt_state, batches) for a Flax MLP (`model`, default `MLP`, taking
+    `features` inputs) with optax.adam, data parallel over 8 devices (`mesh`, default
+    `jax.make_mesh`'s, Explicit axes) with `jax.jit` and a `NamedSharding`-sharded batch."""
+    mesh = jax.make_mesh((8,), ("data",)) if mesh is None else mesh
+    model, opt = MLP() if model is None else model, optax.adam(1e-2)
+    params = model.init(jax.random.PRNGKey(0), jnp.ones((1, features)))
     replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     params, opt_state = jax.device_put((params, opt.init(params)), replicated)
-    keys = jax.random.split(jax.random.PRNGKey(1), 8)
+    keys = jax.random.split(jax.random.PRNGKey(1), 2 * steps)
     batches = [
-        jax.device_put((jax.random.normal(keys[2 * i], (64, 16)), jax.random.normal(keys[2 * i + 1], (64, 4))), batch)
-        for i in range(4)
+        jax.device_put(
+            (jax.random.normal(keys[2 * i], (64, features)), jax.random.normal(keys[2 * i + 1], (64, 4))), batch
+        )
+        for i in range(steps)
     ]
 
     @jax.jit

@@ -51,7 +51,7 @@ from disco_jax._strategy import sharding_all, with_sharding, xla_default
 from disco_jax._validate import median_interval
 from disco_jax.cost import sharded
 from disco_jax.eval import baselines, clusters
-from disco_jax.sharding import choice, update
+from disco_jax.sharding import state_search, update
 
 CPU_PLATFORM = "cpu-8dev"
 GLOO_PLATFORM = "gloo-2x1"
@@ -465,7 +465,7 @@ def sharded_paper_program(
     avals = dict(enumerate(jax.tree.leaves(args)))
 
     def leaves(layout):
-        leaves_of = choice.gradient_leaves(graph, layout, avals)
+        leaves_of = state_search.gradient_leaves(graph, layout, avals)
         return {i for g in gradients for i in leaves_of.get(g, ())}
 
     lowered, _, _ = update.relower_positional(step, args, compiled, leaves)

@@ -2,18 +2,16 @@
 to a per-device memory limit, and measured before it is applied.
 
 The units of the choice are `Layout.groups` (a parameter's optimizer-state leaves, which are
-updated together). First the joint search (`search_sharding`) runs on the replicated step's graph
-with the `shard_update` move: a strategy shards the update of chosen buckets' gradients, costed as
-`cost.sharded` models it (reduce-scatter, 1/N update, all-gather), each gradient's state tied to
-the layout's leaves by the entry parameters its update reads (`gradient_leaves`), and under a
-memory limit only strategies whose estimated footprint fits are valid. The candidates are then
-programs: the replicated step, the step with every group sharded, the search's choice and, under a
-memory limit, the step with the largest groups sharded until it fits (`leaf_sets`); when no
-state-only candidate fits, state plus the parameters of the 1, 2, 4, ... largest layers (ZeRO-3,
-`parameter_candidates`). Each is lowered
-again and captured (`update.relowered`), its per-device footprint read from its compiled
-executable, and its XLA plan simulated with the replicated step's cost model: the sharded update's
-all-gathers and reduce-scatters go on the communication channel at the measured scatter/gather line
+updated together). First the joint search (`state_search`) runs on the replicated step's graph
+with the `shard_update` move. The candidates are then programs: the replicated step, the step with
+every group sharded, the search's choice and, under a memory limit, the step with the largest
+groups sharded until it fits (`leaf_sets`); when no state-only candidate fits, state plus the
+parameters of the 1, 2, 4, ... largest layers (ZeRO-3, `parameter_candidates`); when none of those
+fits either, every leaf sharded, those no dimension of which N divides split over several
+(`split_layout`). Each is lowered again and captured (`update.relowered`), its per-device footprint
+read from its compiled executable, and its XLA plan simulated with the replicated step's cost
+model: the sharded update's all-gathers and reduce-scatters go on the communication channel at the
+measured scatter/gather line
 (`_profile_phase.with_scatter_gather`, stored with the all-reduce fit, so the chosen program's own
 profile finds it), its update kernels cost what the estimator says for their 1/N shapes. Every
 sharded candidate the simulator prefers to the replicated update (simulated faster within the
@@ -34,11 +32,10 @@ from typing import Any
 
 import jax
 
-from disco_jax import _distributed, _plan, _profile_phase, _search, _strategy, _validate, _warnings
+from disco_jax import _distributed, _plan, _profile_phase, _strategy, _validate, _warnings
 from disco_jax._compile import Captured
 from disco_jax.cost.allreduce import communication_bytes
-from disco_jax.cost.sharded import UpdateRegions, regions_of
-from disco_jax.sharding import rules, update
+from disco_jax.sharding import rules, state_search, update
 
 # Memory-analysis fields a program's per-device footprint adds up (aliased bytes counted once).
 FOOTPRINT = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")
@@ -68,74 +65,6 @@ def leaf_sets(layout: update.Layout, held: dict, memory_limit: int | None, repli
     return sets
 
 
-def gradient_leaves(graph, layout: update.Layout, held: dict) -> dict[int, tuple[int, ...]]:
-    """Per gradient of `graph` whose update can be sharded, the layout's input leaves it shards:
-    the groups holding the entry parameters its update's state is (`UpdateRegions.state`;
-    parameter number = leaf index, which `held`, index -> aval, vouches for: `update.held_leaves`
-    is empty when XLA dropped an argument)."""
-    regions = regions_of(graph)
-    out = {}
-    for g in regions.shardable:
-        numbers = set()
-        for o in regions.state[g]:
-            inst = graph.ops[o].inst
-            number = int(inst.literal) if (inst.literal or "").strip().isdigit() else -1
-            if number not in layout.inputs or tuple(held[number].shape) != inst.outputs[0].dims:
-                break
-            numbers.add(number)
-        else:
-            leaves = sorted({i for group in layout.groups if numbers.intersection(group) for i in group})
-            if leaves:
-                out[g] = tuple(leaves)
-    return out
-
-
-class _WithinLimit:
-    """The search's cost with strategies whose estimated footprint exceeds the limit invalid."""
-
-    def __init__(self, cost, regions: UpdateRegions, replicated_bytes: int, limit: int):
-        self.cost, self.regions, self.excess = cost, regions, replicated_bytes - limit
-
-    def fits(self, s: _strategy.Strategy) -> bool:
-        return self.regions.saved_bytes(s.sharded) >= self.excess
-
-    def __call__(self, s: _strategy.Strategy) -> float | None:
-        return self.cost(s) if self.fits(s) else None
-
-    def many(self, strategies, parent=None) -> list[float | None]:
-        kept = [s for s in strategies if self.fits(s)]
-        costs = iter(self.cost.many(kept, parent=parent) if kept else [])
-        return [next(costs) if self.fits(s) else None for s in strategies]
-
-
-def search_sharding(step: Captured, model, leaves_of: dict, limit: int | None, replicated_bytes: int | None, config):
-    """The joint search on the replicated graph with the `shard_update` move over the gradients
-    in `leaves_of`; returns (the leaves its best strategy shards, what the plan records)."""
-    graph, regions = step.graph, regions_of(step.graph)
-    shardable = frozenset(leaves_of)
-    starts = [*_strategy.start_candidates(graph), _strategy.sharding_all(_strategy.xla_default(graph), shardable)]
-    cost = model.evaluator(step.program)
-    if (
-        limit is not None
-        and replicated_bytes is not None
-        and regions.saved_bytes(shardable) >= replicated_bytes - limit
-    ):
-        cost = _WithinLimit(cost, regions, replicated_bytes, limit)
-    result = _search.backtracking_search(
-        step.program, cost, config, moves=_strategy.with_sharding(shardable), starts=starts
-    )
-    chosen = result.best.sharded
-    leaves = tuple(sorted({i for g in chosen for i in leaves_of[g]}))
-    info = {
-        "sharded_gradients": len(chosen),
-        "shardable_gradients": len(shardable),
-        "simulated_us": result.best_cost,
-        "evaluated": result.evaluated,
-        "seconds": round(result.seconds, 2),
-    }
-    return leaves, info
-
-
 @dataclasses.dataclass
 class Candidate:
     leaves: tuple[int, ...]
@@ -150,6 +79,7 @@ class Candidate:
             return "replicated"
         if self.layout.gathered:
             again = ", gathered again for each use" if self.layout.regather else ""
+            again += ", some split over several dimensions" if self.layout.step_mesh is not self.layout.mesh else ""
             return (
                 f"parameters and state sharded ({len(self.layout.gathered)} parameters, "
                 f"{len(self.layout.groups)} groups, {len(self.leaves)} leaves{again})"
@@ -204,11 +134,11 @@ def choose(
     model = dataclasses.replace(cost_model, allreduce=allreduce)
     info["scatter_gather"] = {"per_byte_us": allreduce.scatter_gather[0], "latency_us": allreduce.scatter_gather[1]}
     sets = leaf_sets(layout, held, memory_limit, footprint(replicated.memory))
-    leaves_of = gradient_leaves(step.graph, layout, held)
+    leaves_of = state_search.gradient_leaves(step.graph, layout, held)
     if leaves_of:
         ui.say(f"weight update: searching which of {len(leaves_of)} gradients' updates to shard")
         budget = dataclasses.replace(config, budget_s=max(1.0, config.budget_s / 4))
-        searched, info["search"] = search_sharding(
+        searched, info["search"] = state_search.search_sharding(
             step, model, leaves_of, memory_limit, footprint(replicated.memory), budget
         )
         if step.scope is not None:  # process 0's, so that every process compiles the same programs
@@ -227,6 +157,12 @@ def choose(
         else:
             ui.say(f"weight update: sharding the state does not fit {memory_limit} bytes; sharding parameters too")
             candidates += parameter_candidates(fn, step, layout, args, kwargs, backend, held, memory_limit)
+            wide = None if within(candidates[-1], memory_limit) else split_layout(fn, args, kwargs, step, layout)
+            if wide is not None:  # the last resort: leaves no dimension of which N divides, split over several
+                ui.say("weight update: still over the limit; splitting leaves over several dimensions too")
+                regather = candidates[-1].layout.regather
+                candidates.append(candidate(fn, step, wide, wide.all_leaves(), args, kwargs, backend, held, regather))
+                layout = wide  # the records' account of the state: every leaf that can be sharded
     ui.say(f"weight update: simulating {len(candidates)} candidates (replicated, sharded over {layout.axis!r})")
     for c in candidates:
         c.simulated_us = simulated_us(model, c.step)
@@ -311,6 +247,14 @@ def parameter_candidates(fn, step, layout, args, kwargs, backend, held: dict, li
     if out and not within(out[-1], limit):
         out.append(candidate(fn, step, layout, out[-1].leaves, args, kwargs, backend, held, regather=True))
     return out
+
+
+def split_layout(fn, args: tuple, kwargs: dict, step: Captured, layout: update.Layout) -> update.Layout | None:
+    """The layout with leaves no dimension of which the data axis divides split over several
+    (`find_layout(split=True)`), where that shards more leaves than `layout` does; else None."""
+    shardings = jax.tree.leaves(step.default_compiled.input_shardings)
+    wide, _ = update.find_layout(fn, args, kwargs, step.args, step.kwargs, shardings, split=True)
+    return wide if wide is not None and len(wide.all_leaves()) > len(layout.all_leaves()) else None
 
 
 def simulated_us(model, step: Captured) -> float | None:
@@ -445,8 +389,10 @@ def recall(
         return step, None, {"mode": "replicated", "requested": "search", "reason": decided.get("reason")}
     input_shardings = jax.tree.leaves(step.default_compiled.input_shardings)
     layout, reason = update.find_layout(fn, args, kwargs, step.args, step.kwargs, input_shardings)
-    by_path = {} if layout is None else layout.all_paths()
     wanted = list(decided.get("leaves", {}))
+    if layout is not None and not set(wanted) <= layout.all_paths().keys():  # leaves split over several dimensions
+        layout = split_layout(fn, args, kwargs, step, layout) or layout
+    by_path = {} if layout is None else layout.all_paths()
     if layout is None or any(path not in by_path for path in wanted):
         _warnings.warn(
             "disco-jax: the stored weight-update decision names parameter or optimizer-state leaves this step does not "

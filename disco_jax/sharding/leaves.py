@@ -1,12 +1,23 @@
 """Which input leaves of a step are optimizer state the sharded update can split, read from the
 step's jaxpr (`update` explains the conditions): the elementwise origins of every output, the state
-leaves and their groups, and the dimension each is split on."""
+leaves and their groups, and how each is split.
+
+A leaf is split on its first dimension the data axis's size N divides (`P(None, "data")`). A leaf
+with no such dimension whose size N still divides (RNNLM's 1500 x 1500 kernels on 8 devices) is split
+over several dimensions: the data axis is viewed as its prime factors, each a mesh axis of its own
+(`factored_mesh`: "data" of 8 as "data.0", "data.1", "data.2" of 2, the same devices in the same
+order), and each factor goes to a dimension it divides (`P(("data.0", "data.1"), "data.2")`: 12 x 6
+in blocks of 3 x 3). JAX takes such a leaf's sharding on its own mesh only where the axes are Auto
+(with Explicit axes a step takes one mesh); a leaf whose size N does not divide stays whole, since
+JAX refuses uneven shardings of a jit's inputs and outputs and padding it would change the pytree."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from jax.extend import core as jax_core
+from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 # Primitives that compute each output element from the same element of each operand.
@@ -66,21 +77,71 @@ def elementwise_origins(jaxpr, in_origins: list[frozenset], consumed: set[int]) 
 
 
 def split_dimension(shape: tuple[int, ...], num_shards: int) -> int | None:
-    """The first dimension `num_shards` divides (None: the leaf cannot be split evenly)."""
+    """The first dimension `num_shards` divides (None: the leaf cannot be split on one dimension)."""
     return next((d for d, size in enumerate(shape) if size >= num_shards and size % num_shards == 0), None)
 
 
-def spec_for(shape: tuple[int, ...], axis: str, num_shards: int) -> P | None:
-    """The spec splitting `shape` over `axis` on its first divisible dimension (None: none is)."""
+def prime_factors(n: int) -> list[int]:
+    out, p = [], 2
+    while p * p <= n:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return out + ([n] if n > 1 else [])
+
+
+def factored_mesh(mesh, axis: str) -> Mesh | None:
+    """`mesh` with `axis` viewed as its prime factors, one Auto axis each (`axis.0`, `axis.1`,
+    ...; the same devices in the same order), for leaves split over several dimensions; None
+    where the size is prime or the mesh has Explicit axes (a step then takes one mesh only)."""
+    primes = prime_factors(mesh.shape[axis])
+    if len(primes) < 2 or any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return None
+    at = mesh.axis_names.index(axis)
+    names = [f"{axis}.{k}" for k in range(len(primes))]
+    if set(names) & set(mesh.axis_names):
+        return None
+    devices = np.asarray(mesh.devices)
+    shape = devices.shape[:at] + tuple(primes) + devices.shape[at + 1 :]
+    axis_names = (*mesh.axis_names[:at], *names, *mesh.axis_names[at + 1 :])
+    return Mesh(devices.reshape(shape), axis_names, axis_types=(AxisType.Auto,) * len(axis_names))
+
+
+def factor_axes(split_mesh: Mesh | None, mesh) -> tuple[tuple[str, int], ...]:
+    """(name, size) of the axes `split_mesh` (`factored_mesh`) views the data axis of `mesh` as."""
+    if split_mesh is None:
+        return ()
+    return tuple((n, split_mesh.shape[n]) for n in split_mesh.axis_names if n not in mesh.axis_names)
+
+
+def spec_for(shape: tuple[int, ...], axis: str, num_shards: int, factors: tuple = ()) -> P | None:
+    """The spec splitting `shape` over `axis` on its first divisible dimension; else, given the
+    axis's prime `factors` (`factor_axes`), each factor on the first dimension it still divides;
+    None: the leaf cannot be split evenly."""
     d = split_dimension(shape, num_shards)
-    return None if d is None else P(*([None] * d), axis)
+    if d is not None:
+        return P(*([None] * d), axis)
+    if not factors:
+        return None
+    remaining, entries = list(shape), [[] for _ in shape]
+    for name, size in factors:  # per prime, first dimension first: splits whenever any split does
+        d = next((d for d, r in enumerate(remaining) if r % size == 0), None)
+        if d is None:
+            return None
+        remaining[d] //= size
+        entries[d].append(name)
+    return P(*(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries))
 
 
-def choose_layout(jaxpr, inputs: list, outputs: list, replicated: list[bool], num_shards: int, origins=None):
+def choose_layout(
+    jaxpr, inputs: list, outputs: list, replicated: list[bool], num_shards: int, origins=None, factors: tuple = ()
+):
     """(input leaves to shard, outputs that are their updated values), by index. `inputs` /
     `outputs`: avals of the jaxpr's inputs and outputs; `replicated`: per input, whether it is
     held whole on every device of the data axis; `origins`: `(elementwise_origins(jaxpr, one
-    label per input), the labels it consumed)` when the caller has them."""
+    label per input), the labels it consumed)` when the caller has them; `factors`: the data
+    axis's prime factors where a leaf may be split over several dimensions (`spec_for`)."""
     if origins is None:
         consumed: set[int] = set()
         origins = elementwise_origins(jaxpr, [frozenset({i}) for i in range(len(inputs))], consumed), consumed
@@ -88,7 +149,7 @@ def choose_layout(jaxpr, inputs: list, outputs: list, replicated: list[bool], nu
     state = {
         i
         for i, aval in enumerate(inputs)
-        if replicated[i] and i not in consumed and split_dimension(aval.shape, num_shards) is not None
+        if replicated[i] and i not in consumed and spec_for(aval.shape, "", num_shards, factors) is not None
     }
     while True:  # an output is a state's update when it depends elementwise on state leaves only
         updated = {

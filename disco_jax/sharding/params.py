@@ -15,10 +15,13 @@ value's own block, which the hook reads from the shard itself (`own_block_of_all
 `sharding.gathered`; a hook rule of XLA:CPU only), so there the gathered parameters die after
 the backward pass; XLA:GPU keeps them live through it (docs/gpu.md).
 
-Leaves with no dimension the data axis divides stay replicated, with the reason recorded
-(`Layout.kept_whole`): JAX refuses uneven shardings of a jit's inputs and outputs ("implies that
-array axis 0 is partitioned 8 times, but the dimension size is 4"), and keeping such a leaf
-flattened and padded between steps would change the pytree the user's step takes and returns.
+Leaves with no dimension the data axis divides are split over several dimensions, as the memory
+search's last resort, where their size allows it and the mesh's axes are Auto
+(`leaves.factored_mesh`, `update.find_layout(split=True)`); the others stay replicated,
+with the reason recorded (`Layout.kept_whole`): JAX refuses uneven shardings of a jit's inputs and
+outputs ("implies that array axis 0 is partitioned 8 times, but the dimension size is 4"), and
+keeping such a leaf flattened and padded between steps would change the pytree the user's step
+takes and returns.
 """
 
 from __future__ import annotations
@@ -33,9 +36,24 @@ from jax.sharding import PartitionSpec as P
 from disco_jax.sharding.leaves import choose_layout, leaf_groups
 
 UNEVEN = (
-    "no dimension divisible by the {n} devices of {axis!r}: JAX requires a jit's sharded inputs and "
-    "outputs to divide evenly, and padding it would change the step's pytree; kept replicated"
+    "{what} by the {n} devices of {axis!r}: JAX requires a jit's sharded inputs and outputs to divide "
+    "evenly, and padding it would change the step's pytree; kept replicated{note}"
 )
+NOTES = {
+    "explicit": " (a leaf whose size they divide is split over several dimensions, as a last resort, where the "
+    "mesh's axes are Auto; with Explicit axes a step takes one mesh)",
+    "unsplit": " (a leaf whose size they divide is split over several dimensions only where nothing else fits a "
+    "memory limit)",
+}
+
+
+def uneven_reason(num_shards: int, axis: str, mesh, split: bool) -> str:
+    """Why `find_parameters` keeps a leaf of the update whole (`UNEVEN`); `split`: leaves were
+    split over several dimensions where they could be (`leaves.factored_mesh`)."""
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+    what = "neither a dimension nor the size divisible" if split and not explicit else "no dimension divisible"
+    note = NOTES["explicit"] if explicit else "" if split else NOTES["unsplit"]
+    return UNEVEN.format(what=what, n=num_shards, axis=axis, note=note)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,15 +66,14 @@ class Parameter:
     path: str
 
 
-def find_parameters(origins, consumed, inputs, outputs, replicated, state, groups, num_shards, axis, path_of, spec_for):
+def find_parameters(origins, consumed, inputs, outputs, replicated, state, groups, reason, path_of, spec_for):
     """(index -> Parameter, path -> why kept replicated) for the step whose outputs' elementwise
     origins are `origins` (`update.elementwise_origins`): the parameter leaves of the state
     `groups` (`state`: every state leaf the update shards, `groups` their groups; an elementwise-
     updated leaf with no divisible dimension is named in the second result, as is the parameter
-    of its group); `consumed`: the labels that reach other operations. `path_of(i)`: input leaf
-    i's path; `spec_for(shape)`: its spec (None: no dimension divisible)."""
+    of its group, with `reason`); `consumed`: the labels that reach other operations. `path_of(i)`:
+    input leaf i's path; `spec_for(shape)`: its spec (None: it cannot be split evenly)."""
     whole_state, _ = choose_layout(None, inputs, outputs, replicated, 1, (origins, consumed))
-    reason = UNEVEN.format(n=num_shards, axis=axis)
     kept = {path_of(i): reason for i in whole_state if i not in state}
     group_of = {i: g for g in leaf_groups(origins, whole_state) for i in g}
     found: dict[int, Parameter] = {}
@@ -106,7 +123,7 @@ def gathering(inner, info, layout):
         dynamic[1].update((k, v) for k, v in kwargs.items() if k not in static_names)
         leaves, tree = jax.tree.flatten(dynamic)
         for i in gathered:
-            leaves[i] = replicated_value(leaves[i], layout.mesh)
+            leaves[i] = replicated_value(leaves[i], layout.step_mesh)
         new_args, new_kwargs = jax.tree.unflatten(tree, leaves)
         positional = iter(new_args)
         args = tuple(a if k in static else next(positional) for k, a in enumerate(args))

@@ -10,11 +10,12 @@ keep that state sharded (`P("data")` on one dimension) and everything else as th
 has it, and XLA's SPMD partitioner emits the collectives.
 
 Which input leaves are such state is read from the step's jaxpr (`choose_layout`): a leaf that is
-replicated over the data axis, has a dimension the axis size divides, is used by elementwise
+replicated over the data axis, splits evenly over it (on a dimension the axis size divides, or
+over several: `leaves.spec_for`), is used by elementwise
 operations only (transitively, through nested jits and custom derivatives), and whose
 elementwise descendants include an output of its shape and dtype that depends elementwise on
 such leaves only (its updated value). Adam's `mu`/`nu` and SGD's momentum qualify; parameters do
-not (they feed the forward pass's dots), nor scalar step counters (no divisible dimension), nor
+not (they feed the forward pass's dots), nor scalar step counters (nothing to split), nor
 anything inside a `shard_map` (its collectives are written in the function: the update there is
 whatever the function computes).
 """
@@ -29,18 +30,19 @@ from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from disco_jax import _validate, _warnings
 from disco_jax._compile import Captured, capture
 from disco_jax.sharding import apply, params, rules
+from disco_jax.sharding.layouts import Layout, put
 from disco_jax.sharding.leaves import (  # noqa: F401  (the layout's reading of the jaxpr, re-exported)
     choose_layout,
     elementwise_origins,
+    factor_axes,
+    factored_mesh,
     leaf_groups,
     spec_for,
 )
-from disco_jax.sharding.params import Parameter
 
 # The proven rules (`disco-jax rules`) a sharded update rests on; the plan cites them.
 JUSTIFYING_RULES = ("sharded_optimizer_state", "sharded_weight_update")
@@ -74,146 +76,6 @@ def check_weight_update(value: Any) -> str:
 # ------------------------------------------------------------------------------------ enactment
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where the sharded update keeps what: the data axis, its size, and per input leaf (index
-    into the call's dynamic leaves) and per output leaf the `PartitionSpec` of the leaves it
-    shards. `paths` names the input leaves (`jax.tree_util.keystr`) for the plan."""
-
-    mesh: Any
-    axis: str
-    num_shards: int
-    inputs: dict[int, P]
-    outputs: dict[int, P]
-    paths: dict[int, str]
-    # The choice's units (`weight_update="search"`): input leaves that are updated together (they
-    # meet in some output, as a parameter's Adam moments do), and per sharded output the inputs
-    # it is computed from. Sharding a union of groups keeps every such output's inputs alike.
-    groups: tuple[tuple[int, ...], ...] = ()
-    sources: dict[int, frozenset] = dataclasses.field(default_factory=dict)
-    # Parameters and state sharded (ZeRO-3; `sharding.params`): per parameter leaf whose new value
-    # is computed elementwise from it and one group's state only, that group, its spec and its new
-    # value's output. A parameter is sharded (and all-gathered before use) only when in `inputs`.
-    parameters: dict[int, Parameter] = dataclasses.field(default_factory=dict)
-    # Leaves of the update (parameters, state) kept replicated, by path, and why.
-    kept_whole: dict[str, str] = dataclasses.field(default_factory=dict)
-    # The sharded parameters gathered again for each use (`sharding.regather`, applied at the hook:
-    # `hook_backend`), not once for the step: less memory, more all-gathers.
-    regather: bool = False
-
-    def subset(self, leaves, regather: bool = False) -> Layout:
-        """This layout with only the input leaves `leaves` sharded: a union of `groups`, plus the
-        parameters (`parameters`) of some of those groups for parameters and state sharded,
-        gathered again for each use with `regather`."""
-        keep = set(leaves)
-        for p in keep & self.parameters.keys():
-            if not set(self.parameters[p].group) <= keep:
-                raise ValueError(f"parameter {self.parameters[p].path} sharded without its state")
-        specs = {**self.inputs, **{p: q.spec for p, q in self.parameters.items()}}
-        outputs = {**self.outputs, **{q.output: q.spec for q in self.parameters.values()}}
-        sources = {**self.sources, **{q.output: frozenset({p, *q.group}) for p, q in self.parameters.items()}}
-        paths = {**self.paths, **{p: q.path for p, q in self.parameters.items()}}
-        pick = lambda d: {i: v for i, v in d.items() if i in keep}  # noqa: E731
-        return dataclasses.replace(
-            self,
-            inputs=pick(specs),
-            outputs={j: spec for j, spec in outputs.items() if sources.get(j, frozenset()) <= keep},
-            paths=pick(paths),
-            groups=tuple(g for g in self.groups if set(g) <= keep),
-            regather=regather,
-        )
-
-    def all_leaves(self, parameters: bool = True) -> tuple[int, ...]:
-        """Every leaf this layout can shard: the groups' state, and with `parameters` their
-        parameters (the fully sharded step: ZeRO-3)."""
-        state = [i for g in self.groups for i in g]
-        return tuple(sorted(state + (list(self.parameters) if parameters else [])))
-
-    @property
-    def gathered(self) -> tuple[int, ...]:
-        """The sharded parameter leaves: all-gathered before use inside the step."""
-        return tuple(sorted(set(self.inputs) & self.parameters.keys()))
-
-    def all_paths(self) -> dict[str, int]:
-        """Path -> index of every leaf this layout can shard (state and parameters)."""
-        return {path: i for i, path in {**self.paths, **{p: q.path for p, q in self.parameters.items()}}.items()}
-
-    def state_bytes(self, avals: dict[int, Any]) -> int:
-        """Per-device bytes of the sharded optimizer-state leaves (`avals`: index -> aval of every
-        input leaf)."""
-        return self._bytes(avals, [i for i in self.inputs if i not in self.parameters])
-
-    def _bytes(self, avals: dict[int, Any], leaves) -> int:
-        return sum(math.prod(avals[i].shape) * avals[i].dtype.itemsize // self.num_shards for i in leaves)
-
-    @property
-    def parameter_of(self) -> dict[tuple[int, ...], int]:
-        """State group -> the parameter leaf it updates (groups without one are absent)."""
-        return {q.group: p for p, q in self.parameters.items()}
-
-    def group_names(self) -> dict[str, tuple[int, ...]]:
-        """Name -> state group: a group is named by its parameter's path where it has one, else by
-        its first leaf's path (the names `choices` and `leaves_for` use)."""
-        param_of = self.parameter_of
-        return {
-            self.parameters[param_of[g]].path if g in param_of else self.paths.get(g[0], str(g)): g for g in self.groups
-        }
-
-    def layers(self) -> dict[str, tuple[str, ...]]:
-        """Layer -> names of its groups, in the order of the groups: a layer is a parameter's path
-        without its last key (`['Dense_0']['kernel']` and `['Dense_0']['bias']` form `['Dense_0']`),
-        so that a layer's parameters are sharded together."""
-        out: dict[str, list[str]] = {}
-        for name in self.group_names():
-            layer = name[: name.rfind("[")] if name.endswith("]") and "[" in name else name
-            out.setdefault(layer, []).append(name)
-        return {k: tuple(v) for k, v in out.items()}
-
-    def leaves_for(self, choices: dict[str, str]) -> tuple[int, ...]:
-        """The leaves to shard for a choice per group (name -> 'replicated', 'state' or 'params';
-        a group not named stays replicated): what `subset` takes."""
-        names, leaves, param_of = self.group_names(), [], self.parameter_of
-        for name, choice in choices.items():
-            if choice not in ("replicated", "state", "params"):
-                raise ValueError(f"choice for {name} must be 'replicated', 'state' or 'params', got {choice!r}")
-            if name not in names:
-                raise ValueError(f"no parameter group {name!r}; groups: {', '.join(names)}")
-            group = names[name]
-            if choice == "params" and group not in param_of:
-                raise ValueError(f"group {name} has no parameter that can be sharded")
-            leaves += [] if choice == "replicated" else [*group, *([param_of[group]] if choice == "params" else [])]
-        return tuple(sorted(leaves))
-
-    def choices(self) -> dict[str, str]:
-        """Per sharded group (named by its parameter's path where it has one, else its first
-        leaf's), its choice: 'state' (optimizer state sharded) or 'params' (parameter and state)."""
-        param_of = self.parameter_of
-        return {name: "params" if param_of.get(g) in self.inputs else "state" for name, g in self.group_names().items()}
-
-    def to_json(self) -> dict:
-        return {
-            "axis": self.axis,
-            "num_shards": self.num_shards,
-            "leaves": {self.paths[i]: [d for d in spec] for i, spec in sorted(self.inputs.items())},
-            "parameters": sorted(self.paths[i] for i in self.gathered),
-            "choices": self.choices(),
-            "kept_whole": dict(self.kept_whole),
-            **({"regather": True} if self.regather and self.gathered else {}),
-        }
-
-    def reshard(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The call's dynamic arguments with the sharded leaves moved to their sharding (a no-op
-        for leaves that have it already)."""
-        leaves, tree = jax.tree.flatten((args, kwargs))
-        for i, spec in self.inputs.items():
-            target = NamedSharding(self.mesh, spec)
-            if isinstance(leaves[i], jax.ShapeDtypeStruct):  # an abstract call (deviceless lowering)
-                leaves[i] = jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype, sharding=target)
-            elif leaves[i].sharding != target:
-                leaves[i] = jax.device_put(leaves[i], target)
-        return jax.tree.unflatten(tree, leaves)
-
-
 def data_axis(shardings: list) -> tuple[Any, str] | None:
     """(mesh, axis name) the batch is split over: the first axis of the first `NamedSharding`
     that is not replicated."""
@@ -226,10 +88,13 @@ def data_axis(shardings: list) -> tuple[Any, str] | None:
 
 
 def find_layout(
-    fn, args: tuple, kwargs: dict, dynamic_args: tuple, dynamic_kwargs: dict, input_shardings: list
+    fn, args: tuple, kwargs: dict, dynamic_args: tuple, dynamic_kwargs: dict, input_shardings: list, split=False
 ) -> tuple[Layout | None, str]:
     """The sharded-update layout of one call of the jitted `fn`, or (None, why not).
-    `input_shardings`: per dynamic leaf, its sharding in the unmodified step's executable."""
+    `input_shardings`: per dynamic leaf, its sharding in the unmodified step's executable; `split`:
+    leaves with no dimension the data axis divides are split over several where their size allows
+    (`leaves.factored_mesh`; a last resort under a memory limit: the partitioner may replicate what
+    such a leaf's gradient meets, so the step can get slower and its temporaries larger)."""
     if getattr(fn, "_jit_info", None) is None or not hasattr(fn, "__wrapped__"):
         return None, "the step is not a jax.jit function"
     traced = fn.trace(*args, **kwargs)
@@ -250,26 +115,30 @@ def find_layout(
     outputs = [v.aval for v in jaxpr.outvars]
     consumed: set[int] = set()
     origins = elementwise_origins(jaxpr, [frozenset({i}) for i in range(len(inputs))], consumed)
-    state, updated = choose_layout(jaxpr, inputs, outputs, replicated, num_shards, (origins, consumed))
+    split_mesh = factored_mesh(mesh, axis) if split else None
+    factors = factor_axes(split_mesh, mesh)
+    state, updated = choose_layout(jaxpr, inputs, outputs, replicated, num_shards, (origins, consumed), factors)
     if not state:
-        return None, "no replicated optimizer state updated elementwise with a dimension divisible by the data axis"
+        return None, "no replicated optimizer state updated elementwise that the data axis splits evenly"
     groups = leaf_groups(origins, state)
     path_of = lambda i: jax.tree_util.keystr(with_paths[i][0])  # noqa: E731
-    split = functools.partial(spec_for, axis=axis, num_shards=num_shards)
+    spec_of = functools.partial(spec_for, axis=axis, num_shards=num_shards, factors=factors)
+    reason = params.uneven_reason(num_shards, axis, mesh, split)
     parameters, kept_whole = params.find_parameters(
-        origins, consumed, inputs, outputs, replicated, set(state), groups, num_shards, axis, path_of, split
+        origins, consumed, inputs, outputs, replicated, set(state), groups, reason, path_of, spec_of
     )
     return Layout(
         mesh,
         axis,
         num_shards,
-        {i: spec_for(inputs[i].shape, axis, num_shards) for i in state},
-        {j: spec_for(outputs[j].shape, axis, num_shards) for j in updated},
+        {i: spec_of(inputs[i].shape) for i in state},
+        {j: spec_of(outputs[j].shape) for j in updated},
         {i: path_of(i) for i in state},
         groups,
         {j: origins[j] for j in updated},
         parameters,
         kept_whole,
+        split_mesh=split_mesh,
     ), (
         f"{len(state)} optimizer-state leaves sharded {num_shards} ways over {axis!r}"
         f" ({len(parameters)} of their parameters can be sharded too)"
@@ -327,12 +196,13 @@ def relower(fn, layout: Layout, args: tuple, kwargs: dict, dynamic: tuple, defau
     every other leaf in the sharding the unmodified step's executable (`default`) gives it (the
     user's `in_shardings`/`out_shardings`, where the jit fixed them)."""
     leaves, tree = jax.tree.flatten(dynamic)
-    shardings = jax.tree.leaves(default.input_shardings)
-    leaves = [jax.device_put(x, s) if isinstance(x, jax.Array) else x for x, s in zip(leaves, shardings)]
+    shardings = [layout.on_step_mesh(s) for s in jax.tree.leaves(default.input_shardings)]
+    leaves = [put(x, s) for x, s in zip(leaves, shardings)]
     resharded = layout.reshard(*jax.tree.unflatten(tree, leaves))
     out_leaves, out_tree = jax.tree.flatten(default.output_shardings)
+    out_leaves = [layout.on_step_mesh(s) for s in out_leaves]
     for j, spec in layout.outputs.items():
-        out_leaves[j] = NamedSharding(layout.mesh, spec)
+        out_leaves[j] = layout.sharding(spec)
     jitted = jax.jit(
         params.gathering(fn.__wrapped__, fn._jit_info, layout),
         out_shardings=jax.tree.unflatten(out_tree, out_leaves),
