@@ -6,16 +6,18 @@ meet, they are sharded too (state and parameters), come back split between steps
 same values and are recalled from the stored plan. With Explicit mesh axes, and where the size is
 not divisible (the biases), they stay whole with the reason."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_sharded_update import FAST, MLP, flax_adam_step, train
-from test_zero3 import footprints, leaf
+from test_zero3 import footprints, leaf, searched_under
 
 from disco_jax import optimize_distributed
-from disco_jax.sharding import choice, leaves, update
+from disco_jax.sharding import leaves, update
 
 SPLIT = P(("data.0", "data.1"), "data.2")  # 8 devices as 2 x 2 x 2: 4 ways on rows, 2 on columns
 KERNELS = ("[0][0]['params']['Dense_1']['kernel']", "[0][0]['params']['Dense_2']['kernel']")
@@ -86,22 +88,12 @@ def test_kernels_8_does_not_divide_on_any_dimension_are_split_over_two_and_biase
 def test_under_a_limit_only_splitting_meets_the_split_leaves_are_searched_stored_and_reused(tmp_path):
     step, params, opt_state, batches = narrow_adam_step()
     args = (params, opt_state, *batches[0])
-    reference_params, _, reference = train(step, params, opt_state, batches)
     _, (_, _, everything) = footprints(step, args)  # every leaf with a dimension 8 divides sharded
-    wide = layout_of(step, args)
-    default = step.lower(*args).compile()
-    lowered, dynamic = update.relower(step, wide.subset(wide.all_leaves()), args, {}, (args, {}), default)
-    split = choice.footprint(update.memory(lowered.compile(), {}))
+    wide, (_, _, split) = footprints(step, args, split=True)
     assert split < everything
     limit = (split + everything) // 2
 
-    run = optimize_distributed(search=True, plan_dir=tmp_path, memory_limit_bytes=limit, **FAST)(step)
-    new_params, new_state, losses = train(run, params, opt_state, batches)
-    np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-7)
-    for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(reference_params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    info = run.reports[0].weight_update
-    assert info["mode"] == "sharded" and info["parameters"], info["reason"]
+    run, new_params, new_state, info, reference = searched_under(limit, step, params, opt_state, batches, tmp_path)
     assert info["leaves"].keys() == wide.subset(wide.all_leaves()).to_json()["leaves"].keys()
     assert "split over several dimensions" in info["reason"]
     chosen = next(c for c in info["candidates"] if c["leaves"] == sorted(info["leaves"]))
@@ -110,6 +102,10 @@ def test_under_a_limit_only_splitting_meets_the_split_leaves_are_searched_stored
         assert info["leaves"][path] == [["data.0", "data.1"], "data.2"]
         x = leaf((new_params, new_state), path)
         assert x.sharding.spec == SPLIT and x.addressable_shards[0].data.shape == (x.shape[0] // 4, x.shape[1] // 2)
+    # The executable that runs takes their 4 x 2 blocks: 12 x 12 -> 3 x 6, 12 x 4 -> 3 x 2 (kernel and moments).
+    entry = run.executable(new_params, new_state, *batches[0]).as_text().split("\nENTRY", 1)[1]
+    shapes = re.findall(r"= (f32\[[\d,]*\])\S* parameter\(\d+\)", entry)
+    assert shapes.count("f32[3,6]") == 3 and shapes.count("f32[3,2]") == 3, shapes
 
     enacting = optimize_distributed(search=False, plan_dir=tmp_path, memory_limit_bytes=limit, **FAST)(step)
     enacted_params, enacted_state, enacted = train(enacting, params, opt_state, batches)

@@ -22,16 +22,33 @@ from disco_jax.sharding import choice, rules, update
 from _steps import make_step
 
 
-def footprints(step, args):
+def footprints(step, args, split=False):
     """Per-device footprints (XLA's memory analysis) of the replicated step, every group's state
-    sharded, and every group's parameters and state sharded."""
+    sharded, and every group's parameters and state sharded (with `split`, leaves no dimension of
+    which 8 divides split over several: `find_layout(split=True)`)."""
     default = step.lower(*args).compile()
-    layout, _ = update.find_layout(step, args, {}, args, {}, jax.tree.leaves(default.input_shardings))
+    shardings = jax.tree.leaves(default.input_shardings)
+    layout, _ = update.find_layout(step, args, {}, args, {}, shardings, split=split)
     out = [choice.footprint(update.memory(default, {}))]
     for leaves in (layout.all_leaves(parameters=False), layout.all_leaves()):
         lowered, dynamic = update.relower(step, layout.subset(leaves), args, {}, (args, {}), default)
         out.append(choice.footprint(update.memory(capture(lowered, backends.CPU, *dynamic).default_compiled, {})))
     return layout, out
+
+
+def searched_under(limit, step, params, opt_state, batches, plan_dir):
+    """`step` searched under a per-device memory `limit` and trained on `batches`: (the decorated
+    step, its new parameters and state, its weight-update record, the unmodified step's losses).
+    Its losses and parameters match the unmodified step's, and it shards parameters."""
+    reference_params, _, reference = train(step, params, opt_state, batches)
+    run = optimize_distributed(search=True, plan_dir=plan_dir, memory_limit_bytes=limit, **FAST)(step)
+    new_params, new_state, losses = train(run, params, opt_state, batches)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(reference_params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    info = run.reports[0].weight_update
+    assert info["mode"] == "sharded" and info["parameters"], info["reason"]
+    return run, new_params, new_state, info, reference
 
 
 def leaf(tree, path: str):
@@ -80,18 +97,11 @@ def test_layout_names_each_groups_parameter_and_keeps_indivisible_leaves_replica
 
 def test_a_limit_only_parameters_and_state_sharded_meet_is_searched_stored_and_reused(tmp_path, monkeypatch):
     step, params, opt_state, batches = flax_adam_step()
-    reference_params, _, reference = train(step, params, opt_state, batches)
     layout, (replicated, state_only, everything) = footprints(step, (params, opt_state, *batches[0]))
     assert replicated > state_only > everything
     limit = (state_only + everything) // 2  # sharding the state is not enough; sharding everything is
 
-    run = optimize_distributed(search=True, plan_dir=tmp_path, memory_limit_bytes=limit, **FAST)(step)
-    new_params, new_state, losses = train(run, params, opt_state, batches)
-    np.testing.assert_allclose(losses, reference, rtol=1e-5, atol=1e-7)
-    for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(reference_params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    info = run.reports[0].weight_update
-    assert info["mode"] == "sharded" and info["parameters"], info["reason"]
+    run, new_params, new_state, info, reference = searched_under(limit, step, params, opt_state, batches, tmp_path)
     chosen = next(c for c in info["candidates"] if c["leaves"] == sorted(info["leaves"]))
     assert chosen["footprint_bytes"] <= limit and "params" in chosen["choices"].values()
     assert all(c["footprint_bytes"] > limit for c in info["candidates"] if "params" not in c["choices"].values())

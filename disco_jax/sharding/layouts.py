@@ -7,6 +7,7 @@ with it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -48,7 +49,7 @@ class Layout:
     # (no leaf is split so then). A program with such a leaf runs wholly on it (`step_mesh`).
     split_mesh: Any = None
 
-    @property
+    @functools.cached_property  # a frozen dataclass's own `__dict__` holds it; `replace` makes a new one
     def step_mesh(self) -> Any:
         """The mesh of the program lowered with this layout: `split_mesh` where a sharded leaf is
         split over several dimensions (so that the partitioner sees one mesh, and "data" as the
