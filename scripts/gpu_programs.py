@@ -36,12 +36,15 @@ they come), so a run cut short keeps what it measured:
 from __future__ import annotations
 
 import argparse
+import base64
+import dataclasses
 import json
 import os
 import sys
 import tempfile
 import time
 import traceback
+import zlib
 from pathlib import Path
 
 import jax
@@ -83,6 +86,16 @@ def global_args(compiled, host_leaves: list, treedef):
     return jax.tree.unflatten(treedef, arrays)
 
 
+def pack(value) -> str:
+    """A JSON value as base64 of zlib-compressed JSON: module texts and per-call timelines of the
+    paper steps are megabytes each, and a row stays one line, written whole (`unpack` reads it)."""
+    return base64.b64encode(zlib.compress(json.dumps(value).encode(), 6)).decode("ascii")
+
+
+def unpack(packed: str):
+    return json.loads(zlib.decompress(base64.b64decode(packed)))
+
+
 def trace_summary(traces: list, module: str, calls: int) -> dict:
     """Per instruction of `module` its mean device time per call (`_device_timing.kernel_times_from_trace`,
     what the profile phase reads), and the device events that name no instruction of the module,
@@ -111,33 +124,195 @@ def trace_summary(traces: list, module: str, calls: int) -> dict:
     }
 
 
-def record(name: str, compiled, args, *, calls: int = 30, traced: int = 5, meta: dict | None = None) -> dict:
-    """Time and trace one compiled program (see the module docstring)."""
+MAX_EVENTS_PER_CALL = 60000
+
+
+def call_timeline(traces: list) -> dict:
+    """Every event of one traced call, device and host, on the trace's own clock: a names table
+    and per event [plane, line, name, start_ns, duration_ns, hlo_op or ""]. The host's events
+    (Python dispatch, the runtime's launches, CUPTI's driver calls where the GPU records them)
+    are what a host lane is fitted to; the device's are the kernels in the order they ran."""
+    names: dict[str, int] = {}
+
+    def index(name: str) -> int:
+        return names.setdefault(name, len(names))
+
+    events = []
+    for trace in traces:
+        for plane in trace.planes:
+            for line in plane.lines:
+                for e in line.events:
+                    if len(events) >= MAX_EVENTS_PER_CALL:
+                        break
+                    stats = dict(e.stats)
+                    op = str(stats.get("hlo_op", "")) if "hlo_module" in stats else ""
+                    where = [index(plane.name), index(line.name), index(e.name[:200])]
+                    events.append([*where, int(e.start_ns), int(e.duration_ns), op])
+    return {"names": list(names), "events": events, "truncated": len(events) >= MAX_EVENTS_PER_CALL}
+
+
+def traced_calls(call, calls: int) -> list[list]:
+    """`calls` calls, each alone in its own profiler trace (parsed `ProfileData` per call), so the
+    events of one call are never mixed with the next's."""
+    out = []
+    for _ in range(calls):
+        with tempfile.TemporaryDirectory(prefix="gpu-programs-") as trace_dir:
+            with jax.profiler.trace(trace_dir):
+                call()
+            out.append(
+                [jax.profiler.ProfileData.from_file(str(p)) for p in sorted(Path(trace_dir).rglob("*.xplane.pb"))]
+            )
+    return out
+
+
+def spread(samples: list[float]) -> dict:
+    return {
+        "wall_median_us": float(np.median(samples)),
+        "wall_p10_us": float(np.percentile(samples, 10)),
+        "wall_p90_us": float(np.percentile(samples, 90)),
+    }
+
+
+def memory_stats() -> dict:
+    """The allocator's counters of the first local device (None where the backend keeps none)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - not every backend has them
+        return {}
+    keep = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "largest_alloc_size", "num_allocs")
+    return {k: int(stats[k]) for k in keep if stats and k in stats}
+
+
+def memory_analysis(compiled) -> dict:
+    """XLA's memory analysis of the executable (what the planners read), in bytes."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001
+        return {}
+    if m is None:
+        return {}
+    fields = ("argument", "output", "temp", "alias", "generated_code", "host_temp")
+    out = {f: int(getattr(m, f"{f}_size_in_bytes", 0) or 0) for f in fields}
+    peak = getattr(m, "peak_memory_in_bytes", None)
+    if peak is not None:
+        out["peak"] = int(peak)
+    return out
+
+
+class Partner:
+    """A program timed beside a step, call for call (`record`'s interleaving): `call()` runs it
+    once and blocks; `donated` programs feed their outputs back as the next call's inputs."""
+
+    def __init__(self, name: str, compiled, args: tuple, donated: bool = False):
+        self.name, self.compiled, self.args, self.donated = name, compiled, args, donated
+
+    def call(self) -> None:
+        result = self.compiled(*self.args)
+        jax.block_until_ready(result)
+        if self.donated:
+            self.args = tuple(result)
+
+    def row(self, wall: list[float], meta: dict) -> dict:
+        text = self.compiled.as_text()
+        return {
+            "program": self.name,
+            **meta,
+            "module": _module_name(text),
+            "arguments": len(jax.tree.leaves(self.args)),
+            "wall_us": wall,
+            **spread(wall),
+            "text": text,
+        }
+
+
+def _module_name(text: str) -> str:
     from disco_jax._device_timing import hlo_module_name
 
+    return hlo_module_name(text)
+
+
+def trivial_partners(compiled, args) -> list[Partner]:
+    """Two programs that take the step's argument buffers and do (almost) nothing, timed beside it:
+    the per-call cost of a program with these arguments, measured directly.
+
+    * ``args_only``: every argument (`keep_unused`), one tiny kernel, one small output;
+    * ``args_outputs``: the train state's leaves in and, donated, out again (aliased, no kernel):
+      the step's arguments and outputs, as buffers, without its work.
+    """
+    leaves = jax.tree.leaves(args)
+    shardings = jax.tree.leaves(compiled.input_shardings[0])
+
+    def touch(*xs):
+        return xs[0].ravel()[:1] * 2
+
+    args_only = jax.jit(touch, in_shardings=tuple(shardings), keep_unused=True).lower(*leaves).compile()
+    state = jax.tree.leaves(args[0])
+    state_shardings = shardings[: len(state)]
+    copies = tuple(jax.device_put(jnp.copy(x), s) for x, s in zip(state, state_shardings))
+
+    def identity(*xs):
+        return xs
+
+    args_outputs = (
+        jax.jit(identity, in_shardings=tuple(state_shardings), donate_argnums=tuple(range(len(copies))))
+        .lower(*copies)
+        .compile()
+    )
+    return [Partner("args_only", args_only, tuple(leaves)), Partner("args_outputs", args_outputs, copies, True)]
+
+
+def record(
+    name: str,
+    compiled,
+    args,
+    *,
+    calls: int = 30,
+    traced: int = 3,
+    meta: dict | None = None,
+    partners: list[Partner] = (),
+    timelines: bool = True,
+) -> list[dict]:
+    """Time and trace one compiled program, with `partners` timed beside it (see the module
+    docstring); returns its row and one row per partner.
+
+    The allocator's counters are read around the first call, before any partner runs, so that the
+    step's peak can be set against XLA's memory analysis of it."""
     text = compiled.as_text()
-    module = hlo_module_name(text)
-    for _ in range(3):
+    module = _module_name(text)
+
+    def step():
         jax.block_until_ready(compiled(*args))
-    wall = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        wall.append((time.perf_counter() - t0) * 1e6)
-    with tempfile.TemporaryDirectory(prefix="gpu-programs-") as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            for _ in range(traced):
-                jax.block_until_ready(compiled(*args))
-        traces = [jax.profiler.ProfileData.from_file(str(p)) for p in sorted(Path(trace_dir).rglob("*.xplane.pb"))]
-    return {
+
+    before = memory_stats()
+    step()
+    after = memory_stats()
+    for _ in range(2):
+        step()
+    for p in partners:
+        for _ in range(3):
+            p.call()
+    programs = [step, *(p.call for p in partners)]
+    wall: list[list[float]] = [[] for _ in programs]
+    for i in range(calls):  # interleaved, the order rotated each round
+        for k in range(len(programs)):
+            j = (i + k) % len(programs)
+            t0 = time.perf_counter()
+            programs[j]()
+            wall[j].append((time.perf_counter() - t0) * 1e6)
+    per_call = traced_calls(step, traced)
+    row = {
         "program": name,
         **(meta or {}),
         "module": module,
-        "wall_us": wall,
-        "wall_median_us": float(np.median(wall)),
-        "trace": trace_summary(traces, module, traced),
+        "wall_us": wall[0],
+        **spread(wall[0]),
+        "trace": trace_summary([t for call in per_call for t in call], module, traced),
+        "memory": {"before_first_call": before, "after_first_call": after, "analysis": memory_analysis(compiled)},
         "text": text,
     }
+    if timelines:
+        row["calls_z"] = pack([call_timeline(call) for call in per_call])
+    return [row, *(p.row(w, {**(meta or {}), "partner_of": name}) for p, w in zip(partners, wall[1:]))]
 
 
 class Output:
@@ -148,9 +323,12 @@ class Output:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, row: dict) -> None:
+        stored = dict(row)
+        if "text" in stored:  # compressed: the paper steps' texts are megabytes (`load_rows` reads both)
+            stored["text_z"] = pack(stored.pop("text"))
         with self.path.open("a") as f:
-            f.write(json.dumps({**self.common, **row}) + "\n")
-        brief = {k: v for k, v in row.items() if k not in ("text", "trace", "wall_us")}
+            f.write(json.dumps({**self.common, **stored}) + "\n")
+        brief = {k: v for k, v in row.items() if k not in ("text", "trace", "wall_us", "calls_z")}
         if "trace" in row:
             t = row["trace"]
             brief["kernels_traced"] = len(t["kernel_us"])
@@ -204,7 +382,7 @@ def run_launch(out: Output, lengths: list[int], sizes: list[int]) -> None:
 
             def one(length=length, elements=elements):
                 compiled, args = launch_chain(length, elements)
-                return [record(f"chain{length}x{elements}", compiled, args, calls=50, traced=5)]
+                return record(f"chain{length}x{elements}", compiled, args, calls=50, traced=5)
 
             guarded(out, what, one)
 
@@ -234,8 +412,9 @@ def search_plan(lowered, program, devices: int, budget_s: float):
     return result.best, {"default_sim_us": cost(default), "plan_sim_us": result.best_cost, **result.stats()}
 
 
-def step_programs(name: str, config: str, devices, budget_s: float, sharded: bool):
-    """Compile and record the default step, the plan, and (``sharded``) the sharded update."""
+def step_programs(name: str, config: str, devices, budget_s: float, sharded: bool, trivial: bool = False):
+    """Compile and record the default step (with ``trivial``, the two `trivial_partners` timed
+    beside it), the plan (``budget_s`` > 0), and (``sharded``) the sharded update."""
     import optax
     from jax.sharding import Mesh
 
@@ -263,7 +442,10 @@ def step_programs(name: str, config: str, devices, budget_s: float, sharded: boo
     default = lowered.compile()  # XLA's own program, every pass on (the decorator's reference)
     args = global_args(default, host, treedef)
     info = {"model": name, "config": config, "global_batch": batch, "devices": n}
-    rows.append(record("default", default, args, meta={**info, "compile_s": time.perf_counter() - t0}))
+    compile_s = time.perf_counter() - t0
+    partners = trivial_partners(default, args) if trivial else []
+    rows += record("default", default, args, meta={**info, "compile_s": compile_s}, partners=partners)
+    del partners
     print(f"{name}: default recorded, capture {capture_s:.1f} s", flush=True)
     if budget_s > 0:
         try:
@@ -271,7 +453,7 @@ def step_programs(name: str, config: str, devices, budget_s: float, sharded: boo
             t0 = time.perf_counter()
             compiled, status = compile_strategy(lowered, program, best)
             extra = {"status": status, "search": search, "compile_s": time.perf_counter() - t0, **info}
-            rows.append(record("plan", compiled, args, meta=extra))
+            rows += record("plan", compiled, args, meta=extra)
         except Exception as err:  # noqa: BLE001
             traceback.print_exc()
             rows.append({"program": "plan", **info, "error": f"{type(err).__name__}: {str(err)[:2000]}"})
@@ -285,9 +467,8 @@ def step_programs(name: str, config: str, devices, budget_s: float, sharded: boo
             t0 = time.perf_counter()
             compiled = sharded_lowered.compile()
             sharded_args = global_args(compiled, host, treedef)
-            rows.append(
-                record("sharded_update", compiled, sharded_args, meta={**info, "compile_s": time.perf_counter() - t0})
-            )
+            meta = {**info, "compile_s": time.perf_counter() - t0}
+            rows += record("sharded_update", compiled, sharded_args, meta=meta)
         except Exception as err:  # noqa: BLE001
             traceback.print_exc()
             rows.append({"program": "sharded_update", **info, "error": f"{type(err).__name__}: {str(err)[:2000]}"})
@@ -304,9 +485,159 @@ def run_models(out: Output, mode: str, models: list[str], time_budget_s: float, 
         guarded(out, {"mode": mode, "model": name}, lambda name=name: programs(name))
 
 
-def run_steps(out: Output, models: list[str], config: str, budget_s: float, time_budget_s: float) -> None:
+def run_steps(
+    out: Output, models: list[str], config: str, budget_s: float, time_budget_s: float, trivial: bool = False
+) -> None:
     one = jax.devices()[:1]
-    run_models(out, "steps", models, time_budget_s, lambda name: step_programs(name, config, one, budget_s, False))
+    run_models(
+        out, "steps", models, time_budget_s, lambda name: step_programs(name, config, one, budget_s, False, trivial)
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# gemm: library calls at the sizes of 7B-class models
+
+# (tokens per device, in features, out features): a 7B-class decoder's projections (width 4096:
+# attention 4096 x 4096 and 4096 x 12288 fused qkv, a 4x GELU MLP 4096 x 16384 and back, a SwiGLU
+# MLP 4096 x 11008 and back, a 32000-token head), and the widths of 13B-70B models (8192, 16384).
+GEMM_SHAPES: tuple[tuple[int, int, int], ...] = tuple(
+    (m, k, n)
+    for m in (16384, 4096)  # the long-context case first: a cut run keeps it
+    for k, n in (
+        (4096, 4096),
+        (4096, 12288),
+        (4096, 16384),
+        (16384, 4096),
+        (4096, 11008),
+        (11008, 4096),
+        (4096, 32000),
+        (8192, 8192),
+        (8192, 28672),
+        (16384, 16384),
+    )
+)
+# Layouts of the backward pass: "nn" x(M,K) @ w(K,N); "tn" the weight gradient x(M,K)^T dy(M,N),
+# contracting the tokens; "nt" the input gradient dy(M,N) w(K,N)^T.
+GEMM_LAYOUTS = {"nn": "mk,kn->mn", "tn": "mk,mn->kn", "nt": "mn,kn->mk"}
+
+
+def gemm_programs(shapes, layouts: dict[str, tuple[str, ...]], dtypes, attention: tuple[int, int, int, int] | None):
+    """(name, meta, fn, operand shapes, dtype) of every product to time: each shape in "nn" and
+    the layouts `layouts` names for it, and the two batched products of attention (scores and
+    their product with the values) at (batch, heads, length, head width) `attention`."""
+    operands = {
+        "nn": lambda m, k, n: ((m, k), (k, n)),
+        "tn": lambda m, k, n: ((m, k), (m, n)),
+        "nt": lambda m, k, n: ((m, n), (k, n)),
+    }
+    out = []
+    for dtype in dtypes:
+        for m, k, n in shapes:
+            for layout in ("nn", *layouts.get((m, k, n), ())):
+                spec = GEMM_LAYOUTS[layout]
+                meta = {"m": m, "k": k, "n": n, "layout": layout, "dtype": dtype, "flops": 2 * m * k * n}
+                out.append((f"gemm_{layout}_{m}x{k}x{n}_{dtype}", meta, spec, operands[layout](m, k, n), dtype))
+    if attention is not None:
+        b, h, s, d = attention
+        for what, spec, shapes_ in (
+            ("scores", "bhqd,bhkd->bhqk", ((b, h, s, d), (b, h, s, d))),
+            ("values", "bhqk,bhkd->bhqd", ((b, h, s, s), (b, h, s, d))),
+        ):
+            meta = {"attention": what, "shape": [b, h, s, d], "dtype": "bfloat16", "flops": 2 * b * h * s * s * d}
+            out.append((f"attention_{what}_{b}x{h}x{s}x{d}", meta, spec, shapes_, "bfloat16"))
+    return out
+
+
+def run_gemm(out: Output, time_budget_s: float, small: bool = False) -> None:
+    """Each product compiled alone (XLA:GPU autotunes it as it would in a step), timed over 10
+    calls and traced once: its kernels' device time against `cost.work`'s flops."""
+    if small:  # a CPU check of the mode itself
+        shapes, layouts, attention = ((64, 32, 48),), {(64, 32, 48): ("tn", "nt")}, (1, 2, 16, 8)
+    else:
+        big = {(16384, k, n): ("tn", "nt") for k, n in ((4096, 4096), (4096, 16384), (16384, 4096), (8192, 8192))}
+        shapes, layouts, attention = GEMM_SHAPES, big, (4, 32, 4096, 128)
+    programs = gemm_programs(shapes, layouts, ("bfloat16",), attention)
+    f32_shapes = shapes[:1] if small else ((16384, 4096, 4096), (16384, 4096, 16384))
+    programs += gemm_programs(f32_shapes, {}, ("float32",), None)
+    started = time.time()
+    key = jax.random.key(0)
+    for name, meta, spec, shapes_, dtype in programs:
+        if time.time() - started > time_budget_s:
+            out.write({"mode": "gemm", "program": name, "skipped": "time budget spent"})
+            continue
+
+        def one(name=name, meta=meta, spec=spec, shapes_=shapes_, dtype=dtype):
+            keys = jax.random.split(key, len(shapes_))
+            args = tuple(jax.random.normal(k, s, jnp.dtype(dtype)) for k, s in zip(keys, shapes_))
+            t0 = time.perf_counter()
+            compiled = jax.jit(lambda a, b: jnp.einsum(spec, a, b)).lower(*args).compile()
+            meta = {**meta, "compile_s": time.perf_counter() - t0}
+            return record(name, compiled, args, calls=10, traced=1, meta=meta, timelines=False)
+
+        guarded(out, {"mode": "gemm"}, one)
+
+
+# ----------------------------------------------------------------------------------------------
+# decoder: a 7B-shaped decoder's layers on one GPU, and one step in float32 and bfloat16
+
+
+def decoder_configs(which: str):
+    """(label, GPTConfig) of each decoder `which` names: ``llama7b`` a Llama2-7B-shaped stack
+    (width 4096, 32 heads of 128, vocabulary 32000, 4 sequences of 4096 tokens, bfloat16 compute)
+    of 1 and 2 layers, the per-layer cost being their difference, and one layer with cuDNN's
+    fused attention; ``dtype`` one mid-size decoder in float32 and in bfloat16 compute;
+    ``small`` tiny versions of both for a CPU check."""
+    from disco_jax.zoo._gpt import GPTConfig
+
+    if which == "llama7b":
+        base = GPTConfig(32000, 4096, 32, 1, 4096, 4, "bfloat16")
+        return [
+            ("llama7b_1layer", base),
+            ("llama7b_2layers", dataclasses.replace(base, num_layers=2)),
+            ("llama7b_1layer_cudnn", dataclasses.replace(base, attention="cudnn")),
+        ]
+    if which == "dtype":
+        base = GPTConfig(32000, 1024, 16, 4, 1024, 8, "float32")
+        return [("gpt_f32", base), ("gpt_bf16", dataclasses.replace(base, compute_dtype="bfloat16"))]
+    if which == "small":
+        base = GPTConfig(64, 32, 2, 1, 16, 2, "float32")
+        return [("small_f32", base), ("small_bf16", dataclasses.replace(base, compute_dtype="bfloat16"))]
+    raise ValueError(f"unknown decoder set {which!r}")
+
+
+def decoder_programs(label: str, cfg) -> list[dict]:
+    """One decoder's Adam step on the first device, its state initialised on the device."""
+    import optax
+    from jax.sharding import Mesh
+
+    from disco_jax import zoo
+    from disco_jax.zoo import _gpt
+
+    spec = _gpt.spec_of(cfg, label)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    step, state, batch = zoo.make_train_step(spec, optax.adam(1e-4), mesh, "jit")
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    meta = {
+        "model": label,
+        "config": dataclasses.asdict(cfg),
+        "description": spec.description,
+        "parameters": int(sum(x.size for x in jax.tree.leaves(state.params))),
+        "tokens": cfg.global_batch * cfg.seq_len,
+        "compile_s": time.perf_counter() - t0,
+    }
+    return record("default", compiled, (state, batch), calls=10, traced=2, meta=meta)
+
+
+def run_decoder(out: Output, which: str, time_budget_s: float, labels: list[str] | None = None) -> None:
+    started = time.time()
+    for label, cfg in decoder_configs(which):
+        if labels and label not in labels:
+            continue
+        if time.time() - started > time_budget_s:
+            out.write({"mode": "decoder", "model": label, "skipped": "time budget spent"})
+            continue
+        guarded(out, {"mode": "decoder", "set": which}, lambda label=label, cfg=cfg: decoder_programs(label, cfg))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,7 +660,7 @@ def allreduce_alone(megabytes: int) -> list[dict]:
 
     fn = jax.jit(jax.shard_map(reduce, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
     compiled = fn.lower(x).compile()
-    return [record(f"allreduce_{megabytes}MiB", compiled, (x,), meta={"bytes": elements * 4})]
+    return record(f"allreduce_{megabytes}MiB", compiled, (x,), meta={"bytes": elements * 4})
 
 
 def run_mock(out: Output, models: list[str], config: str, budget_s: float, time_budget_s: float) -> None:
@@ -351,7 +682,7 @@ def run_mock(out: Output, models: list[str], config: str, budget_s: float, time_
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=("launch", "steps", "mock"))
+    parser.add_argument("mode", choices=("launch", "steps", "mock", "gemm", "decoder"))
     parser.add_argument("--out", required=True, help="JSON lines appended here")
     parser.add_argument("--models", nargs="*", default=None)
     parser.add_argument("--config", default="tiny", choices=("tiny", "paper"))
@@ -360,6 +691,10 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", type=int, nargs="*", default=[1, 50, 200])
     parser.add_argument("--sizes", type=int, nargs="*", default=[256, 65536, 1048576])
     parser.add_argument("--no-mock", action="store_true", help="mock mode on the real devices (a CPU check)")
+    parser.add_argument("--trivial", action="store_true", help="steps: time the trivial programs beside each step")
+    parser.add_argument("--set", default="llama7b", choices=("llama7b", "dtype", "small"), help="decoder: which")
+    parser.add_argument("--small", action="store_true", help="gemm: tiny products (a CPU check)")
+    parser.add_argument("--labels", nargs="*", default=None, help="decoder: only these of the set")
     args = parser.parse_args(argv)
     if args.mode == "mock" and not args.no_mock:
         jax.config.update("jax_mock_gpu_topology", MOCK_TOPOLOGY)
@@ -371,7 +706,11 @@ def main(argv=None) -> int:
     if args.mode == "launch":
         run_launch(out, args.lengths, args.sizes)
     elif args.mode == "steps":
-        run_steps(out, models, args.config, args.budget, args.time_budget_s)
+        run_steps(out, models, args.config, args.budget, args.time_budget_s, args.trivial)
+    elif args.mode == "gemm":
+        run_gemm(out, args.time_budget_s, args.small)
+    elif args.mode == "decoder":
+        run_decoder(out, args.set, args.time_budget_s, args.labels)
     else:
         run_mock(out, models, args.config, args.budget, args.time_budget_s)
     return 0

@@ -43,6 +43,9 @@ class GPTConfig:
     seq_len: int
     global_batch: int
     compute_dtype: str = "float32"  # a jnp dtype name: "bfloat16" for mixed precision
+    # jax.nn.dot_product_attention's implementation: "xla" (every backend compiles the same ops) or
+    # "cudnn" (cuDNN's fused flash attention, 16-bit compute on a real GPU only).
+    attention: str = "xla"
 
 
 CONFIGS = {
@@ -54,25 +57,27 @@ CONFIGS = {
 class CausalSelfAttention(nn.Module):
     num_heads: int
     dtype: jnp.dtype
+    implementation: str = "xla"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         batch, length, width = x.shape
         qkv = nn.Dense(3 * width, dtype=self.dtype, name="qkv")(x)
         query, key, value = jnp.moveaxis(qkv.reshape(batch, length, 3, self.num_heads, -1), 2, 0)
-        # XLA's own attention (no cuDNN fused kernel), so that every backend compiles the same ops.
-        attended = jax.nn.dot_product_attention(query, key, value, is_causal=True, implementation="xla")
+        # XLA's own attention by default (no cuDNN fused kernel), so that every backend compiles the same ops.
+        attended = jax.nn.dot_product_attention(query, key, value, is_causal=True, implementation=self.implementation)
         return nn.Dense(width, dtype=self.dtype, name="out")(attended.reshape(batch, length, width))
 
 
 class Block(nn.Module):
     num_heads: int
     dtype: jnp.dtype
+    attention: str = "xla"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         width = x.shape[-1]
-        x = x + CausalSelfAttention(self.num_heads, self.dtype)(nn.LayerNorm(1e-5)(x))
+        x = x + CausalSelfAttention(self.num_heads, self.dtype, self.attention)(nn.LayerNorm(1e-5)(x))
         hidden = nn.gelu(nn.Dense(4 * width, dtype=self.dtype)(nn.LayerNorm(1e-5)(x)))
         return x + nn.Dense(width, dtype=self.dtype)(hidden)
 
@@ -88,7 +93,7 @@ class GPT(nn.Module):
         positions = self.param("positions", nn.initializers.normal(0.01), (cfg.seq_len, cfg.d_model))
         x = embed(tokens) + positions[: tokens.shape[1]]
         for _ in range(cfg.num_layers):
-            x = Block(cfg.num_heads, dtype)(x)
+            x = Block(cfg.num_heads, dtype, cfg.attention)(x)
         x = nn.LayerNorm(1e-5)(x)
         # Logits in the compute dtype, the loss in float32.
         return embed.attend(x.astype(dtype)).astype(jnp.float32)
@@ -120,6 +125,7 @@ def spec_of(cfg: GPTConfig, config: str = "custom") -> ModelSpec:
         description=(
             f"GPT decoder, {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads, "
             f"vocab {cfg.vocab_size}, length {cfg.seq_len}, {cfg.compute_dtype} compute"
+            + ("" if cfg.attention == "xla" else f", {cfg.attention} attention")
         ),
     )
 
