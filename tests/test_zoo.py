@@ -4,6 +4,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
 from _trees import assert_trees_close  # noqa: E402
@@ -126,3 +127,49 @@ def test_reformer_reversible_backward_matches_plain_autodiff():
 
     # Inputs are recomputed from outputs, so agreement is up to float32 rounding, not bitwise.
     assert_trees_close(grads(reversible_stack), grads(plain_stack), 1e-4, 1e-5, "grad")
+
+
+# Per model: where `nn.scan` keeps the scanned layers' parameters, and the unrolled layers stacked there.
+SCANNED_LAYERS = {
+    "gpt": {"blocks/block": ["Block_0", "Block_1"]},
+    "transformer": {
+        "encoder/layer": ["EncoderLayer_0", "EncoderLayer_1"],
+        "decoder/layer": ["DecoderLayer_0", "DecoderLayer_1"],
+    },
+}
+
+
+def _stacked(tree: dict, layers: dict[str, list[str]]) -> dict:
+    """An unrolled model's parameters (or gradients) as `nn.scan` holds them: the unrolled layers'
+    trees stacked on a new leading axis, under each scanned name's `outer/inner` path."""
+    out = {k: v for k, v in tree.items() if not any(k in names for names in layers.values())}
+    for scanned, names in layers.items():
+        outer, inner = scanned.split("/")
+        out[outer] = {inner: jax.tree.map(lambda *xs: jax.numpy.stack(xs), *[tree[n] for n in names])}
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(SCANNED_LAYERS))
+def test_scanned_layers_compute_the_unrolled_model_on_stacked_parameters(name):
+    """`scan_layers=True` (`nn.scan` over the blocks: a `while` loop in the step) is the same
+    model: the unrolled form's parameters stacked on a leading layer axis give the same loss and
+    gradients (stacked the same way), and its gradient compiles to one loop per stack and pass."""
+    scanned, unrolled = zoo.resized(name, scan_layers=True), zoo.get_model(name)
+    params, _ = jax.jit(unrolled.init)(jax.random.key(0, impl="rbg"))
+    stacked = _stacked(params, SCANNED_LAYERS[name])
+    shapes = jax.eval_shape(scanned.init, jax.random.key(0))[0]
+    assert jax.tree.map(lambda x: x.shape, stacked) == jax.tree.map(lambda x: x.shape, shapes)
+    batch = unrolled.make_batch(jax.random.key(1, impl="rbg"), 4)
+
+    def loss_and_grads(spec):
+        return jax.jit(jax.value_and_grad(lambda p: spec.loss_fn(p, {}, batch)[0]))
+
+    loss, grads = loss_and_grads(unrolled)(params)
+    scanned_loss, scanned_grads = loss_and_grads(scanned)(stacked)
+    assert float(scanned_loss) == pytest.approx(float(loss), rel=1e-5)
+    # atol from the largest gradient: some are zero but for rounding (attention's key bias).
+    expected = _stacked(grads, SCANNED_LAYERS[name])
+    scale = max(float(jax.numpy.max(jax.numpy.abs(g))) for g in jax.tree.leaves(expected))
+    jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6 * scale), scanned_grads, expected)
+    text = loss_and_grads(scanned).lower(stacked).compile().as_text()
+    assert text.count(" while(") == 2 * len(SCANNED_LAYERS[name])

@@ -20,6 +20,9 @@ Sizes:
 
 `spec_of(GPTConfig(...))` builds any other size (the GPU memory check's mid-size decoder,
 `scripts/gpu_memory_check.py`; shorter stacks for `scripts/offline_decoder_plan.py --layers`).
+``scan_layers=True`` (`zoo.resized("gpt", scan_layers=True)`) runs the blocks under `nn.scan`, as
+MaxText's ``scan_layers`` does: one `while` loop per pass, the blocks' parameters stacked
+`(num_layers, ...)` under ``params["blocks"]["block"]`` (DESIGN.md point 22).
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ class GPTConfig:
     # jax.nn.dot_product_attention's implementation: "xla" (every backend compiles the same ops) or
     # "cudnn" (cuDNN's fused flash attention, 16-bit compute on a real GPU only).
     attention: str = "xla"
+    # The blocks under one `nn.scan` (a `while` loop over stacked `(num_layers, ...)` parameters),
+    # as large models are written, rather than unrolled one after the other.
+    scan_layers: bool = False
 
 
 CONFIGS = {
@@ -82,6 +88,18 @@ class Block(nn.Module):
         return x + nn.Dense(width, dtype=self.dtype)(hidden)
 
 
+class _ScannedBlock(nn.Module):
+    """One `Block` as `nn.scan` runs it: the activations are the carry, nothing is stacked out."""
+
+    num_heads: int
+    dtype: jnp.dtype
+    attention: str = "xla"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
+        return Block(self.num_heads, self.dtype, self.attention, name="block")(x), None
+
+
 class GPT(nn.Module):
     config: GPTConfig
 
@@ -92,8 +110,17 @@ class GPT(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, embedding_init=nn.initializers.normal(0.02))
         positions = self.param("positions", nn.initializers.normal(0.01), (cfg.seq_len, cfg.d_model))
         x = embed(tokens) + positions[: tokens.shape[1]]
-        for _ in range(cfg.num_layers):
-            x = Block(cfg.num_heads, dtype, cfg.attention)(x)
+        if cfg.scan_layers:
+            blocks = nn.scan(
+                _ScannedBlock,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=cfg.num_layers,
+            )
+            x, _ = blocks(cfg.num_heads, dtype, cfg.attention, name="blocks")(x, None)
+        else:
+            for _ in range(cfg.num_layers):
+                x = Block(cfg.num_heads, dtype, cfg.attention)(x)
         x = nn.LayerNorm(1e-5)(x)
         # Logits in the compute dtype, the loss in float32.
         return embed.attend(x.astype(dtype)).astype(jnp.float32)
@@ -126,6 +153,7 @@ def spec_of(cfg: GPTConfig, config: str = "custom") -> ModelSpec:
             f"GPT decoder, {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads, "
             f"vocab {cfg.vocab_size}, length {cfg.seq_len}, {cfg.compute_dtype} compute"
             + ("" if cfg.attention == "xla" else f", {cfg.attention} attention")
+            + (", scanned layers" if cfg.scan_layers else "")
         ),
     )
 

@@ -11,6 +11,9 @@ Sizes:
 - ``tiny``: 2+2 layers, d_model 32, 2 heads, d_ff 64, vocabulary 64, length 8.
 
 Dropout is left out so that steps are deterministic. `EncoderLayer` is reused by BERT.
+``scan_layers=True`` (`zoo.resized("transformer", scan_layers=True)`) runs each stack under
+`nn.scan`, as large models are written: one `while` loop per stack and pass, its parameters
+stacked `(layers, ...)` (DESIGN.md point 22).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class TransformerConfig:
     seq_len: int
     global_batch: int
     label_smoothing: float = 0.1
+    # Each stack under one `nn.scan` (a `while` loop over `(layers, ...)` parameters) rather than unrolled.
+    scan_layers: bool = False
 
 
 CONFIGS = {
@@ -91,6 +96,40 @@ class DecoderLayer(nn.Module):
         return nn.LayerNorm(1e-6)(x + FeedForward(self.d_ff)(x))
 
 
+class _ScannedEncoderLayer(nn.Module):
+    """One `EncoderLayer` as `nn.scan` runs it: the activations are the carry."""
+
+    num_heads: int
+    d_ff: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
+        return EncoderLayer(self.num_heads, self.d_ff, name="layer")(x), None
+
+
+class _ScannedDecoderLayer(nn.Module):
+    """One `DecoderLayer` as `nn.scan` runs it: the encoder's output and the mask broadcast."""
+
+    num_heads: int
+    d_ff: int
+
+    @nn.compact
+    def __call__(self, y: jax.Array, encoded: jax.Array, causal_mask: jax.Array) -> tuple[jax.Array, None]:
+        return DecoderLayer(self.num_heads, self.d_ff, name="layer")(y, encoded, causal_mask), None
+
+
+def _scanned(layer: type[nn.Module], length: int, broadcast: int) -> type[nn.Module]:
+    """`layer` under `nn.scan` over `length` layers: parameters stacked on a leading axis, the
+    `broadcast` arguments after the carry the same for every layer."""
+    return nn.scan(
+        layer,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast,) * broadcast,
+        length=length,
+    )
+
+
 class Transformer(nn.Module):
     config: TransformerConfig
 
@@ -105,10 +144,16 @@ class Transformer(nn.Module):
             return embed(tokens) * np.sqrt(cfg.d_model) + positions[: tokens.shape[1]]
 
         x = embed_tokens(source)
-        for _ in range(cfg.num_encoder_layers):
-            x = EncoderLayer(cfg.num_heads, cfg.d_ff)(x)
         y = embed_tokens(target_inputs)
         causal_mask = nn.make_causal_mask(target_inputs)
+        if cfg.scan_layers:
+            encoder = _scanned(_ScannedEncoderLayer, cfg.num_encoder_layers, 1)
+            x, _ = encoder(cfg.num_heads, cfg.d_ff, name="encoder")(x, None)
+            decoder = _scanned(_ScannedDecoderLayer, cfg.num_decoder_layers, 2)
+            y, _ = decoder(cfg.num_heads, cfg.d_ff, name="decoder")(y, x, causal_mask)
+            return embed.attend(y)
+        for _ in range(cfg.num_encoder_layers):
+            x = EncoderLayer(cfg.num_heads, cfg.d_ff)(x)
         for _ in range(cfg.num_decoder_layers):
             y = DecoderLayer(cfg.num_heads, cfg.d_ff)(y, x, causal_mask)
         return embed.attend(y)
@@ -144,7 +189,7 @@ def spec_of(cfg: TransformerConfig, config: str = "custom") -> ModelSpec:
         default_global_batch=cfg.global_batch,
         description=(
             f"Transformer {cfg.num_encoder_layers}+{cfg.num_decoder_layers} layers, d_model {cfg.d_model}, "
-            f"vocab {cfg.vocab_size}, length {cfg.seq_len}"
+            f"vocab {cfg.vocab_size}, length {cfg.seq_len}" + (", scanned layers" if cfg.scan_layers else "")
         ),
     )
 
