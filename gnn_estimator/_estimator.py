@@ -14,6 +14,10 @@ a `ChainEstimator` falls through to the next estimator for them. So do kernels o
 network was trained on (`GnnEstimator.trusted`): more ops than the largest training kernel, or a
 prediction beyond twice the longest training time. A sum readout over hundreds of ops extrapolates
 without bound (an XLA:GPU concatenate fusion of 655 ops of the RNNLM was predicted at 517 s).
+And kernels holding an op that touches only a region of a buffer (`REGION_OPS`: a loop body's
+dynamic slice of its layer's stacked parameters, its in-place update of stacked activations)
+where no training kernel held one (the weights' `training.opcodes`): such a node's features
+describe the whole buffer, which the kernel neither reads nor writes.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from gnn_estimator._train import TrainedEstimator
 from gnn_estimator._weights import METADATA_FILE, WEIGHTS_FILE, WeightsError, read_weights
 
 _NOT_FUSIBLE = ("not fusible",)  # in place of a key: a kernel holding a non-fusible op, answered None
+REGION_OPS = frozenset({"dynamic-slice", "dynamic-update-slice"})
 
 
 class GnnWeightsWarning(UserWarning):
@@ -62,6 +67,8 @@ class GnnEstimator:
         # Weights trained before these were recorded have no limit on that side.
         self.max_ops = (training.get("kernel_ops_range") or [None, None])[1]
         self.max_us = 2.0 * training["time_us_range"][1] if training.get("time_us_range") else None
+        # Region ops no training kernel held (weights that do not record their opcodes: all of them).
+        self.untrained_region_ops = REGION_OPS - set(training.get("opcodes") or ())
 
     def trusted(self, ops: int, predicted_us: float) -> bool:
         """Whether a prediction lies where the network was trained (see the module docstring)."""
@@ -105,7 +112,8 @@ class GnnEstimator:
             key = known.get(k)
             if key is None:
                 fusible = k and all(graph.ops[o].kind == "fusible" for o in k)
-                key = known[k] = self._key(graph, k) if fusible else _NOT_FUSIBLE
+                untrained = any(graph.ops[o].opcode in self.untrained_region_ops for o in k)
+                key = known[k] = self._key(graph, k) if fusible and not untrained else _NOT_FUSIBLE
             if key is _NOT_FUSIBLE:
                 keys.append(None)
                 continue

@@ -151,6 +151,8 @@ def main(argv=None) -> int:
                 min(len(s["kernel"]["nodes"]) for s in split["train"]),
                 max(len(s["kernel"]["nodes"]) for s in split["train"]),
             ],
+            # Opcodes the training kernels held (`GnnEstimator.untrained_region_ops`).
+            "opcodes": sorted({n["op"] for s in split["train"] for n in s["kernel"]["nodes"]}),
             "epochs": args.epochs,
             "batch_size": args.batch_size,
             "learning_rate": args.learning_rate,

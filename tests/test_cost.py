@@ -436,3 +436,47 @@ ENTRY %main (p0: f32[8,32,32,16], p1: f32[64,3,3,16], p2: f32[8,32,32,64]) -> f3
     for name, operands in (("fwd", ("p0", "p1")), ("bwi", ("p2", "p1")), ("bwf", ("p0", "p2"))):
         work = instruction_work(insts[name], [list(specs[o]) for o in operands])
         assert work.dot == expected, name
+
+
+REGIONS = """HloModule regions
+
+%fused_store (stack: f32[32,1024], layer: f32[1024], i: s32[]) -> f32[32,1024] {
+  %stack = f32[32,1024]{1,0} parameter(0)
+  %layer = f32[1024]{0} parameter(1)
+  %i = s32[] parameter(2)
+  %grown = f32[1024]{0} exponential(%layer)
+  %row = f32[1,1024]{1,0} bitcast(%grown)
+  %zero = s32[] constant(0)
+  ROOT %stored = f32[32,1024]{1,0} dynamic-update-slice(%stack, %row, %i, %zero)
+}
+
+%fused_load (weights: f32[32,1024], j: s32[]) -> f32[1,1024] {
+  %weights = f32[32,1024]{1,0} parameter(0)
+  %j = s32[] parameter(1)
+  %zero.1 = s32[] constant(0)
+  %sliced = f32[1,1024]{1,0} dynamic-slice(%weights, %j, %zero.1), dynamic_slice_sizes={1,1024}
+  ROOT %scaled = f32[1,1024]{1,0} negate(%sliced)
+}
+
+ENTRY %main (s: f32[32,1024], x: f32[1024], k: s32[]) -> (f32[32,1024], f32[1,1024], f32[32,1024]) {
+  %s = f32[32,1024]{1,0} parameter(0)
+  %x = f32[1024]{0} parameter(1)
+  %k = s32[] parameter(2)
+  %store = f32[32,1024]{1,0} fusion(%s, %x, %k), kind=kLoop, calls=%fused_store
+  %load = f32[1,1024]{1,0} fusion(%s, %k), kind=kLoop, calls=%fused_load
+  %whole = f32[32,1024]{1,0} negate(%s)
+  ROOT %out = (f32[32,1024]{1,0}, f32[1,1024]{1,0}, f32[32,1024]{1,0}) tuple(%store, %load, %whole)
+}
+"""
+
+
+def test_a_dynamic_slice_reads_its_slice_and_an_in_place_update_writes_its_update():
+    """A scanned layer's kernels: storing a layer's activations into a (layers, ...) stack by an
+    in-place dynamic-update-slice moves the layer's row, not the stack; reading a layer's
+    parameters by a dynamic slice reads its row; a kernel that reads the stack whole pays it."""
+    graph = _graph.build_graph(REGIONS, backends.GPU.fusible, merge_duplicates=False)
+    kernels = dict(zip(graph.xla_kernel_names, graph.xla_groups))
+    row, stack, index = 1024 * 4, 32 * 1024 * 4, 4
+    assert cost.kernel_io_bytes(graph, kernels["store"]) == (row + index, row)
+    assert cost.kernel_io_bytes(graph, kernels["load"]) == (row + index, row)
+    assert cost.kernel_io_bytes(graph, kernels["whole"]) == (stack, stack)

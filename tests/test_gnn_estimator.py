@@ -301,6 +301,20 @@ def test_gnn_estimator_batches_caches_and_skips_opaque_kernels(program, tmp_path
     assert calls == [distinct]  # served from the cache
 
 
+def test_the_shipped_gnn_declines_kernels_holding_region_ops_it_never_trained_on():
+    """A scanned layer's dynamic slices and in-place updates: the shipped H100 weights record
+    their training opcodes, none of which is one, so such kernels are left to the roofline; an
+    elementwise kernel of the same module is predicted."""
+    from test_cost import REGIONS
+
+    estimator = load_estimator("NVIDIA H100 80GB HBM3")
+    assert estimator is not None and estimator.untrained_region_ops == {"dynamic-slice", "dynamic-update-slice"}
+    graph = _graph.build_graph(REGIONS, backends.GPU.fusible, merge_duplicates=False)
+    kernels = dict(zip(graph.xla_kernel_names, graph.xla_groups))
+    store, load, whole = estimator.estimate(graph, [kernels["store"], kernels["load"], kernels["whole"]])
+    assert store is None and load is None and whole is not None and whole > 0
+
+
 def test_the_core_finds_the_gnn_through_its_entry_point(tmp_path, graph):
     """`gnn = "gnn_estimator:load_estimator"` in the `disco_jax.estimators` entry-point group: the
     core's plugin registry finds and loads it, and it is the shipped CPU network."""

@@ -206,17 +206,62 @@ def flops_per_op(graph: Graph) -> list[float]:
 # --------------------------------------------------------------------------- kernels
 
 
+def _region_read(graph: Graph, members: frozenset[int], value: int) -> int | None:
+    """Bytes a kernel reads of `value` when it only slices it: every use inside the kernel (through
+    bitcasts) is the sliced operand of a `dynamic-slice` (the slice's bytes) or the buffer of a
+    `dynamic-update-slice` (written in place, not read); None when some use reads it whole."""
+    total = 0
+    for u in graph.users[value]:
+        if u not in members:
+            continue
+        op = graph.ops[u]
+        if op.opcode == "bitcast":
+            inner = _region_read(graph, members, u)
+            if inner is None:
+                return None
+            total += inner
+        elif op.opcode == "dynamic-slice" and op.operands[0] == value and value not in op.operands[1:]:
+            total += op.output_bytes
+        elif op.opcode == "dynamic-update-slice" and op.operands[0] == value and value not in op.operands[1:]:
+            pass
+        else:
+            return None
+    return total
+
+
+def _written_bytes(graph: Graph, members: frozenset[int], export: int) -> int:
+    """Bytes a kernel writes of one of its outputs: a `dynamic-update-slice` of a buffer read from
+    outside the kernel (through bitcasts) is emitted in place and writes its update only."""
+    op = graph.ops[export]
+    while op.opcode == "bitcast" and op.operands and op.operands[0] in members:
+        op = graph.ops[op.operands[0]]
+    if op.opcode == "dynamic-update-slice":
+        buffer = op.operands[0]
+        while buffer in members and graph.ops[buffer].opcode == "bitcast":
+            buffer = graph.ops[buffer].operands[0]
+        if buffer not in members:
+            return graph.ops[op.operands[1]].output_bytes
+    return graph.ops[export].output_bytes
+
+
 def kernel_io_bytes(graph: Graph, members: frozenset[int], exports: Sequence[int] | None = None) -> tuple[int, int]:
     """Bytes read from outside the kernel and bytes written by it (exports default: ops used
     outside the kernel, else its last op). Small constants (64 bytes or less) are not read: a
-    fusion holds its own copy."""
-    inputs = {v for o in members for v in graph.ops[o].operands if v not in members}
-    read = sum(
-        graph.ops[v].output_bytes for v in inputs if graph.ops[v].opcode != "constant" or graph.ops[v].output_bytes > 64
-    )
+    fusion holds its own copy. A value the kernel only slices counts the slices' bytes, and a
+    dynamic-update-slice in place (a loop body stacking its layer's activations into a
+    `(layers, ...)` buffer) its update's: neither reads nor writes the whole buffer
+    (`_region_read`, `_written_bytes`)."""
+    ops = graph.ops
+    inputs = {v for o in members for v in ops[o].operands if v not in members}
+    read = 0
+    for v in inputs:
+        if ops[v].opcode == "constant" and ops[v].output_bytes <= 64:
+            continue
+        region = _region_read(graph, members, v)
+        read += ops[v].output_bytes if region is None else region
     if exports is None:
         exports = [o for o in members if any(u not in members for u in graph.users[o])] or [max(members)]
-    written = sum(graph.ops[o].output_bytes for o in exports)
+    written = sum(_written_bytes(graph, members, o) for o in exports)
     return read, written
 
 
