@@ -37,6 +37,7 @@ from typing import Any
 from disco_jax import _hlo
 
 FREE = frozenset("parameter constant get-tuple-element tuple bitcast after-all".split())
+CONTROL_FLOW = frozenset({"while", "conditional", "call"})
 
 
 @dataclasses.dataclass
@@ -257,8 +258,9 @@ def _strip_layout(shape: str) -> str:
 
 
 def _openable(inst: _hlo.Instruction, module: _hlo.HloModuleText, fusible: frozenset[str]) -> bool:
-    """An XLA loop fusion whose instructions are all ones we can re-fuse freely."""
-    if inst.opcode != "fusion" or inst.attr("kind") not in ("kLoop", "kInput"):
+    """An XLA loop fusion whose instructions are all ones we can re-fuse freely (an async one,
+    `fusion-start`, too: XLA:GPU's dynamic-slice fusions of a loop body's stacked parameters)."""
+    if inst.opcode not in ("fusion", "fusion-start") or inst.attr("kind") not in ("kLoop", "kInput"):
         return False
     comp = module.computation(inst.attr("calls").lstrip("%"))
     for i in comp.instructions:
@@ -319,13 +321,37 @@ def _compat_key(inst: _hlo.Instruction, module: _hlo.HloModuleText, dtype: str) 
     )
 
 
-def build_graph(text: str, fusible: frozenset[str], *, merge_duplicates: bool = True) -> Graph:
+def control_flow_computations(module: _hlo.HloModuleText) -> list[_hlo.Computation]:
+    """The computations the entry's control flow runs (`while` bodies and conditions,
+    `conditional` branches, `call`ed computations), nested ones too, each once, in the order met."""
+    found: dict[str, _hlo.Computation] = {}
+    stack = [module.entry]
+    while stack:
+        for inst in stack.pop(0).instructions:
+            if inst.opcode in CONTROL_FLOW:
+                for name in inst.called_computations:
+                    if name not in found:
+                        found[name] = module.computation(name)
+                        stack.append(found[name])
+    return list(found.values())
+
+
+def build_graph(
+    text: str, fusible: frozenset[str], *, merge_duplicates: bool = True, control_flow: bool = False
+) -> Graph:
     """Parse a module captured at a compiler's hook stage into the graph IR, ops classified by what
     its loop emitter fuses (`fusible`: `Backend.fusible`; the graph keeps no backend).
-    `merge_duplicates=False`: every fusion's ops its own (a compiled module, `cost.compiled`)."""
+    `merge_duplicates=False`: every fusion's ops its own (a compiled module, `cost.compiled`).
+    `control_flow=True`: the ops of the computations the entry's control flow runs are read too
+    (`control_flow_computations`: loop bodies and conditions, branches, called computations), after
+    the entry's, XLA's fusions there opened the same way and listed in `xla_groups`; each reads
+    only its own computation's values (a loop body's parameter is a free op), its all-reduces are
+    opaque ops (not gradients: the search regroups the entry's), and the `while` itself stays one
+    opaque op of the entry. What `cost.compiled` costs a loop body's kernels on."""
     module = _hlo.parse_module(text)
     fingerprint = _hlo.module_fingerprint(module)  # before anything reads the parsed module
     entry = module.entry
+    computations = [entry] + (control_flow_computations(module) if control_flow else [])
     ops: list[Op] = []
     cse: dict[tuple, int] = {}
     value: dict[str, int] = {}  # entry value name -> op id
@@ -337,12 +363,14 @@ def build_graph(text: str, fusible: frozenset[str], *, merge_duplicates: bool = 
     xla_buckets: list[tuple[int, ...]] = []
     templates: dict[tuple, _hlo.Instruction] = {}
 
-    # Values some instruction overwrites in place: by entry name, and fusions that produce them.
+    # Values some instruction overwrites in place: by name (unique in a module), and fusions that produce them.
     exclusive: set[str] = set()
-    for inst in entry.instructions:
-        for i in _in_place_operands(inst, module):
-            exclusive.add(inst.operands[i])
-    by_name = entry.by_name()
+    by_name: dict[str, _hlo.Instruction] = {}
+    for comp in computations:
+        for inst in comp.instructions:
+            for i in _in_place_operands(inst, module):
+                exclusive.add(inst.operands[i])
+        by_name.update(comp.by_name())
     exclusive |= {
         by_name[n].operands[0] for n in list(exclusive) if n in by_name and by_name[n].opcode == "get-tuple-element"
     }
@@ -377,94 +405,100 @@ def build_graph(text: str, fusible: frozenset[str], *, merge_duplicates: bool = 
             return "fusible"
         return "opaque"
 
-    for inst in entry.instructions:
-        if inst.opcode == "all-reduce" and len(inst.operands) >= 1:
-            ar_kind = "gradient"
-            specs = inst.outputs
-            if any(len(ops[value[o]].inst.outputs) != 1 for o in inst.operands if o in value):
-                ar_kind = "opaque"
-        else:
-            ar_kind = None
-        if ar_kind == "gradient":
-            bucket = []
-            element_shapes = (
-                _hlo.split_top_level(re.sub(r"/\*.*?\*/", "", inst.shape[1:-1]))
-                if inst.shape.startswith("(")
-                else [inst.shape]
-            )
-            for k, operand in enumerate(inst.operands):
-                gid = len(gradients)
-                producer = value[operand]
-                shape = element_shapes[k] if len(element_shapes) == len(inst.operands) else inst.shape
-                reduced = add(
-                    dataclasses.replace(inst, shape=shape, operands=[operand]),
-                    "reduced",
-                    (producer,),
-                    inst.name,
-                    gradient=gid,
-                )
-                compat = _compat_key(inst, module, specs[k].dtype)
-                templates.setdefault(compat, inst)
-                # Users refer to a variadic all-reduce's results through get-tuple-elements.
-                result = inst.name if len(inst.operands) == 1 and not inst.shape.startswith("(") else None
-                gradients.append(
-                    Gradient(gid, producer, reduced, specs[k].bytes, compat, inst.name, result or f"{inst.name}.{k}")
-                )
-                bucket.append(gid)
-            xla_buckets.append(tuple(bucket))
-            if len(inst.operands) == 1 and not inst.shape.startswith("("):
-                value[inst.name] = gradients[bucket[0]].reduced
+    for comp in computations:
+        for inst in comp.instructions:
+            if inst.opcode == "all-reduce" and len(inst.operands) >= 1 and comp is entry:
+                ar_kind = "gradient"
+                specs = inst.outputs
+                if any(len(ops[value[o]].inst.outputs) != 1 for o in inst.operands if o in value):
+                    ar_kind = "opaque"
             else:
-                tuple_values[inst.name] = [gradients[g].reduced for g in bucket]
-            continue
-        if inst.opcode == "get-tuple-element" and inst.operands[0] in tuple_values:
-            elements = tuple_values[inst.operands[0]]
-            value[inst.name] = elements[int(inst.attr("index"))]
-            src = ops[elements[int(inst.attr("index"))]]
-            if src.kind == "reduced":  # remember the user-facing name of the gradient result
-                g = gradients[src.gradient]
-                if g.result_name.startswith(f"{g.source}."):
-                    gradients[g.id] = dataclasses.replace(g, result_name=inst.name)
-            continue
-        if _openable(inst, module, fusible):
-            comp = module.computation(inst.attr("calls").lstrip("%"))
-            inner: dict[str, int] = {}
-            members: list[int] = []
-            outputs = set(comp.root.operands) if comp.root.opcode == "tuple" else {comp.root.name}
-            for i in comp.instructions:
-                if i.opcode == "parameter":
-                    inner[i.name] = value[inst.operands[int(i.literal)]]
-                elif i.opcode == "tuple" and i.is_root:
-                    tuple_values[inst.name] = [inner[o] for o in i.operands]
-                else:
-                    kind = "free" if i.opcode == "constant" else "fusible"
-                    mergeable = merge_duplicates and not (inst.name in exclusive and i.name in outputs)
-                    oid = add(
-                        dataclasses.replace(i, is_root=False),
-                        kind,
-                        tuple(inner[o] for o in i.operands),
+                ar_kind = None
+            if ar_kind == "gradient":
+                bucket = []
+                element_shapes = (
+                    _hlo.split_top_level(re.sub(r"/\*.*?\*/", "", inst.shape[1:-1]))
+                    if inst.shape.startswith("(")
+                    else [inst.shape]
+                )
+                for k, operand in enumerate(inst.operands):
+                    gid = len(gradients)
+                    producer = value[operand]
+                    shape = element_shapes[k] if len(element_shapes) == len(inst.operands) else inst.shape
+                    reduced = add(
+                        dataclasses.replace(inst, shape=shape, operands=[operand]),
+                        "reduced",
+                        (producer,),
                         inst.name,
-                        mergeable=mergeable,
+                        gradient=gid,
                     )
-                    inner[i.name] = oid
-                    if kind == "fusible":
-                        members.append(oid)
-            root = comp.root
-            exports = tuple_values[inst.name] if root.opcode == "tuple" else [inner[root.name]]
-            if root.opcode != "tuple":
-                value[inst.name] = inner[root.name]
-            xla_groups.append(frozenset(members))
-            xla_kernel_names.append(inst.name)
-            xla_exports.append(exports)
-            continue
-        kind = entry_kind(inst)
-        operands = tuple(value[o] for o in inst.operands)
-        oid = add(inst, kind, operands, inst.name)
-        value[inst.name] = oid
-        if kind == "fusible":
-            xla_groups.append(frozenset([oid]))
-            xla_kernel_names.append(inst.name)
-            xla_exports.append([oid])
+                    compat = _compat_key(inst, module, specs[k].dtype)
+                    templates.setdefault(compat, inst)
+                    # Users refer to a variadic all-reduce's results through get-tuple-elements.
+                    result = inst.name if len(inst.operands) == 1 and not inst.shape.startswith("(") else None
+                    gradients.append(
+                        Gradient(
+                            gid, producer, reduced, specs[k].bytes, compat, inst.name, result or f"{inst.name}.{k}"
+                        )
+                    )
+                    bucket.append(gid)
+                xla_buckets.append(tuple(bucket))
+                if len(inst.operands) == 1 and not inst.shape.startswith("("):
+                    value[inst.name] = gradients[bucket[0]].reduced
+                else:
+                    tuple_values[inst.name] = [gradients[g].reduced for g in bucket]
+                continue
+            if inst.opcode == "get-tuple-element" and inst.operands[0] in tuple_values:
+                elements = tuple_values[inst.operands[0]]
+                value[inst.name] = elements[int(inst.attr("index"))]
+                src = ops[elements[int(inst.attr("index"))]]
+                if src.kind == "reduced":  # remember the user-facing name of the gradient result
+                    g = gradients[src.gradient]
+                    if g.result_name.startswith(f"{g.source}."):
+                        gradients[g.id] = dataclasses.replace(g, result_name=inst.name)
+                continue
+            if inst.opcode == "fusion-done" and inst.operands[0] in value:  # an async fusion's result
+                value[inst.name] = value[inst.operands[0]]
+                continue
+            if _openable(inst, module, fusible):
+                fused = module.computation(inst.attr("calls").lstrip("%"))
+                inner: dict[str, int] = {}
+                members: list[int] = []
+                outputs = set(fused.root.operands) if fused.root.opcode == "tuple" else {fused.root.name}
+                for i in fused.instructions:
+                    if i.opcode == "parameter":
+                        inner[i.name] = value[inst.operands[int(i.literal)]]
+                    elif i.opcode == "tuple" and i.is_root:
+                        tuple_values[inst.name] = [inner[o] for o in i.operands]
+                    else:
+                        kind = "free" if i.opcode == "constant" else "fusible"
+                        mergeable = merge_duplicates and not (inst.name in exclusive and i.name in outputs)
+                        oid = add(
+                            dataclasses.replace(i, is_root=False),
+                            kind,
+                            tuple(inner[o] for o in i.operands),
+                            inst.name,
+                            mergeable=mergeable,
+                        )
+                        inner[i.name] = oid
+                        if kind == "fusible":
+                            members.append(oid)
+                root = fused.root
+                exports = tuple_values[inst.name] if root.opcode == "tuple" else [inner[root.name]]
+                if root.opcode != "tuple":
+                    value[inst.name] = inner[root.name]
+                xla_groups.append(frozenset(members))
+                xla_kernel_names.append(inst.name)
+                xla_exports.append(exports)
+                continue
+            kind = entry_kind(inst)
+            operands = tuple(value[o] for o in inst.operands)
+            oid = add(inst, kind, operands, inst.name)
+            value[inst.name] = oid
+            if kind == "fusible":
+                xla_groups.append(frozenset([oid]))
+                xla_kernel_names.append(inst.name)
+                xla_exports.append([oid])
 
     # Home of each fusible op: the XLA kernel that exported it, else the first that holds it.
     homes: dict[int, int] = {}
@@ -487,7 +521,7 @@ def build_graph(text: str, fusible: frozenset[str], *, merge_duplicates: bool = 
         xla_kernel_names,
         xla_exports,
         templates,
-        value,
+        {i.name: value[i.name] for i in entry.instructions if i.name in value} if control_flow else value,
         outputs,
         fingerprint,
     )

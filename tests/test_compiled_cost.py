@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _hlo_text import COLLECTIVES, module_kernels
+from _hlo_text import COLLECTIVES, executed_kernels, module_kernels
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -60,8 +60,8 @@ def test_h100_estimator_costs_fusions_by_the_gnn_within_its_range_and_the_rest_b
     assert costed.costed_by["gnn"] > 0 and "none" not in costed.costed_by
 
 
-SCHEDULE = """HloModule schedule, is_scheduled=true
-
+# The reduction and two loop fusions the hand-written modules below call.
+COMPUTATIONS = """
 %sum (x: f32[], y: f32[]) -> f32[] {
   %x = f32[] parameter(0)
   %y = f32[] parameter(1)
@@ -77,7 +77,13 @@ SCHEDULE = """HloModule schedule, is_scheduled=true
   %p1 = f32[1024]{0} parameter(0)
   ROOT %neg = f32[1024]{0} negate(%p1)
 }
+"""
 
+SCHEDULE = (
+    """HloModule schedule, is_scheduled=true
+"""
+    + COMPUTATIONS
+    + """
 %fused_mul (p2: f32[1024], p3: f32[1024]) -> f32[1024] {
   %p2 = f32[1024]{0} parameter(0)
   %p3 = f32[1024]{0} parameter(1)
@@ -94,6 +100,7 @@ ENTRY %main (a: f32[1024]) -> f32[1024] {
   ROOT %f3 = f32[1024]{0} fusion(%ard, %ar), kind=kLoop, calls=%fused_mul
 }
 """
+)
 
 
 class _Fixed:
@@ -127,14 +134,230 @@ def test_async_collective_overlaps_until_its_done_and_a_synchronous_one_blocks()
     assert step.iteration_us == 21.0 + 200.0 + 21.0 + 5.0  # f1, the collectives (f2 under the first), f3
 
 
-def test_control_flow_and_unscheduled_modules_are_refused():
+def test_unscheduled_modules_and_unknown_async_starts_are_refused():
     with pytest.raises(ValueError, match="is_scheduled"):
         backends.GPU.read_kernels(SCHEDULE.replace(", is_scheduled=true", ""))
-    called = SCHEDULE.replace("kind=kLoop, calls=%fused_neg", "to_apply=%fused_neg").replace(
-        "fusion(%a), to", "call(%a), to"
+    copied = SCHEDULE.replace("all-reduce-start(%f1), replica_groups={}, to_apply=%sum", "copy-start(%f1)")
+    with pytest.raises(ValueError, match="async copy-start of no collective"):
+        backends.GPU.read_kernels(copied.replace("all-reduce-done(%ars)", "copy-done(%ars)"))
+
+
+# A loop of 3 layers: each iteration a kernel, an async all-reduce of its result under a second
+# kernel, then the done; a kernel before and after the loop. `{TRIP}` is the while's backend config.
+LOOP = (
+    """HloModule loop, is_scheduled=true
+"""
+    + COMPUTATIONS
+    + """
+%fused_step (i0: s32[]) -> s32[] {
+  %i0 = s32[] parameter(0)
+  %one = s32[] constant(1)
+  ROOT %next = s32[] add(%i0, %one)
+}
+
+%fused_less (i1: s32[], n1: s32[]) -> pred[] {
+  %i1 = s32[] parameter(0)
+  %n1 = s32[] parameter(1)
+  ROOT %lt = pred[] compare(%i1, %n1), direction=LT
+}
+
+%body (state: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %state = (s32[], f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %h = f32[1024]{0} get-tuple-element(%state), index=1
+  %b1 = f32[1024]{0} fusion(%h), kind=kLoop, calls=%fused_exp
+  %bar = ((f32[1024]{0}), f32[1024]{0}) all-reduce-start(%b1), replica_groups={}, to_apply=%sum
+  %b2 = f32[1024]{0} fusion(%h), kind=kLoop, calls=%fused_neg
+  %bad = f32[1024]{0} all-reduce-done(%bar)
+  %inc = s32[] fusion(%i), kind=kLoop, calls=%fused_step
+  ROOT %next_state = (s32[], f32[1024]{0}) tuple(%inc, %bad)
+}
+
+%condition (cstate: (s32[], f32[1024])) -> pred[] {
+  %cstate = (s32[], f32[1024]{0}) parameter(0)
+  %ci = s32[] get-tuple-element(%cstate), index=0
+  %limit = s32[] constant({LIMIT})
+  ROOT %more = pred[] fusion(%ci, %limit), kind=kLoop, calls=%fused_less
+}
+
+ENTRY %main (a: f32[1024]) -> f32[1024] {
+  %a = f32[1024]{0} parameter(0)
+  %before = f32[1024]{0} fusion(%a), kind=kLoop, calls=%fused_exp
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[1024]{0}) tuple(%zero, %before)
+  %loop = (s32[], f32[1024]{0}) while(%init), condition=%condition, body=%body{TRIP}
+  %out = f32[1024]{0} get-tuple-element(%loop), index=1
+  ROOT %after = f32[1024]{0} fusion(%out), kind=kLoop, calls=%fused_neg
+}
+"""
+)
+KNOWN = ', backend_config={"known_trip_count":{"n":"3"},"known_init_step":{"init":"0","step":"1"}}'
+
+
+def test_a_loop_costs_its_body_once_per_iteration_with_its_collectives_in_the_body_schedule():
+    """A `while` with XLA's known trip count: its body's kernels run 3 times, in the body's own
+    schedule (each all-reduce hides under the kernel the body schedules before its done, and
+    nothing else); the runtime does not evaluate the condition (XLA's WhileThunk runs a known
+    trip count as a for loop)."""
+    text = LOOP.replace("{TRIP}", KNOWN).replace("{LIMIT}", "3")
+    schedule = backends.GPU.read_kernels(text)
+    [loop] = schedule.control_flow
+    assert (loop.name, loop.trip_count, loop.trip_count_from, loop.parts) == (
+        "loop",
+        3,
+        "known_trip_count",
+        ("loop/body",),
     )
-    with pytest.raises(ValueError, match="control flow"):
-        backends.GPU.read_kernels(called)
+    assert {k.name: (k.scope, k.repeat) for k in schedule} == {
+        "before": ("", 1),
+        "b1": ("loop/body", 3),
+        "bar": ("loop/body", 3),
+        "b2": ("loop/body", 3),
+        "inc": ("loop/body", 3),
+        "after": ("", 1),
+    }
+    assert schedule.executed() == 2 + 4 * 3
+    costed = cost.compiled_cost(text, backends.GPU, _Fixed(), _Fixed())
+    runs = [(k.name, k.iteration, k.start_us, k.end_us) for k in costed.kernels]
+    assert runs == [
+        ("before", (), 0.0, 10.0),
+        *[
+            run
+            for i in range(3)
+            for run in (
+                ("b1", (i,), 10.0 + 120 * i, 20.0 + 120 * i),
+                ("bar", (i,), 20.0 + 120 * i, 120.0 + 120 * i),  # on the communication stream
+                ("b2", (i,), 20.0 + 120 * i, 30.0 + 120 * i),  # hides 10 us of it
+                ("inc", (i,), 120.0 + 120 * i, 130.0 + 120 * i),  # after the done: waits for it
+            )
+        ],
+        ("after", (), 370.0, 380.0),
+    ]
+    assert (costed.iteration_us, costed.compute_us, costed.comm_us) == (380.0, 110.0, 300.0)
+    record = costed.to_json()
+    assert (record["num_kernels"], record["num_collectives"]) == (11, 3)
+    assert record["control_flow"] == [
+        {
+            "name": "loop",
+            "opcode": "while",
+            "scope": "",
+            "iteration": [],
+            "trip_count": 3,
+            "trip_count_from": "known_trip_count",
+            "time_us": 360.0,
+        }
+    ]
+
+
+def test_a_loop_without_a_known_trip_count_is_read_from_its_induction_variable_and_evaluates_its_condition():
+    """No `known_trip_count`: the trip count is the induction variable's bound (0 to 4 by 1), and
+    the runtime evaluates the condition before every iteration and after the last (5 times)."""
+    text = LOOP.replace("{TRIP}", "").replace("{LIMIT}", "4")
+    schedule = backends.GPU.read_kernels(text)
+    [loop] = schedule.control_flow
+    assert (loop.trip_count, loop.trip_count_from, loop.parts) == (
+        4,
+        "induction variable",
+        ("loop/condition", "loop/body"),
+    )
+    assert {k.name: k.repeat for k in schedule if k.scope == "loop/condition"} == {"more": 5}
+    costed = cost.compiled_cost(text, backends.GPU, _Fixed(), _Fixed())
+    assert [k.iteration for k in costed.kernels if k.name == "more"] == [(i,) for i in range(5)]
+    assert costed.to_json()["num_kernels"] == 2 + 3 * 4 + 5
+
+
+def test_a_loop_whose_trip_count_cannot_be_read_is_refused_by_name():
+    """A bound that is not a constant, or a comparison the counter never ends (it counts up while
+    greater than its bound): refused, the loop named, never costed as one kernel."""
+    unknown = LOOP.replace("{TRIP}", "").replace(
+        "%limit = s32[] constant({LIMIT})", "%limit = s32[] iota(), iota_dimension=0"
+    )
+    with pytest.raises(ValueError, match=r"^loop: a while loop whose trip count cannot be read"):
+        backends.GPU.read_kernels(unknown)
+    never = LOOP.replace("{TRIP}", "").replace("{LIMIT}", "4").replace("direction=LT", "direction=GT")
+    with pytest.raises(ValueError, match="^loop: "):
+        backends.GPU.read_kernels(never)
+
+
+BRANCHES = """HloModule branches, is_scheduled=true
+
+%fused_exp (p0: f32[1024]) -> f32[1024] {
+  %p0 = f32[1024]{0} parameter(0)
+  ROOT %exp = f32[1024]{0} exponential(%p0)
+}
+
+%cheap (c0: f32[1024]) -> f32[1024] {
+  %c0 = f32[1024]{0} parameter(0)
+  ROOT %c1 = f32[1024]{0} fusion(%c0), kind=kLoop, calls=%fused_exp
+}
+
+%costly (d0: f32[1024]) -> f32[1024] {
+  %d0 = f32[1024]{0} parameter(0)
+  %d1 = f32[1024]{0} fusion(%d0), kind=kLoop, calls=%fused_exp
+  ROOT %d2 = f32[1024]{0} fusion(%d1), kind=kLoop, calls=%fused_exp
+}
+
+%helper (h0: f32[1024]) -> f32[1024] {
+  %h0 = f32[1024]{0} parameter(0)
+  ROOT %h1 = f32[1024]{0} fusion(%h0), kind=kLoop, calls=%fused_exp
+}
+
+ENTRY %main (a: f32[1024], k: s32[]) -> f32[1024] {
+  %a = f32[1024]{0} parameter(0)
+  %k = s32[] parameter(1)
+  %called = f32[1024]{0} call(%a), to_apply=%helper
+  %picked = f32[1024]{0} conditional(%k, %called, %called), branch_computations={%cheap, %costly}
+  ROOT %last = f32[1024]{0} fusion(%picked), kind=kLoop, calls=%fused_exp
+}
+"""
+
+
+def test_a_conditional_costs_its_most_expensive_branch_and_says_so_and_a_call_is_inlined():
+    schedule = backends.GPU.read_kernels(BRANCHES)
+    assert [(k.name, k.scope) for k in schedule] == [
+        ("h1", ""),  # the call's kernel, inlined where the call is
+        ("c1", "picked/branch0"),
+        ("d1", "picked/branch1"),
+        ("d2", "picked/branch1"),
+        ("last", ""),
+    ]
+    costed = cost.compiled_cost(BRANCHES, backends.GPU, _Fixed(), _Fixed())
+    assert [(k.name, k.start_us) for k in costed.kernels] == [("h1", 0.0), ("d1", 10.0), ("d2", 20.0), ("last", 30.0)]
+    [branch] = costed.to_json()["control_flow"]
+    assert (branch["name"], branch["branch"], branch["branch_us"], branch["time_us"]) == (
+        "picked",
+        1,
+        [10.0, 20.0],
+        20.0,
+    )
+    assert "most expensive branch" in branch["note"]
+
+
+def test_a_scanned_decoder_is_costed_kernel_by_kernel_as_xla_gpu_runs_its_loops():
+    """The tiny GPT with its 3 blocks under `nn.scan` (a `while` for the forward and one for the
+    backward, DESIGN.md point 22) and unrolled, compiled deviceless for 8 H100s: the model runs
+    exactly the kernels and collectives the module executes (each body's times its trip count,
+    plus the rest, counted from the text here), the backward body's all-reduce once per layer on
+    the communication stream, and the same gemms as the unrolled twin (same flops, same time)."""
+    costs = {}
+    for scan in (True, False):
+        spec = zoo.resized("gpt", num_layers=3, scan_layers=scan)
+        text = zoo.lower_abstract(spec, optax.adam(1e-3), targets.mesh("h100-sxm", 8), "jit").compile().as_text()
+        program = cost.compiled_program(text, backends.GPU)
+        costed = costs[scan] = cost.cost_program(program, H100_ROOFLINE, H100_COLLECTIVES)
+        record = costed.to_json()
+        assert (record["num_kernels"], record["num_collectives"]) == executed_kernels(text)
+        loops = record.get("control_flow", [])
+        assert [(c["opcode"], c["trip_count"]) for c in loops] == ([("while", 3)] * 2 if scan else [])
+        body_collectives = [k for k in costed.kernels if k.lane == "comm" and k.scope]
+        assert [k.iteration for k in body_collectives] == ([(0,), (1,), (2,)] if scan else [])
+        assert all(k.scope.endswith("/body") for k in costed.kernels if k.iteration)
+        gemms = [k for k in costed.kernels if k.kind == "gemm"]
+        flops = sum(cost.kernel_work(program.graph, program.ops[k.name]).dot for k in gemms)
+        costs[scan] = (flops, sum(k.time_us for k in gemms), costed)
+    (scanned_flops, scanned_gemm_us, _), (unrolled_flops, unrolled_gemm_us, _) = costs[True], costs[False]
+    assert scanned_flops == pytest.approx(unrolled_flops, rel=1e-6) and scanned_flops > 0
+    assert scanned_gemm_us == pytest.approx(unrolled_gemm_us, rel=0.05)
 
 
 def test_16bit_dots_cost_at_the_tensor_cores_16bit_rate():

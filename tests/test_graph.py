@@ -58,7 +58,7 @@ def test_operands_come_before_users(graph):
         assert all(o < op.id for o in op.operands)
 
 
-def test_control_flow_is_one_opaque_kernel():
+def test_control_flow_is_one_opaque_kernel_and_its_bodies_are_read_on_request():
     # Auto axes: with Explicit ones (jax.make_mesh's default) jax >= 0.12 refuses the gradient's
     # dot, whose contracting dimension is sharded, without an out_sharding.
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
@@ -81,6 +81,17 @@ def test_control_flow_is_one_opaque_kernel():
     entry_allreduce_operands = sum(len(i.operands) for i in graph.module.entry.instructions if i.opcode == "all-reduce")
     assert len(graph.gradients) == entry_allreduce_operands
     assert all(op.kind != "fusible" or op.opcode != "all-reduce" for op in graph.ops)
+    # control_flow=True: the loop bodies' and conditions' ops too, after the entry's, XLA's fusions
+    # there opened; the gradients, the entry's values and the while itself are as before.
+    full = _graph.build_graph(text, backends.CPU.fusible, control_flow=True)
+    bodies = {c.name for c in _graph.control_flow_computations(full.module)}
+    assert bodies and len(full.ops) > len(graph.ops)
+    assert [op.name for op in full.ops[: len(graph.ops)]] == [op.name for op in graph.ops]
+    assert len(full.gradients) == len(graph.gradients) and full.entry_values == graph.entry_values
+    assert all(o < op.id for op in full.ops for o in op.operands)
+    in_bodies = {i.name for c in full.module.computations if c.name in bodies for i in c.instructions}
+    assert {op.xla_kernel for op in full.ops[len(graph.ops) :]} <= in_bodies
+    assert set(full.xla_kernel_names) - set(graph.xla_kernel_names) <= in_bodies
 
 
 def _backward_through_free(graph, o):

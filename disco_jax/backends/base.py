@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from disco_jax.backends.compiled import CompiledKernel, read_kernels
+from disco_jax.backends.compiled import KernelSchedule, read_kernels
 from disco_jax.sharding import apply
 
 if TYPE_CHECKING:
@@ -64,8 +64,9 @@ class Backend:
       reduce-scatter of an all-reduce read as blocks, grouped all-gathers; XLA:GPU, which forms
       reduce-scatters and combines all-gathers itself: the shard read for the own block of a
       gathered parameter).
-    read_kernels: the kernels of a compiled executable's module text in schedule order, what
-      `cost.compiled` costs (`backends.compiled.read_kernels`, which reads XLA:GPU's and XLA:CPU's).
+    read_kernels: the kernels of a compiled executable's module text in schedule order, loop
+      bodies and branches in theirs, what `cost.compiled` costs (`backends.compiled.read_kernels`,
+      which reads XLA:GPU's and XLA:CPU's).
     profile_options: XLA compile options of an executable the profile phase traces, so that every
       kernel is an event of its own in the trace (XLA:GPU: command buffers off; a command buffer,
       a CUDA graph, is one event and hides its kernels, docs/gpu.md). The same program otherwise:
@@ -87,7 +88,7 @@ class Backend:
     decorator_ready: bool = True
     emits_fusions: bool = True
     creates_reduce_scatter: bool = False
-    read_kernels: Callable[[str], list[CompiledKernel]] = read_kernels
+    read_kernels: Callable[[str], KernelSchedule] = read_kernels
     profile_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     hook_rules: frozenset[str] = frozenset()
 

@@ -32,6 +32,15 @@ ones) holds the compute stream until it ends. XLA:CPU's thunk executor also runs
 thunks side by side; this model does not: a device's compute kernels add up (on `cpu-8dev` the
 8 devices' thunks share 2 cores, and profiled times were taken under the same sharing). The
 iteration ends when both streams are done, plus `params.step_overhead_us`.
+
+**Control flow** (`backends.compiled.ControlFlow`). Where the schedule reaches a `while`, its body
+runs on the same two streams, in the body's own schedule, once per iteration (its condition
+before each iteration and after the last where the runtime evaluates it); the collectives of the
+body start and are waited for where the body schedules them, so an all-reduce of layer l hides
+under layer l's remaining kernels only. Every run of a kernel is a `CostedKernel` of its own
+(`iteration`: its loop iterations, outermost first). A `conditional` runs its most expensive
+branch (each branch is simulated from the same state; the one that ends latest is kept), and
+`CompiledCost.control_flow` says which it took. `call`s are inlined by the reader.
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ from disco_jax.cost.events import SimulatorParams
 
 if TYPE_CHECKING:
     from disco_jax.backends import Backend
-    from disco_jax.backends.compiled import CompiledKernel
+    from disco_jax.backends.compiled import CompiledKernel, ControlFlow
 
 # How a kernel was costed, by the name of the estimator that answered (others: that name).
 METHODS = {"profile": "measured", "gnn": "gnn", "gnn+launch": "gnn", "analytical-scaled": "roofline"}
@@ -57,12 +66,14 @@ COLLECTIVE_METHOD = "collective model"
 
 @dataclasses.dataclass(frozen=True)
 class CompiledProgram:
-    """A compiled module read for costing: its kernels in schedule order, the module as graph IR
-    (`build_graph(..., merge_duplicates=False)`), and each compute kernel's ops in that graph."""
+    """A compiled module read for costing: its kernels (each scope in schedule order), its loops
+    and conditionals, the module as graph IR (`build_graph(..., merge_duplicates=False,
+    control_flow=True)`: loop bodies' ops too), and each compute kernel's ops in that graph."""
 
     kernels: tuple[CompiledKernel, ...]
     graph: Graph
     ops: Mapping[str, frozenset[int]]  # compute kernel name -> its op ids
+    control_flow: tuple[ControlFlow, ...] = ()
 
     @property
     def compute_kernels(self) -> list[CompiledKernel]:
@@ -72,11 +83,17 @@ class CompiledProgram:
     def collectives(self) -> list[CompiledKernel]:
         return [k for k in self.kernels if k.is_collective]
 
+    @property
+    def repeats(self) -> dict[str, int]:
+        """Runs per step of each kernel, by name (a loop body's: its trip count)."""
+        return {k.name: k.repeat for k in self.kernels}
+
 
 def compiled_program(text: str, backend: Backend) -> CompiledProgram:
     """Read a compiled executable's module text (`compiled.as_text()`) of `backend`'s compiler."""
-    kernels = tuple(backend.read_kernels(text))
-    graph = build_graph(text, backend.fusible, merge_duplicates=False)
+    schedule = backend.read_kernels(text)
+    kernels = tuple(schedule)
+    graph = build_graph(text, backend.fusible, merge_duplicates=False, control_flow=bool(schedule.control_flow))
     by_name = dict(zip(graph.xla_kernel_names, graph.xla_groups))  # XLA's loop fusions, opened
     for op in graph.ops:
         if op.kind == "opaque":
@@ -88,14 +105,15 @@ def compiled_program(text: str, backend: Backend) -> CompiledProgram:
             if not members:
                 raise ValueError(f"kernel {k.name} ({k.opcode}) has no ops in the module's graph")
             ops[k.name] = members
-    return CompiledProgram(kernels, graph, ops)
+    return CompiledProgram(kernels, graph, ops, schedule.control_flow)
 
 
 def measured_table(program: CompiledProgram, times_us: Mapping[str, float]) -> TableEstimator:
     """Profiled kernel times by instruction name (`_device_timing.measure_kernel_times` of the executable
-    `program` was read from) as a table by kernel signature: it answers for the same kernel in any
-    program (names alone would not: another compile reuses them for other kernels). Kernels of
-    one signature (the same computation, XLA:CPU's per-layer Adam fusions) get their mean."""
+    `program` was read from: per run, a loop body's kernel per iteration) as a table by kernel
+    signature: it answers for the same kernel in any program (names alone would not: another
+    compile reuses them for other kernels). Kernels of one signature (the same computation,
+    XLA:CPU's per-layer Adam fusions) get their mean."""
     graph = program.graph
     by_signature: dict[str, list[float]] = {}
     for name, ops in program.ops.items():
@@ -106,9 +124,11 @@ def measured_table(program: CompiledProgram, times_us: Mapping[str, float]) -> T
 
 @dataclasses.dataclass(frozen=True)
 class CostedKernel:
-    """One kernel as `cost_program` charged it. kind: the compute kernel's kind
+    """One run of a kernel as `cost_program` charged it. kind: the compute kernel's kind
     (`backends.compiled.CompiledKernel`) or the collective's name. lane: 'compute' or 'comm' (a
-    synchronous collective is on 'comm' and holds the compute stream too); start_us / end_us on it."""
+    synchronous collective is on 'comm' and holds the compute stream too); start_us / end_us on it.
+    scope: where it runs (``""``: the entry; ``"while.3/body"``); iteration: the iterations of the
+    loops around it, outermost first (() outside loops)."""
 
     name: str
     kind: str
@@ -118,10 +138,13 @@ class CostedKernel:
     start_us: float
     end_us: float
     assumed: tuple[str, ...] = ()
+    scope: str = ""
+    iteration: tuple[int, ...] = ()
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
         out["assumed"] = list(self.assumed)
+        out["iteration"] = list(self.iteration)
         return out
 
 
@@ -132,8 +155,10 @@ class CompiledCost:
     iteration_us: float
     compute_us: float
     comm_us: float
-    kernels: tuple[CostedKernel, ...]  # in schedule order
+    kernels: tuple[CostedKernel, ...]  # every run, in the order they start on their stream
     step_overhead_us: float = 0.0
+    # Per loop and conditional, in the order first run: what it ran and cost (`cost_program`).
+    control_flow: tuple[dict, ...] = ()
 
     @property
     def full_overlap_us(self) -> float:
@@ -150,7 +175,7 @@ class CompiledCost:
 
     @property
     def costed_by(self) -> dict[str, int]:
-        """How many kernels each method costed."""
+        """How many kernel runs each method costed."""
         return dict(Counter(k.method for k in self.kernels))
 
     def to_json(self, kernels: bool = False) -> dict:
@@ -162,11 +187,14 @@ class CompiledCost:
             "full_overlap_us": self.full_overlap_us,
             "overlap_ratio": self.overlap_ratio,
             "step_overhead_us": self.step_overhead_us,
+            # Runs per step: a loop body's kernels count once per iteration.
             "num_kernels": sum(1 for k in self.kernels if k.method != COLLECTIVE_METHOD),
             "num_collectives": sum(1 for k in self.kernels if k.method == COLLECTIVE_METHOD),
             "costed_by": self.costed_by,
             "assumed": dict(Counter(a for k in self.kernels for a in k.assumed)),
         }
+        if self.control_flow:
+            out["control_flow"] = [dict(c) for c in self.control_flow]
         if kernels:
             out["kernels"] = [k.to_json() for k in self.kernels]
         return out
@@ -206,6 +234,26 @@ def _collective_us(k: CompiledKernel, allreduce: AllReduceCost, params: Simulato
     return collective_time_us(allreduce, k.collective, sum(k.tensor_bytes))
 
 
+@dataclasses.dataclass
+class _Streams:
+    """The compute and communication streams as `cost_program` runs them: when each is free,
+    their busy time, and every kernel run so far."""
+
+    compute_free: float = 0.0
+    comm_free: float = 0.0
+    compute_us: float = 0.0
+    comm_us: float = 0.0
+    costed: list[CostedKernel] = dataclasses.field(default_factory=list)
+    control_flow: list[dict] = dataclasses.field(default_factory=list)
+
+    def copy(self) -> _Streams:
+        return dataclasses.replace(self, costed=list(self.costed), control_flow=list(self.control_flow))
+
+    @property
+    def end(self) -> float:
+        return max(self.compute_free, self.comm_free)
+
+
 def cost_program(
     program: CompiledProgram,
     estimator: Estimator,
@@ -217,40 +265,89 @@ def cost_program(
     latency), default none."""
     params = params or SimulatorParams()
     estimates = _compute_times(program, estimator)
-    events = []  # (schedule position, kernel index, is the done of an async collective)
-    for i, k in enumerate(program.kernels):
-        events.append((k.position, i, False))
+    collective_us = {k.name: _collective_us(k, allreduce, params) for k in program.collectives}
+    # Per scope, its events in schedule order: (position, kernel start | kernel done | control flow).
+    events: dict[str, list[tuple[int, str, object]]] = {}
+    for k in program.kernels:
+        events.setdefault(k.scope, []).append((k.position, "start", k))
         if k.done_position is not None:
-            events.append((k.done_position, i, True))
-    compute_free = comm_free = 0.0
-    ends: dict[int, float] = {}
-    costed: list[CostedKernel | None] = [None] * len(program.kernels)
-    compute_us = comm_us = 0.0
-    for _, i, is_done in sorted(events):
-        k = program.kernels[i]
-        if is_done:
-            compute_free = max(compute_free, ends[i])
-            continue
-        if k.is_collective:
-            t = _collective_us(k, allreduce, params)
-            start = max(compute_free, comm_free)
-            comm_free = ends[i] = start + t
-            if k.done_position is None:  # synchronous: the compute stream waits for it
-                compute_free = comm_free
-            comm_us += t
-            costed[i] = CostedKernel(k.name, k.collective, COLLECTIVE_METHOD, t, "comm", start, start + t)
-            continue
-        estimate, method, assumed = estimates[k.name]
-        t = params.kernel_us(estimate)
-        start, compute_free = compute_free, compute_free + t
-        compute_us += t
-        costed[i] = CostedKernel(k.name, k.kind, method, t, "compute", start, compute_free, assumed)
+            events[k.scope].append((k.done_position, "done", k))
+    for flow in program.control_flow:
+        events.setdefault(flow.scope, []).append((flow.position, "flow", flow))
+    for found in events.values():
+        found.sort(key=lambda e: e[0])
+
+    def run(scope: str, iteration: tuple[int, ...], s: _Streams) -> None:
+        ends: dict[str, float] = {}
+        for _, what, item in events.get(scope, ()):
+            if what == "flow":
+                run_flow(item, iteration, s)  # type: ignore[arg-type]
+                continue
+            k: CompiledKernel = item  # type: ignore[assignment]
+            if what == "done":
+                s.compute_free = max(s.compute_free, ends[k.name])
+            elif k.is_collective:
+                t = collective_us[k.name]
+                start = max(s.compute_free, s.comm_free)
+                s.comm_free = ends[k.name] = start + t
+                if k.done_position is None:  # synchronous: the compute stream waits for it
+                    s.compute_free = s.comm_free
+                s.comm_us += t
+                s.costed.append(
+                    CostedKernel(
+                        k.name, k.collective, COLLECTIVE_METHOD, t, "comm", start, start + t, (), scope, iteration
+                    )  # type: ignore[arg-type]
+                )
+            else:
+                estimate, method, assumed = estimates[k.name]
+                t = params.kernel_us(estimate)
+                start = s.compute_free
+                s.compute_free += t
+                s.compute_us += t
+                s.costed.append(
+                    CostedKernel(k.name, k.kind, method, t, "compute", start, s.compute_free, assumed, scope, iteration)
+                )
+
+    def run_flow(flow: ControlFlow, iteration: tuple[int, ...], s: _Streams) -> None:
+        begin = s.compute_free
+        record: dict = {"name": flow.name, "opcode": flow.opcode, "scope": flow.scope, "iteration": list(iteration)}
+        if flow.opcode == "while":
+            body, condition = flow.body, flow.condition
+            for i in range(flow.trip_count or 0):
+                if condition is not None:
+                    run(condition, (*iteration, i), s)
+                run(body, (*iteration, i), s)  # type: ignore[arg-type]
+            if condition is not None:
+                run(condition, (*iteration, flow.trip_count or 0), s)
+            record.update(trip_count=flow.trip_count, trip_count_from=flow.trip_count_from)
+        else:  # a conditional: the branch that ends latest, each run from the same state
+            trials = []
+            for part in flow.parts:
+                trial = s.copy()
+                run(part, iteration, trial)
+                trials.append(trial)
+            taken = max(range(len(trials)), key=lambda b: trials[b].end)
+            record.update(
+                branch=taken,
+                branch_us=[t.end - s.end for t in trials],
+                note="the most expensive branch is charged: which one runs is not in the program",
+            )
+            chosen = trials[taken]
+            s.compute_free, s.comm_free = chosen.compute_free, chosen.comm_free
+            s.compute_us, s.comm_us = chosen.compute_us, chosen.comm_us
+            s.costed[:], s.control_flow[:] = chosen.costed, chosen.control_flow
+        record["time_us"] = max(s.compute_free, s.comm_free) - begin
+        s.control_flow.append(record)
+
+    streams = _Streams()
+    run("", (), streams)
     return CompiledCost(
-        max(compute_free, comm_free) + params.step_overhead_us,
-        compute_us,
-        comm_us,
-        tuple(costed),  # type: ignore[arg-type]
+        streams.end + params.step_overhead_us,
+        streams.compute_us,
+        streams.comm_us,
+        tuple(streams.costed),
         params.step_overhead_us,
+        tuple(streams.control_flow),
     )
 
 
