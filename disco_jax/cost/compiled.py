@@ -110,15 +110,18 @@ def compiled_program(text: str, backend: Backend) -> CompiledProgram:
 
 def measured_table(program: CompiledProgram, times_us: Mapping[str, float]) -> TableEstimator:
     """Profiled kernel times by instruction name (`_device_timing.measure_kernel_times` of the executable
-    `program` was read from: per run, a loop body's kernel per iteration) as a table by kernel
-    signature: it answers for the same kernel in any program (names alone would not: another
-    compile reuses them for other kernels). Kernels of one signature (the same computation,
-    XLA:CPU's per-layer Adam fusions) get their mean."""
+    `program` was read from: per step) as a table by kernel signature, per run: a loop body's
+    kernel, whose trace shows each iteration's run, is its step's total over its trip count. The
+    table answers for the same kernel in any program (names alone would not: another compile
+    reuses them for other kernels). Kernels of one signature (the same computation, XLA:CPU's
+    per-layer Adam fusions) get their mean. A conditional's branch kernel is divided as if its
+    branch ran every time its conditional did."""
     graph = program.graph
+    repeats = program.repeats
     by_signature: dict[str, list[float]] = {}
     for name, ops in program.ops.items():
-        if name in times_us:
-            by_signature.setdefault(graph.kernel_signature(ops), []).append(float(times_us[name]))
+        if name in times_us:  # a loop body's kernel: its per-step total over its runs
+            by_signature.setdefault(graph.kernel_signature(ops), []).append(float(times_us[name]) / repeats[name])
     return TableEstimator({sig: sum(times) / len(times) for sig, times in by_signature.items()})
 
 
