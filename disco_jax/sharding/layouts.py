@@ -48,6 +48,11 @@ class Layout:
     # leaves split over several dimensions name; None where the axes are Explicit or N is prime
     # (no leaf is split so then). A program with such a leaf runs wholly on it (`step_mesh`).
     split_mesh: Any = None
+    # Input leaves stacked on a leading layer axis (`leaves.stacked_leaves`: what a scan runs its
+    # layers over, and the state updated with it), split after that axis. With `regather` such a
+    # parameter is not gathered before the step: it enters the loop split, and each iteration
+    # gathers its own layer (XLA's partitioner puts the all-gathers in the loop bodies).
+    stacked: frozenset[int] = frozenset()
 
     @functools.cached_property  # a frozen dataclass's own `__dict__` holds it; `replace` makes a new one
     def step_mesh(self) -> Any:
@@ -114,6 +119,12 @@ class Layout:
     def gathered(self) -> tuple[int, ...]:
         """The sharded parameter leaves: all-gathered before use inside the step."""
         return tuple(sorted(set(self.inputs) & self.parameters.keys()))
+
+    @property
+    def gathered_before_step(self) -> tuple[int, ...]:
+        """The sharded parameters `params.gathering` all-gathers before the user's function runs:
+        all of them, but with `regather` not the stacked ones (gathered layer by layer in the loop)."""
+        return tuple(i for i in self.gathered if not (self.regather and i in self.stacked))
 
     def all_paths(self) -> dict[str, int]:
         """Path -> index of every leaf this layout can shard (state and parameters)."""
@@ -183,6 +194,7 @@ class Layout:
             "choices": self.choices(),
             "kept_whole": dict(self.kept_whole),
             **({"regather": True} if self.regather and self.gathered else {}),
+            **({"stacked": sorted(self.paths[i] for i in self.stacked if i in self.inputs)} if self.stacked else {}),
         }
 
     def reshard(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

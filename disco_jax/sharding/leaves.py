@@ -2,7 +2,11 @@
 step's jaxpr (`update` explains the conditions): the elementwise origins of every output, the state
 leaves and their groups, and how each is split.
 
-A leaf is split on its first dimension the data axis's size N divides (`P(None, "data")`). A leaf
+A leaf is split on its first dimension the data axis's size N divides (`P(None, "data")`); a
+stacked leaf (`stacked_leaves`: the `(layers, ...)` parameters a `lax.scan` runs its layers over,
+Flax `nn.scan`'s, and the state updated with them) on its first such dimension after the layer
+axis where it has one, so that each layer's slice is split and a loop body gathers its own layer
+(FSDP per layer) rather than the whole stack being gathered around the loop. A leaf
 with no such dimension whose size N still divides (RNNLM's 1500 x 1500 kernels on 8 devices) is split
 over several dimensions: the data axis is viewed as its prime factors, each a mesh axis of its own
 (`factored_mesh`: "data" of 8 as "data.0", "data.1", "data.2" of 2, the same devices in the same
@@ -43,10 +47,31 @@ def _inner_jaxpr(eqn) -> Any:
     return None
 
 
-def elementwise_origins(jaxpr, in_origins: list[frozenset], consumed: set[int]) -> list[frozenset]:
+def _scanned_operands(eqn) -> list[int]:
+    """The operands a `scan` runs over (its `xs`: sliced on their leading axis, one slice per
+    iteration), told from its body's inputs, which have that axis dropped; [] for another op."""
+    if eqn.primitive.name != "scan":
+        return []
+    body = eqn.params.get("jaxpr")
+    body = getattr(body, "jaxpr", body)
+    length = eqn.params.get("length")
+    if body is None or len(body.invars) != len(eqn.invars):
+        return []
+    return [
+        k
+        for k, (outer, inner) in enumerate(zip(eqn.invars, body.invars))
+        if getattr(outer.aval, "shape", ())[:1] == (length,) and inner.aval.shape == outer.aval.shape[1:]
+    ]
+
+
+def elementwise_origins(
+    jaxpr, in_origins: list[frozenset], consumed: set[int], scanned: set[int] | None = None
+) -> list[frozenset]:
     """Per output of `jaxpr`: the inputs (by `in_origins` labels) it is computed from through
     shape-preserving elementwise operations only. Labels that reach any other operation (a dot,
-    a reduction, a broadcast, a collective, control flow, a `shard_map`) go into `consumed`."""
+    a reduction, a broadcast, a collective, control flow, a `shard_map`) go into `consumed`;
+    those that reach a `scan` as an operand it runs over (its `xs`: a stacked `(layers, ...)`
+    parameter), into `scanned` too, where given."""
     env: dict = {}
 
     def origin(atom) -> frozenset:
@@ -57,8 +82,11 @@ def elementwise_origins(jaxpr, in_origins: list[frozenset], consumed: set[int]) 
     for eqn in jaxpr.eqns:
         operands = [origin(a) for a in eqn.invars]
         inner = _inner_jaxpr(eqn)
+        if scanned is not None:
+            for k in _scanned_operands(eqn):
+                scanned.update(operands[k])
         if inner is not None and len(inner.invars) == len(operands) and len(inner.outvars) == len(eqn.outvars):
-            results = elementwise_origins(inner, operands, consumed)
+            results = elementwise_origins(inner, operands, consumed, scanned)
         elif eqn.primitive.name in ELEMENTWISE and len(eqn.outvars) == 1:
             shape, labels = eqn.outvars[0].aval.shape, frozenset()
             for atom, operand in zip(eqn.invars, operands):
@@ -76,9 +104,28 @@ def elementwise_origins(jaxpr, in_origins: list[frozenset], consumed: set[int]) 
     return [origin(v) for v in jaxpr.outvars]
 
 
-def split_dimension(shape: tuple[int, ...], num_shards: int) -> int | None:
-    """The first dimension `num_shards` divides (None: the leaf cannot be split on one dimension)."""
-    return next((d for d, size in enumerate(shape) if size >= num_shards and size % num_shards == 0), None)
+def stacked_leaves(origins: list[frozenset], scanned: set[int]) -> frozenset[int]:
+    """The input leaves stacked on a leading layer axis: those a scan runs over (`scanned`, from
+    `elementwise_origins`), and every leaf updated elementwise with one (a stacked parameter's
+    optimizer state: an output's origins hold both)."""
+    stacked = set(scanned)
+    changed = True
+    while changed:
+        changed = False
+        for labels in origins:
+            if labels & stacked and not labels <= stacked:
+                stacked |= labels
+                changed = True
+    return frozenset(stacked)
+
+
+def split_dimension(shape: tuple[int, ...], num_shards: int, stacked: bool = False) -> int | None:
+    """The first dimension `num_shards` divides (None: the leaf cannot be split on one dimension);
+    for a `stacked` leaf the first after its layer axis where one is, else the layer axis."""
+    divisible = [d for d, size in enumerate(shape) if size >= num_shards and size % num_shards == 0]
+    if stacked and len(divisible) > 1 and divisible[0] == 0:
+        return divisible[1]
+    return divisible[0] if divisible else None
 
 
 def prime_factors(n: int) -> list[int]:
@@ -115,11 +162,13 @@ def factor_axes(split_mesh: Mesh | None, mesh) -> tuple[tuple[str, int], ...]:
     return tuple((n, split_mesh.shape[n]) for n in split_mesh.axis_names if n not in mesh.axis_names)
 
 
-def spec_for(shape: tuple[int, ...], axis: str, num_shards: int, factors: tuple = ()) -> P | None:
-    """The spec splitting `shape` over `axis` on its first divisible dimension; else, given the
-    axis's prime `factors` (`factor_axes`), each factor on the first dimension it still divides;
-    None: the leaf cannot be split evenly."""
-    d = split_dimension(shape, num_shards)
+def spec_for(
+    shape: tuple[int, ...], axis: str, num_shards: int, factors: tuple = (), stacked: bool = False
+) -> P | None:
+    """The spec splitting `shape` over `axis` on its first divisible dimension (`stacked`: after
+    the layer axis, `split_dimension`); else, given the axis's prime `factors` (`factor_axes`),
+    each factor on the first dimension it still divides; None: the leaf cannot be split evenly."""
+    d = split_dimension(shape, num_shards, stacked)
     if d is not None:
         return P(*([None] * d), axis)
     if not factors:

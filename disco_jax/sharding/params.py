@@ -72,7 +72,7 @@ def find_parameters(origins, consumed, inputs, outputs, replicated, state, group
     `groups` (`state`: every state leaf the update shards, `groups` their groups; an elementwise-
     updated leaf with no divisible dimension is named in the second result, as is the parameter
     of its group, with `reason`); `consumed`: the labels that reach other operations. `path_of(i)`:
-    input leaf i's path; `spec_for(shape)`: its spec (None: it cannot be split evenly)."""
+    input leaf i's path; `spec_for(i)`: its spec (None: it cannot be split evenly)."""
     whole_state, _ = choose_layout(None, inputs, outputs, replicated, 1, (origins, consumed))
     kept = {path_of(i): reason for i in whole_state if i not in state}
     group_of = {i: g for g in leaf_groups(origins, whole_state) for i in g}
@@ -90,7 +90,7 @@ def find_parameters(origins, consumed, inputs, outputs, replicated, state, group
             found.pop(p, None)
             continue
         seen.add(p)
-        spec = spec_for(inputs[p].shape) if g in groups else None
+        spec = spec_for(p) if g in groups else None
         if spec is not None:
             found[p] = Parameter(g, spec, j, path_of(p))
         else:
@@ -111,7 +111,7 @@ def gathering(inner, info, layout):
     """The user's function `inner` (jit options `info`) with the dynamic leaves `layout.gathered`
     all-gathered before it runs: what the relowered step calls, so that the partitioner gathers
     each sharded parameter once and the user's code sees whole parameters."""
-    gathered = layout.gathered
+    gathered = layout.gathered_before_step
     if not gathered:
         return inner
     static_names = set(info.static_argnames)

@@ -42,6 +42,7 @@ from disco_jax.sharding.leaves import (  # noqa: F401  (the layout's reading of 
     factored_mesh,
     leaf_groups,
     spec_for,
+    stacked_leaves,
 )
 
 # The proven rules (`disco-jax rules`) a sharded update rests on; the plan cites them.
@@ -114,7 +115,9 @@ def find_layout(
     inputs = [v.aval for v in jaxpr.invars]
     outputs = [v.aval for v in jaxpr.outvars]
     consumed: set[int] = set()
-    origins = elementwise_origins(jaxpr, [frozenset({i}) for i in range(len(inputs))], consumed)
+    scanned: set[int] = set()
+    origins = elementwise_origins(jaxpr, [frozenset({i}) for i in range(len(inputs))], consumed, scanned)
+    stacked = stacked_leaves(origins, scanned)
     split_mesh = factored_mesh(mesh, axis) if split else None
     factors = factor_axes(split_mesh, mesh)
     state, updated = choose_layout(jaxpr, inputs, outputs, replicated, num_shards, (origins, consumed), factors)
@@ -125,23 +128,34 @@ def find_layout(
     spec_of = functools.partial(spec_for, axis=axis, num_shards=num_shards, factors=factors)
     reason = params.uneven_reason(num_shards, axis, mesh, split)
     parameters, kept_whole = params.find_parameters(
-        origins, consumed, inputs, outputs, replicated, set(state), groups, reason, path_of, spec_of
+        origins,
+        consumed,
+        inputs,
+        outputs,
+        replicated,
+        set(state),
+        groups,
+        reason,
+        path_of,
+        lambda i: spec_of(inputs[i].shape, stacked=i in stacked),
     )
     return Layout(
         mesh,
         axis,
         num_shards,
-        {i: spec_of(inputs[i].shape) for i in state},
-        {j: spec_of(outputs[j].shape) for j in updated},
+        {i: spec_of(inputs[i].shape, stacked=i in stacked) for i in state},
+        {j: spec_of(outputs[j].shape, stacked=bool(origins[j] & stacked)) for j in updated},
         {i: path_of(i) for i in state},
         groups,
         {j: origins[j] for j in updated},
         parameters,
         kept_whole,
         split_mesh=split_mesh,
+        stacked=frozenset(i for i in stacked if i in state or i in parameters),
     ), (
         f"{len(state)} optimizer-state leaves sharded {num_shards} ways over {axis!r}"
-        f" ({len(parameters)} of their parameters can be sharded too)"
+        f" ({len(parameters)} of their parameters can be sharded too"
+        + (f"; {sum(1 for i in stacked if i in state)} stacked on a layer axis, split after it)" if stacked else ")")
     )
 
 

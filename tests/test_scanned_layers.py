@@ -1,0 +1,113 @@
+"""Steps whose layers run under `lax.scan` (the zoo's `scan_layers=True`: Flax `nn.scan` over the
+GPT's blocks, a `while` loop per pass in the step), on 8 CPU devices: the weight update splits
+the stacked `(layers, ...)` parameters and their state after the layer axis, and with parameters
+gathered again for each use each loop body gathers its own layer (FSDP per layer) and the step
+computes what the replicated one does."""
+
+import re
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import jax
+import optax
+import pytest
+
+from disco_jax import _device_timing, backends, cost, zoo
+from disco_jax._compile import capture
+from disco_jax.sharding import choice, update
+
+LAYERS = 8  # the layer axis the data axis divides: a split on it would be the first choice
+
+
+@pytest.fixture(scope="module")
+def scanned_step():
+    """The tiny GPT with 8 scanned blocks and Adam: (step, args) on 8 CPU devices."""
+    spec = zoo.resized("gpt", num_layers=LAYERS, scan_layers=True)
+    step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(), "jit")
+    return step, (state, batch)
+
+
+def _bodies(text: str) -> dict[str, list[str]]:
+    """Instruction lines per computation of a module's text (the ENTRY's under "ENTRY")."""
+    found, name = {}, None
+    for line in text.splitlines():
+        header = re.match(r"^(ENTRY )?%?([\w.\-]+) \(", line)
+        if header:
+            name = "ENTRY" if header.group(1) else header.group(2)
+            found[name] = []
+        elif line.strip() == "}":
+            name = None
+        elif name is not None:
+            found[name].append(line)
+    return found
+
+
+def test_stacked_parameters_and_their_state_are_split_after_the_layer_axis(scanned_step):
+    step, args = scanned_step
+    layout, reason = update.find_layout(step, args, {}, args, {}, [x.sharding for x in jax.tree.leaves(args)])
+    stacked = {layout.all_paths()[p] for p in layout.all_paths() if "['blocks']" in p}
+    assert stacked and layout.stacked == stacked and "stacked on a layer axis" in reason
+    specs = {**layout.inputs, **{p: q.spec for p, q in layout.parameters.items()}}
+    for i in stacked:  # (8, ...) leaves: the layer axis stays whole, a later dimension is split
+        assert specs[i][0] is None and "data" in tuple(specs[i]), (layout.all_paths(), specs[i])
+    others = [specs[i] for i in specs if i not in stacked and len(specs[i]) and specs[i][0] == "data"]
+    assert others  # an unstacked leaf still takes its first divisible dimension (the embedding's)
+    assert layout.to_json()["stacked"]
+
+
+def test_gathered_again_each_layer_is_gathered_in_the_loop_and_the_step_computes_the_same(scanned_step):
+    """Parameters and state sharded, gathered again for each use: the stacked parameters enter
+    the loops split and each loop body (forward, backward) all-gathers its own layer, where
+    gathered once the entry gathers whole stacks; the outputs are the replicated step's (the
+    output check)."""
+    step, args = scanned_step
+    program = capture(step.lower(*args), backends.CPU, args, {})
+    layout, _ = update.find_layout(step, args, {}, args, {}, [x.sharding for x in jax.tree.leaves(args)])
+    held = update.held_leaves(program)
+    again = choice.candidate(step, program, layout, layout.all_leaves(), args, {}, backends.CPU, held, regather=True)
+    once = choice.candidate(step, program, layout, layout.all_leaves(), args, {}, backends.CPU, held)
+    bodies = _bodies(again.step.default_compiled.as_text())
+    loops = [b for name, b in bodies.items() if name != "ENTRY" and any(" all-gather(" in line for line in b)]
+    assert len(loops) == 2  # the forward and the backward loop body
+    shape = lambda x: f"f32[{','.join(map(str, x.shape))}]"  # noqa: E731
+    params = args[0].params
+    stacks = {shape(x) for x in jax.tree.leaves(params["blocks"])}
+    stacks -= {shape(x) for k, v in params.items() if k != "blocks" for x in jax.tree.leaves(v)}  # (8, 32) positions
+    gathered_in_entry = [line for line in bodies["ENTRY"] if " all-gather(" in line]
+    assert not any(line.split(" = ")[1].split("{")[0] in stacks for line in gathered_in_entry)
+    once_entry = [line for line in _bodies(once.step.default_compiled.as_text())["ENTRY"] if " all-gather(" in line]
+    assert any(line.split(" = ")[1].split("{")[0] in stacks for line in once_entry)  # once: whole stacks
+    check = update.check_outputs(program, again.step)
+    assert check.within_tolerance, check
+
+
+def test_a_cpu_trace_shows_each_iteration_and_the_compiled_model_costs_a_body_kernel_per_iteration():
+    """XLA:CPU's trace of the scanned step has one event per iteration of every loop body kernel
+    (3 blocks: 3 per device and step); the compiled-program model, costed by that trace, runs
+    each body kernel 3 times at its traced step total over 3, and every run is measured."""
+    spec = zoo.resized("gpt", num_layers=3, scan_layers=True)
+    step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(), "jit")
+    compiled = step.lower(state, batch).compile()
+    text = compiled.as_text()
+    program = cost.compiled_program(text, backends.CPU)
+    body = {k.name for k in program.compute_kernels if k.scope.endswith("/body")}
+    assert body and all(program.repeats[name] == 3 for name in body)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.block_until_ready(compiled(state, batch))
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(compiled(state, batch))
+        traces = [jax.profiler.ProfileData.from_file(str(p)) for p in Path(trace_dir).rglob("*.xplane.pb")]
+    events = _device_timing.module_op_events(traces, _device_timing.hlo_module_name(text))
+    runs = Counter((e.op, e.device) for e in events if e.op in body)
+    assert runs and set(runs.values()) == {3}
+    times = _device_timing.kernel_times_from_trace(traces, _device_timing.hlo_module_name(text), steps=1)
+    costed = cost.cost_program(program, cost.measured_table(program, times), cost.AllReduceCostModel(1e-4, 50.0))
+    runs_per_step = sum(k.repeat for k in program.compute_kernels)
+    assert costed.costed_by.get("none", 0) == 0 and costed.costed_by["measured"] == runs_per_step
+    signature = {n: program.graph.kernel_signature(ops) for n, ops in program.ops.items()}
+    unique = [n for n in body if n in times and list(signature.values()).count(signature[n]) == 1]
+    assert unique
+    for k in costed.kernels:
+        if k.name in unique:
+            assert k.time_us == pytest.approx(times[k.name] / 3)
