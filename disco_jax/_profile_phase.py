@@ -96,6 +96,7 @@ def profile(
         if members is not None:
             table[graph.kernel_signature(members)] = t
             measured[members] = t
+    table.update(loop_body_times(captured, times))
     stored = database.load(machine.device_kind, machine.backend, machine.num_devices, process_count(devices))
     allreduce = shared_allreduce_fit(stored, captured.scope)
     fit_from = "profile"
@@ -124,6 +125,10 @@ def profile(
     # measured time where known; the analytical estimator answers what they cannot.
     plugins = [cost.with_op_times(p, known) for p in cost.plugin_estimators(machine.device_kind)]
     estimators: list[cost.Estimator] = [cost.TableEstimator(known)]
+    if any(graph.ops[o].opcode == "while" for o in graph.opaque_ops):
+        # A loop no profile timed whole (a candidate's own): its body, per iteration, as measured.
+        inner = cost.chain(cost.TableEstimator(known), *plugins, analytical)
+        estimators.append(cost.LoopEstimator(inner, allreduce, captured.backend))
     estimators += [cost.CalibratedEstimator(base, graph, measured) for base in plugins or [analytical]]
     if plugins:
         estimators.append(cost.CalibratedEstimator(analytical, graph, measured))
@@ -139,6 +144,22 @@ def profile(
         },
         kernel_times_us=times,
     )
+
+
+def loop_body_times(captured: Captured, times: dict[str, float]) -> dict[str, float]:
+    """Traced times of the step's loop bodies' kernels (by instruction name, per step: every
+    iteration's run summed) as a table by kernel signature, per iteration: `cost.measured_table`
+    of the captured module's loops, read as `cost.LoopEstimator` reads them (names, as for the
+    entry's kernels, are the executable's). {} for a step without loops."""
+    text = captured.graph.module.to_text()
+    if " while(" not in text:
+        return {}
+    try:
+        program = cost.compiled_program(text, captured.backend, scheduled=False)
+    except ValueError:  # a loop whose trip count cannot be read: costed by its own traced time only
+        return {}
+    body = {k.name for k in program.kernels if k.scope}
+    return cost.measured_table(program, {n: t for n, t in times.items() if n in body}).times_us
 
 
 def shared_allreduce_fit(stored: _profile_db.Profile | None, scope: str | None) -> cost.AllReduceCostModel | None:

@@ -12,10 +12,12 @@ limit is chosen, and the fusion/bucket search runs on its program. Prints, per c
 per device and compiled step time, then the chosen plan, its simulated step time, and the wall
 time of each phase and of the whole command.
 
-    python scripts/offline_decoder_plan.py [--layers 32] [--limit-gb 80] [--budget 30] [--ranked 1]
-        [--plan-dir DIR] [--json out.json]
+    python scripts/offline_decoder_plan.py [--layers 32] [--scan] [--limit-gb 80] [--budget 30]
+        [--ranked 1] [--plan-dir DIR] [--json out.json]
 
-`--layers N` plans a shorter stack of the same width (quicker; the tests use the tiny config).
+`--layers N` plans a shorter stack of the same width (quicker; the tests use the tiny config);
+`--scan` the same decoder with its blocks under `nn.scan` (`scan_layers=True`: one `while` loop
+per pass, parameters stacked `(layers, ...)`).
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ from disco_jax.zoo import _gpt  # noqa: E402
 GB = 1e9
 
 
-def decoder_step(layers: int, target: str = "h100-sxm", devices: int = 8):
+def decoder_step(layers: int, target: str = "h100-sxm", devices: int = 8, scan_layers: bool = False):
     """(jitted step, abstract state, abstract batch) of the paper GPT with `layers` layers on the
-    target's compile-only mesh; the state is donated, as a training loop would."""
-    spec = _gpt.spec_of(dataclasses.replace(_gpt.CONFIGS["paper"], num_layers=layers), f"paper-{layers}")
+    target's compile-only mesh (`scan_layers`: its blocks under `nn.scan`, one loop per pass);
+    the state is donated, as a training loop would."""
+    config = dataclasses.replace(_gpt.CONFIGS["paper"], num_layers=layers, scan_layers=scan_layers)
+    spec = _gpt.spec_of(config, f"paper-{layers}" + ("-scanned" if scan_layers else ""))
     optimizer = optax.adam(1e-4)
     mesh = targets.mesh(target, devices)
     state, batch = zoo.abstract_state_and_batch(spec, optimizer, mesh)
@@ -53,6 +57,7 @@ def decoder_step(layers: int, target: str = "h100-sxm", devices: int = 8):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--scan", action="store_true", help="the blocks under nn.scan (scan_layers=True)")
     parser.add_argument("--limit-gb", type=float, default=80.0, help="per-device memory limit, 1e9 bytes")
     parser.add_argument("--budget", type=float, default=30.0, help="graph search seconds on the chosen program")
     parser.add_argument("--ranked", type=int, default=1, help="search candidates compiled and ranked")
@@ -60,7 +65,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    step, state, batch, spec = decoder_step(args.layers)
+    step, state, batch, spec = decoder_step(args.layers, scan_layers=args.scan)
     print(f"{spec.description}: {spec.param_count() / 1e9:.2f}B parameters, 8 x h100-sxm (deviceless)", flush=True)
     limit = int(args.limit_gb * GB)
     plan_dir = args.plan_dir or tempfile.mkdtemp(prefix="offline-decoder-")

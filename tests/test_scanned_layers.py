@@ -13,7 +13,7 @@ import jax
 import optax
 import pytest
 
-from disco_jax import _device_timing, backends, cost, zoo
+from disco_jax import _device_timing, _profile_phase, _validate, backends, cost, optimize_distributed, zoo
 from disco_jax._compile import capture
 from disco_jax.sharding import choice, update
 
@@ -25,6 +25,14 @@ def scanned_step():
     """The tiny GPT with 8 scanned blocks and Adam: (step, args) on 8 CPU devices."""
     spec = zoo.resized("gpt", num_layers=LAYERS, scan_layers=True)
     step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(), "jit")
+    return step, (state, batch)
+
+
+@pytest.fixture(scope="module")
+def three_blocks():
+    """The tiny GPT with 3 scanned blocks and AdamW: (step, args) on 8 CPU devices."""
+    spec = zoo.resized("gpt", num_layers=3, scan_layers=True)
+    step, state, batch = zoo.make_train_step(spec, optax.adamw(1e-3), zoo.data_mesh(), "jit")
     return step, (state, batch)
 
 
@@ -82,12 +90,11 @@ def test_gathered_again_each_layer_is_gathered_in_the_loop_and_the_step_computes
     assert check.within_tolerance, check
 
 
-def test_a_cpu_trace_shows_each_iteration_and_the_compiled_model_costs_a_body_kernel_per_iteration():
+def test_a_cpu_trace_shows_each_iteration_and_the_compiled_model_costs_a_body_kernel_per_iteration(three_blocks):
     """XLA:CPU's trace of the scanned step has one event per iteration of every loop body kernel
     (3 blocks: 3 per device and step); the compiled-program model, costed by that trace, runs
     each body kernel 3 times at its traced step total over 3, and every run is measured."""
-    spec = zoo.resized("gpt", num_layers=3, scan_layers=True)
-    step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(), "jit")
+    step, (state, batch) = three_blocks
     compiled = step.lower(state, batch).compile()
     text = compiled.as_text()
     program = cost.compiled_program(text, backends.CPU)
@@ -111,3 +118,48 @@ def test_a_cpu_trace_shows_each_iteration_and_the_compiled_model_costs_a_body_ke
     for k in costed.kernels:
         if k.name in unique:
             assert k.time_us == pytest.approx(times[k.name] / 3)
+
+
+def test_the_graph_simulator_costs_a_loop_from_its_body_per_iteration(three_blocks):
+    """The captured step's `while` ops are opaque ops of the graph; `cost.LoopEstimator` costs
+    one as the compiled-program model costs that loop: each body kernel once per iteration at its
+    per-iteration table time (`_profile_phase.loop_body_times` of the traced executable), the
+    backward body's all-reduce of the layer's gradients by the collective model, once per layer
+    (XLA:CPU's collectives block, so the two add up); other kernels are left to the chain."""
+    step, args = three_blocks
+    captured = capture(step.lower(*args), backends.CPU, args, {})
+    times = _device_timing.measure_kernel_times(captured.default_compiled, args, steps=1, warmup=1)
+    table = _profile_phase.loop_body_times(captured, times)
+    graph = captured.graph
+    # The loops as the capture holds them (before scheduling: the estimator's reading).
+    program = cost.compiled_program(graph.module.to_text(), backends.CPU, scheduled=False)
+    collectives = cost.AllReduceCostModel(1e-3, 60.0, per_tensor_us=100.0)
+    estimator = cost.LoopEstimator(cost.TableEstimator(table), collectives, backends.CPU)
+    loops = [o for o in graph.opaque_ops if graph.ops[o].opcode == "while"]
+    assert len(loops) == 2 and estimator.estimate(graph, [frozenset([graph.opaque_ops[0]])]) == [None]
+    for o in loops:
+        [flow] = [f for f in program.control_flow if f.name == graph.ops[o].name]
+        body = [k for k in program.kernels if k.scope == flow.body]
+        traced = [table.get(program.graph.kernel_signature(program.ops[k.name])) for k in body if not k.is_collective]
+        assert all(t is not None for t in traced)  # every body kernel traced, per iteration
+        reduced = sum(collectives.bucket_time_us(k.tensor_bytes) for k in body if k.is_collective)
+        [loop_us] = estimator.estimate(graph, [frozenset([o])])
+        assert flow.trip_count == 3 and loop_us == pytest.approx(3 * (sum(t or 0.0 for t in traced) + reduced))
+    assert any(k.is_collective for k in program.kernels if k.scope)  # the backward body's all-reduce
+
+
+def test_the_decorator_searches_stores_and_reuses_a_plan_for_a_scanned_adamw_step(three_blocks, tmp_path):
+    """A scanned GPT with AdamW through `@optimize_distributed` on 8 CPU devices: the search phase
+    profiles it (its loops' bodies per iteration), searches, checks and stores a plan; a fresh
+    decorator finds it without searching; both compute what the unmodified step computes."""
+    step, (state, batch) = three_blocks
+    reference = step(state, batch)
+    fast = dict(budget_s=1.0, validation_pairs=4, measured_candidates=0, verbose=False, weight_update="replicated")
+    searched = optimize_distributed(search=True, plan_dir=tmp_path, **fast)(step)
+    outputs = searched(state, batch)
+    assert searched.last_report.phase == "search" and list(tmp_path.glob("*.json"))
+    reused = optimize_distributed(search=False, plan_dir=tmp_path, verbose=False, weight_update="replicated")(step)
+    again = reused(state, batch)
+    assert reused.last_report.phase == "enact" and reused.last_report.reason == searched.last_report.reason
+    for found in (outputs, again):
+        assert _validate.compare_outputs(reference, found, bitwise=not searched.last_report.applied).within_tolerance

@@ -88,7 +88,7 @@ class Backend:
     decorator_ready: bool = True
     emits_fusions: bool = True
     creates_reduce_scatter: bool = False
-    read_kernels: Callable[[str], KernelSchedule] = read_kernels
+    read_kernels: Callable[..., KernelSchedule] = read_kernels
     profile_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     hook_rules: frozenset[str] = frozenset()
 

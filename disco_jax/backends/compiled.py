@@ -305,11 +305,12 @@ def _trip_count(module: _hlo.HloModuleText, caller: _hlo.Computation, loop: _hlo
     return found, "induction variable"
 
 
-def read_kernels(text: str) -> KernelSchedule:
+def read_kernels(text: str, scheduled: bool = True) -> KernelSchedule:
     """The kernels of a compiled module's text, each scope in its schedule order, and its control
-    flow (see the module docstring)."""
+    flow (see the module docstring). `scheduled=False`: a module before scheduling (a capture at
+    the hook, `cost.LoopEstimator`), read in its instructions' order."""
     module = _hlo.parse_module(text)
-    if "is_scheduled=true" not in module.header:
+    if scheduled and "is_scheduled=true" not in module.header:
         raise ValueError("not a compiled module (no is_scheduled=true): pass the executable's text")
     kernels: list[CompiledKernel] = []
     flows: list[ControlFlow] = []

@@ -16,7 +16,8 @@
   (FO plus what dependencies force; `simulate(..., bound=True)`, reported per benchmark row).
 * `compiled`: the cost of a compiled program, kernel by kernel as XLA compiled and scheduled it
   (`compiled_program`, `cost_program`, `compiled_cost` -> `CompiledCost`; DESIGN.md point 18):
-  what a strategy costs once compiled, beside the simulator that proposes strategies.
+  what a strategy costs once compiled, beside the simulator that proposes strategies; and
+  `LoopEstimator`, the simulator's opaque `while` costed the same way, from its body.
 * `simulator`: `simulate`, the parameters' multi-point `calibrate` (-> `Calibrated`:
   the parameters, the misfit and each point), `CostModel`, and `SimulatedCost` (the search's
   cost function, `CostModel.evaluator`).
@@ -31,9 +32,11 @@ from disco_jax.cost.compiled import (
     CompiledCost,
     CompiledProgram,
     CostedKernel,
+    LoopEstimator,
     compiled_cost,
     compiled_program,
     cost_program,
+    loop_program,
     measured_table,
 )
 from disco_jax.cost.estimators import (
@@ -119,6 +122,8 @@ __all__ = [
     "kernel_state",
     "kernel_work",
     "loop_work",
+    "LoopEstimator",
+    "loop_program",
     "work_per_op",
     "flops_per_op",
     "measured_table",

@@ -89,9 +89,10 @@ class CompiledProgram:
         return {k.name: k.repeat for k in self.kernels}
 
 
-def compiled_program(text: str, backend: Backend) -> CompiledProgram:
-    """Read a compiled executable's module text (`compiled.as_text()`) of `backend`'s compiler."""
-    schedule = backend.read_kernels(text)
+def compiled_program(text: str, backend: Backend, scheduled: bool = True) -> CompiledProgram:
+    """Read a compiled executable's module text (`compiled.as_text()`) of `backend`'s compiler
+    (`scheduled=False`: a captured module, in its instructions' order)."""
+    schedule = backend.read_kernels(text, scheduled)
     kernels = tuple(schedule)
     graph = build_graph(text, backend.fusible, merge_duplicates=False, control_flow=bool(schedule.control_flow))
     by_name = dict(zip(graph.xla_kernel_names, graph.xla_groups))  # XLA's loop fusions, opened
@@ -363,3 +364,63 @@ def compiled_cost(
 ) -> CompiledCost:
     """`cost_program` of a compiled executable's text (`compiled_program`): one call for a row."""
     return cost_program(compiled_program(text, backend), estimator, allreduce, params)
+
+
+def loop_program(program: CompiledProgram, loop: str) -> CompiledProgram:
+    """The part of `program` the `while` named `loop` runs, as a program of its own: its body's
+    kernels (and its condition's, nested loops' and branches'), the loop itself at the start of
+    the entry. `cost_program` of it is what the loop costs where it runs."""
+    [flow] = [f for f in program.control_flow if f.name == loop]
+    scopes, grown = set(flow.parts), True
+    while grown:
+        inner = {part for f in program.control_flow if f.scope in scopes for part in f.parts}
+        grown = not inner <= scopes
+        scopes |= inner
+    kernels = tuple(k for k in program.kernels if k.scope in scopes)
+    flows = (dataclasses.replace(flow, scope="", position=0), *(f for f in program.control_flow if f.scope in scopes))
+    return CompiledProgram(
+        kernels, program.graph, {n: o for n, o in program.ops.items() if n in {k.name for k in kernels}}, flows
+    )
+
+
+class LoopEstimator:
+    """Costs a kernel that is one `while` op of a graph (the graph simulator's opaque loop) as the
+    compiled-program model costs that loop: its body's kernels once per iteration, in the body's
+    order, on the compute and communication streams, each by `estimator` (a profile's table holds
+    a body kernel's traced time per iteration: `_profile_phase.profile`), its collectives by
+    `allreduce`. The loop is read from the graph's own module (`compiled_program(...,
+    scheduled=False)` of `backend`: the capture, before scheduling, in instruction order); other
+    kernels get None, so a `chain` asks the next estimator. A loop whose trip count cannot be read
+    gets None too (the next estimator's figure for an opaque op)."""
+
+    name = "loop"
+
+    def __init__(self, estimator: Estimator, allreduce: AllReduceCost, backend: Backend):
+        self.estimator, self.allreduce, self.backend = estimator, allreduce, backend
+        self._programs: dict[str, CompiledProgram | None] = {}  # module fingerprint -> its read
+        self._loops: dict[tuple[str, str], float | None] = {}
+
+    def _program(self, graph: Graph) -> CompiledProgram | None:
+        key = graph.fingerprint
+        if key not in self._programs:
+            try:
+                self._programs[key] = compiled_program(graph.module.to_text(), self.backend, scheduled=False)
+            except (ValueError, KeyError):  # a trip count it cannot read, an op it cannot place
+                self._programs[key] = None
+        return self._programs[key]
+
+    def estimate(self, graph: Graph, kernels):
+        out: list[float | None] = []
+        for k in kernels:
+            op = graph.ops[next(iter(k))] if len(k) == 1 else None
+            if op is None or op.opcode != "while":
+                out.append(None)
+                continue
+            key = (graph.fingerprint, op.name)
+            if key not in self._loops:
+                program = self._program(graph)
+                found = program is not None and any(f.name == op.name for f in program.control_flow)
+                costed = cost_program(loop_program(program, op.name), self.estimator, self.allreduce) if found else None
+                self._loops[key] = None if costed is None else costed.iteration_us
+            out.append(self._loops[key])
+        return out
