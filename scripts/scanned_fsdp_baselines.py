@@ -1,0 +1,136 @@
+"""A scanned decoder's FSDP step under XLA:GPU's own loop options, compiled deviceless and costed
+as compiled: the baseline a prefetch of layer l+1's parameters across loop iterations would have
+to beat (docs/sharded-update.md, "Stacked parameters").
+
+The zoo GPT with `scan_layers=True` (Flax `nn.scan` over its blocks), AdamW, lowered for a GPU
+cluster's target; its weight update laid out by `sharding.update.find_layout` with every
+parameter and its state sharded and gathered again for each use (`Layout.regather`: the stacked
+parameters enter the loops split after their layer axis and each body gathers its own layer).
+That program is compiled with XLA's defaults and with XLA:GPU's options that move a loop's
+collectives across iterations: the latency-hiding scheduler; collective pipelining of the
+all-gathers and reduce-scatters (`xla_gpu_pipeline_all_gather` / `..._reduce_scatter` =
+`COLLECTIVE_PIPELINING_MODE_ON`: layer l+1's gather issued in iteration l); and the while loop
+double-buffered (its body unrolled twice). Each is costed by the compiled-program model with the
+cluster's kernel estimator and collective model, and its per-device peak read from XLA's memory
+analysis. Prints, per option set: compile seconds, kernel and collective runs, where the loops'
+collectives sit, simulated step, exposed communication (step minus compute), peak.
+
+    python scripts/scanned_fsdp_baselines.py [--layers 8] [--width 4096] [--seq 2048] [--batch 8]
+        [--cluster 8xH100-NVLink] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+
+from disco_jax import backends, cost, targets, zoo  # noqa: E402
+from disco_jax.eval import clusters  # noqa: E402
+from disco_jax.sharding import choice, update  # noqa: E402
+
+PIPELINE_ON = "COLLECTIVE_PIPELINING_MODE_ON"
+OPTIONS = {
+    "XLA defaults": {},
+    "latency-hiding scheduler": {"xla_gpu_enable_latency_hiding_scheduler": True},
+    "LHS + pipelined gathers and reduce-scatters": {
+        "xla_gpu_enable_latency_hiding_scheduler": True,
+        "xla_gpu_pipeline_all_gather": PIPELINE_ON,
+        "xla_gpu_pipeline_reduce_scatter": PIPELINE_ON,
+    },
+    "LHS + pipelined + loop double-buffering": {
+        "xla_gpu_enable_latency_hiding_scheduler": True,
+        "xla_gpu_pipeline_all_gather": PIPELINE_ON,
+        "xla_gpu_pipeline_reduce_scatter": PIPELINE_ON,
+        "xla_gpu_enable_while_loop_double_buffering": True,
+    },
+}
+
+
+def fsdp_lowered(spec, mesh):
+    """The step lowered with every parameter and its state sharded, gathered again for each use."""
+    optimizer = optax.adamw(1e-4)
+    state, batch = zoo.abstract_state_and_batch(spec, optimizer, mesh)
+    step = zoo.build_train_step(spec, optimizer, mesh, "jit", donate=True)
+    args = (state, batch)
+    default = step.lower(*args).compile()
+    shardings = jax.tree.leaves(default.input_shardings)
+    layout, reason = update.find_layout(step, args, {}, args, {}, shardings)
+    fsdp = layout.subset(layout.all_leaves(), regather=True)
+    lowered, _ = update.relower(step, fsdp, args, {}, (args, {}), default)
+    return lowered, fsdp, reason
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--cluster", default="8xH100-NVLink")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    cluster = clusters.get_cluster(args.cluster)
+    mesh = targets.mesh(cluster.target, cluster.gpus_per_node * cluster.nodes)
+    spec = zoo.resized(
+        "gpt",
+        "paper",
+        num_layers=args.layers,
+        d_model=args.width,
+        num_heads=max(1, args.width // 128),
+        seq_len=args.seq,
+        vocab_size=args.vocab,
+        global_batch=args.batch,
+        scan_layers=True,
+    )
+    lowered, layout, reason = fsdp_lowered(spec, mesh)
+    print(f"{spec.description}; {reason}; stacked leaves split after the layer axis: {len(layout.stacked)}")
+    estimator, collectives = cluster.kernel_estimator(), cluster.allreduce_model()
+    found = {}
+    for label, options in OPTIONS.items():
+        start = time.perf_counter()
+        compiled = lowered.compile(compiler_options=dict(options))
+        compile_s = time.perf_counter() - start
+        text = compiled.as_text()
+        program = cost.compiled_program(text, backends.GPU)
+        costed = cost.cost_program(program, estimator, collectives)
+        record = costed.to_json()
+        in_loops = sum(1 for k in program.collectives if k.scope)
+        peak = choice.footprint(update.memory(compiled, {}))
+        found[label] = {
+            "options": {k: str(v) for k, v in options.items()},
+            "compile_s": round(compile_s, 1),
+            "kernel_runs": record["num_kernels"],
+            "collective_runs": record["num_collectives"],
+            "collectives_in_loops": in_loops,
+            "loops": [(c["name"], c["trip_count"]) for c in record.get("control_flow", [])],
+            "iteration_us": record["iteration_us"],
+            "compute_us": record["compute_us"],
+            "comm_us": record["comm_us"],
+            "exposed_comm_us": record["iteration_us"] - record["compute_us"],
+            "peak_bytes": peak,
+        }
+        f = found[label]
+        print(
+            f"{label:45s} compile {f['compile_s']:5.1f} s  runs {f['kernel_runs']} + {f['collective_runs']} "
+            f"collectives ({in_loops} collective instructions in loop bodies), loops {f['loops']}; "
+            f"step {f['iteration_us'] / 1e3:.2f} ms (compute {f['compute_us'] / 1e3:.2f}, comm "
+            f"{f['comm_us'] / 1e3:.2f}, exposed {f['exposed_comm_us'] / 1e3:.2f}); peak {peak / 1e9:.2f} GB/device",
+            flush=True,
+        )
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"args": vars(args), "model": spec.description, **found}, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
