@@ -37,7 +37,6 @@ from typing import Any
 from disco_jax import _hlo
 
 FREE = frozenset("parameter constant get-tuple-element tuple bitcast after-all".split())
-CONTROL_FLOW = frozenset({"while", "conditional", "call"})
 
 
 @dataclasses.dataclass
@@ -293,47 +292,16 @@ def _in_place_operands(inst: _hlo.Instruction, module: _hlo.HloModuleText) -> li
     return []
 
 
-def replica_groups_key(text: str | None) -> str | None:
-    """Replica groups with mesh axis names replaced by their positions: XLA (jax 0.12) prints
-    `mesh['data'=8] {'data'}` for one all-reduce and `mesh['axis_0'=8] {'axis_0'}` for another
-    over the same devices, and combines them; so may we."""
-    m = re.fullmatch(r"mesh\[(.*)\]\s*\{(.*)\}", text or "")
-    if m is None:
-        return text
-    axes = [a.strip() for a in m.group(1).split(",") if a.strip()]
-    names = [a.split("=")[0].strip() for a in axes]
-    reduced = [r.strip() for r in m.group(2).split(",") if r.strip()]
-    if any(r not in names for r in reduced):
-        return text
-    sizes = ",".join(a.split("=", 1)[1].strip() if "=" in a else a for a in axes)
-    return f"mesh[{sizes}] {{{','.join(str(names.index(r)) for r in reduced)}}}"
-
-
 def _compat_key(inst: _hlo.Instruction, module: _hlo.HloModuleText, dtype: str) -> tuple:
     reducer = module.computation(inst.attr("to_apply").lstrip("%"))
     reducer_ops = tuple(i.opcode for i in reducer.instructions if i.opcode != "parameter")
     return (
         dtype,
         reducer_ops,
-        replica_groups_key(inst.attr("replica_groups")),
+        _hlo.replica_groups_key(inst.attr("replica_groups")),
         inst.attr("use_global_device_ids"),
         inst.attr("channel_id") is not None,
     )
-
-
-def control_flow_computations(module: _hlo.HloModuleText) -> list[_hlo.Computation]:
-    """The computations the entry's control flow runs (`while` bodies and conditions,
-    `conditional` branches, `call`ed computations), nested ones too, each once, in the order met."""
-    found: dict[str, _hlo.Computation] = {}
-    stack = [module.entry]
-    while stack:
-        for inst in stack.pop(0).instructions:
-            if inst.opcode in CONTROL_FLOW:
-                for name in inst.called_computations:
-                    if name not in found:
-                        found[name] = module.computation(name)
-                        stack.append(found[name])
-    return list(found.values())
 
 
 def build_graph(
@@ -343,7 +311,7 @@ def build_graph(
     its loop emitter fuses (`fusible`: `Backend.fusible`; the graph keeps no backend).
     `merge_duplicates=False`: every fusion's ops its own (a compiled module, `cost.compiled`).
     `control_flow=True`: the ops of the computations the entry's control flow runs are read too
-    (`control_flow_computations`: loop bodies and conditions, branches, called computations), after
+    (`_hlo.control_flow_computations`: loop bodies and conditions, branches, called computations), after
     the entry's, XLA's fusions there opened the same way and listed in `xla_groups`; each reads
     only its own computation's values (a loop body's parameter is a free op), its all-reduces are
     opaque ops (not gradients: the search regroups the entry's), and the `while` itself stays one
@@ -351,7 +319,7 @@ def build_graph(
     module = _hlo.parse_module(text)
     fingerprint = _hlo.module_fingerprint(module)  # before anything reads the parsed module
     entry = module.entry
-    computations = [entry] + (control_flow_computations(module) if control_flow else [])
+    computations = [entry] + (_hlo.control_flow_computations(module) if control_flow else [])
     ops: list[Op] = []
     cse: dict[tuple, int] = {}
     value: dict[str, int] = {}  # entry value name -> op id

@@ -3,6 +3,9 @@
 XLA's own parser (`hlo_module_from_text`) is the reader of what we print; this module only needs
 to split instructions into name, shape, opcode, operands and attributes, keep everything else
 verbatim, and print lines XLA accepts. Shapes are parsed into `TensorSpec`s for byte counts.
+Two readings of a parsed module's structure live here too, for every layer above: the
+computations its control flow runs (`control_flow_computations`) and replica groups named by
+position (`replica_groups_key`).
 """
 
 from __future__ import annotations
@@ -297,6 +300,40 @@ class HloModuleText:
         comps = "\n\n".join(c.to_text(drop_metadata) for c in self.computations)
         preamble = "" if drop_metadata else self.preamble
         return f"{self.header}\n\n{preamble}{comps}\n"
+
+
+def replica_groups_key(text: str | None) -> str | None:
+    """Replica groups with mesh axis names replaced by their positions: XLA (jax 0.12) prints
+    `mesh['data'=8] {'data'}` for one all-reduce and `mesh['axis_0'=8] {'axis_0'}` for another
+    over the same devices, and combines them; so may we."""
+    m = re.fullmatch(r"mesh\[(.*)\]\s*\{(.*)\}", text or "")
+    if m is None:
+        return text
+    axes = [a.strip() for a in m.group(1).split(",") if a.strip()]
+    names = [a.split("=")[0].strip() for a in axes]
+    reduced = [r.strip() for r in m.group(2).split(",") if r.strip()]
+    if any(r not in names for r in reduced):
+        return text
+    sizes = ",".join(a.split("=", 1)[1].strip() if "=" in a else a for a in axes)
+    return f"mesh[{sizes}] {{{','.join(str(names.index(r)) for r in reduced)}}}"
+
+
+CONTROL_FLOW = frozenset({"while", "conditional", "call"})
+
+
+def control_flow_computations(module: HloModuleText) -> list[Computation]:
+    """The computations the entry's control flow runs (`while` bodies and conditions,
+    `conditional` branches, `call`ed computations), nested ones too, each once, in the order met."""
+    found: dict[str, Computation] = {}
+    stack = [module.entry]
+    while stack:
+        for inst in stack.pop(0).instructions:
+            if inst.opcode in CONTROL_FLOW:
+                for name in inst.called_computations:
+                    if name not in found:
+                        found[name] = module.computation(name)
+                        stack.append(found[name])
+    return list(found.values())
 
 
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")

@@ -12,21 +12,30 @@ activations stored into one for the backward), loop fusions that only broadcast 
 buffers), and the other fusions.
 
     python scripts/scanned_vs_unrolled.py [--layers 2] [--width 4096] [--seq 2048] [--vocab 50257]
-        [--batch 8] [--dtype bfloat16] [--cluster 8xH100-NVLink] [--json out.json]
+        [--batch 8] [--dtype bfloat16] [--cluster 8xH100-NVLink] [--json out.json] [--timeline DIR]
+
+`--timeline DIR` also draws both forms' steps as the model runs them (every kernel run on the
+compute and communication streams, a loop body's once per layer, labelled with its iteration):
+DIR/scanned_vs_unrolled.png and a Perfetto trace beside it (`disco_jax._timeline`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import time
 from collections import Counter
 
-import optax
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
 
-from disco_jax import backends, cost, targets, zoo
-from disco_jax.eval import clusters
+import optax  # noqa: E402
+
+from disco_jax import backends, cost, targets, zoo  # noqa: E402
+from disco_jax._timeline import write_timelines  # noqa: E402
+from disco_jax.eval import clusters  # noqa: E402
 
 STACKING = frozenset({"dynamic-slice", "dynamic-update-slice"})
 
@@ -91,11 +100,12 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--cluster", default="8xH100-NVLink")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--timeline", default=None, help="directory for the timeline picture and trace")
     args = parser.parse_args(argv)
     cluster = clusters.get_cluster(args.cluster)
     estimator, collectives = cluster.kernel_estimator(), cluster.allreduce_model()
     mesh = targets.mesh(cluster.target, cluster.gpus_per_node * cluster.nodes)
-    found = {}
+    found, timelines = {}, {}
     for scan in (True, False):
         spec = zoo.resized(
             "gpt",
@@ -120,6 +130,9 @@ def main(argv=None) -> int:
             if k.lane == "compute":
                 by_class[kernel_class(program, k.name, k.kind)] += k.time_us
         form = "scanned" if scan else "unrolled"
+        timelines[form] = [
+            [k.lane, k.name + "".join(f"[{i}]" for i in k.iteration), k.start_us, k.end_us] for k in costed.kernels
+        ]
         found[form] = {
             "compile_s": round(compile_s, 1),
             "kernel_runs": record["num_kernels"],
@@ -147,6 +160,10 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"args": vars(args), **found}, out, indent=1)
+    if args.timeline:
+        title = f"GPT, {args.layers} blocks of width {args.width}, 8 x {cluster.target} (compiled-program model)"
+        for path in write_timelines(timelines, args.timeline, "scanned_vs_unrolled", title):
+            print(f"wrote {path}")
     return 0
 
 

@@ -38,6 +38,7 @@ LONGEST_FILES = (
     "test_offline_memory.py",
     "test_faults.py",
     "test_zoo.py",
+    "test_scanned_layers.py",
     "test_calls.py",
     "test_weight_update_choice.py",
     "test_api.py",

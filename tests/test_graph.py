@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from disco_jax import _capture, _graph, _program, backends
+from disco_jax import _capture, _graph, _hlo, _program, backends
 from disco_jax.cost import allreduce, sharded, work
 
 from _steps import make_step
@@ -84,7 +84,7 @@ def test_control_flow_is_one_opaque_kernel_and_its_bodies_are_read_on_request():
     # control_flow=True: the loop bodies' and conditions' ops too, after the entry's, XLA's fusions
     # there opened; the gradients, the entry's values and the while itself are as before.
     full = _graph.build_graph(text, backends.CPU.fusible, control_flow=True)
-    bodies = {c.name for c in _graph.control_flow_computations(full.module)}
+    bodies = {c.name for c in _hlo.control_flow_computations(full.module)}
     assert bodies and len(full.ops) > len(graph.ops)
     assert [op.name for op in full.ops[: len(graph.ops)]] == [op.name for op in graph.ops]
     assert len(full.gradients) == len(graph.gradients) and full.entry_values == graph.entry_values

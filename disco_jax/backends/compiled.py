@@ -59,7 +59,6 @@ FREE = frozenset("parameter constant get-tuple-element tuple bitcast after-all a
 COLLECTIVES = frozenset(
     "all-reduce all-gather reduce-scatter all-to-all collective-permute collective-broadcast ragged-all-to-all".split()
 )
-CONTROL_FLOW = frozenset({"while", "conditional", "call"})
 _COMPARISONS = {"LT", "LE", "GT", "GE", "NE"}
 # Library-call custom-call targets by kernel kind (XLA:GPU's cuDNN and cuBLAS calls).
 _LIBRARY_KINDS = (("conv", ("cudnn$conv",)), ("gemm", ("cublas", "gemm", "matmul")))

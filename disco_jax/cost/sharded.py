@@ -63,7 +63,7 @@ class UpdateRegions:
 
 
 def group_size(replica_groups: str | None) -> int | None:
-    """Devices per group of a collective's `replica_groups` (as `_graph.replica_groups_key`
+    """Devices per group of a collective's `replica_groups` (as `_hlo.replica_groups_key`
     prints it: `mesh[8] {0}`; or `{{0,1,..}}`; or the iota form `[1,8]<=[8]`); None if unknown."""
     text = (replica_groups or "").strip()
     m = re.fullmatch(r"mesh\[([\d,\s]*)\]\s*\{([\d,\s]*)\}", text)
