@@ -71,19 +71,25 @@ STATE_SHARDED = "optimizer state sharded"  # ZeRO-1
 ALL_SHARDED = "parameters and state sharded"  # ZeRO-3 / FSDP: all-gathered before use
 REGATHERED = "parameters and state sharded, gathered again for each use"  # FSDP, reshard after forward
 SPLIT = "parameters and state sharded, split over several dimensions"  # where no one dimension divides
+WHOLE_LAYERS = "parameters and state sharded, whole layers per device"  # stacked leaves split on the layer axis
 
 
-def _sharded_update(parameters: bool, regather: bool = False, split: bool = False) -> Callable:
+def _sharded_update(
+    parameters: bool, regather: bool = False, split: bool = False, whole_layers: bool = False
+) -> Callable:
     """A builder of the step lowered again with every optimizer-state group sharded over the data
     axis (`sharding.update`), and with `parameters` their parameters too (`sharding.params`),
     gathered again for each use with `regather` (`sharding.regather`, applied at the hook), with
     `split` the leaves no dimension of which the axis divides split over several (only where
-    there are such leaves: `find_layout(split=True)`)."""
+    there are such leaves: `find_layout(split=True)`), with `whole_layers` a scanned step's
+    stacked leaves split on their layer axis (only where there are such leaves)."""
 
     def build(step, args: tuple, kwargs: dict, replicated_compiled) -> tuple:
         """(lowered, layout, why) of the sharded step; (None, None, why not) where it does not apply."""
         shardings = jax.tree.leaves(replicated_compiled.input_shardings)
-        layout, reason = update.find_layout(step, args, kwargs, args, kwargs, shardings, split=split)
+        layout, reason = update.find_layout(
+            step, args, kwargs, args, kwargs, shardings, split=split, whole_layers=whole_layers
+        )
         if layout is None:
             return None, None, reason
         if parameters and not layout.parameters:
@@ -107,6 +113,9 @@ SHARDED_UPDATES: dict[str, Callable] = {
     ALL_SHARDED: _sharded_update(parameters=True),
     REGATHERED: _sharded_update(parameters=True, regather=True),
     SPLIT: _sharded_update(parameters=True, split=True),
+    # A scanned step's stacks split on their layer axis: gathered whole around the loops, no
+    # resharding of the loop bodies' activations (docs/sharded-update.md, "Stacked parameters").
+    WHOLE_LAYERS: _sharded_update(parameters=True, whole_layers=True),
 }
 
 

@@ -51,7 +51,7 @@ def _bodies(text: str) -> dict[str, list[str]]:
     return found
 
 
-def test_stacked_parameters_and_their_state_are_split_after_the_layer_axis(scanned_step):
+def test_stacked_parameters_and_their_state_are_split_after_the_layer_axis_or_on_it_for_whole_layers(scanned_step):
     step, args = scanned_step
     layout, reason = update.find_layout(step, args, {}, args, {}, [x.sharding for x in jax.tree.leaves(args)])
     stacked = {layout.all_paths()[p] for p in layout.all_paths() if "['blocks']" in p}
@@ -62,6 +62,12 @@ def test_stacked_parameters_and_their_state_are_split_after_the_layer_axis(scann
     others = [specs[i] for i in specs if i not in stacked and len(specs[i]) and specs[i][0] == "data"]
     assert others  # an unstacked leaf still takes its first divisible dimension (the embedding's)
     assert layout.to_json()["stacked"]
+    # `whole_layers` (offline.WHOLE_LAYERS, the planner's other choice): split on the layer axis.
+    whole, _ = update.find_layout(
+        step, args, {}, args, {}, [x.sharding for x in jax.tree.leaves(args)], whole_layers=True
+    )
+    whole_specs = {**whole.inputs, **{p: q.spec for p, q in whole.parameters.items()}}
+    assert not whole.stacked and all(whole_specs[i][0] == "data" for i in stacked)
 
 
 def test_gathered_again_each_layer_is_gathered_in_the_loop_and_the_step_computes_the_same(scanned_step):

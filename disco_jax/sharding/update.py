@@ -89,13 +89,23 @@ def data_axis(shardings: list) -> tuple[Any, str] | None:
 
 
 def find_layout(
-    fn, args: tuple, kwargs: dict, dynamic_args: tuple, dynamic_kwargs: dict, input_shardings: list, split=False
+    fn,
+    args: tuple,
+    kwargs: dict,
+    dynamic_args: tuple,
+    dynamic_kwargs: dict,
+    input_shardings: list,
+    split=False,
+    whole_layers=False,
 ) -> tuple[Layout | None, str]:
     """The sharded-update layout of one call of the jitted `fn`, or (None, why not).
     `input_shardings`: per dynamic leaf, its sharding in the unmodified step's executable; `split`:
     leaves with no dimension the data axis divides are split over several where their size allows
     (`leaves.factored_mesh`; a last resort under a memory limit: the partitioner may replicate what
-    such a leaf's gradient meets, so the step can get slower and its temporaries larger)."""
+    such a leaf's gradient meets, so the step can get slower and its temporaries larger).
+    Stacked `(layers, ...)` leaves (`leaves.stacked_leaves`) are split after their layer axis;
+    with `whole_layers` on it as any other leaf (each device holds whole layers), and only for a
+    step that has such leaves (None otherwise)."""
     if getattr(fn, "_jit_info", None) is None or not hasattr(fn, "__wrapped__"):
         return None, "the step is not a jax.jit function"
     traced = fn.trace(*args, **kwargs)
@@ -118,6 +128,10 @@ def find_layout(
     scanned: set[int] = set()
     origins = elementwise_origins(jaxpr, [frozenset({i}) for i in range(len(inputs))], consumed, scanned)
     stacked = stacked_leaves(origins, scanned)
+    if whole_layers:
+        if not stacked:
+            return None, "no leaf is stacked on a layer axis (no layers under a scan)"
+        stacked = frozenset()
     split_mesh = factored_mesh(mesh, axis) if split else None
     factors = factor_axes(split_mesh, mesh)
     state, updated = choose_layout(jaxpr, inputs, outputs, replicated, num_shards, (origins, consumed), factors)
