@@ -45,6 +45,7 @@ from disco_jax._graph import Graph, build_graph
 from disco_jax.cost.allreduce import AllReduceCost, collective_time_us
 from disco_jax.cost.estimators import ChainEstimator, Estimator, TableEstimator
 from disco_jax.cost.events import SimulatorParams
+from disco_jax.cost.host import program_buffers
 
 if TYPE_CHECKING:
     from disco_jax.backends import Backend
@@ -63,6 +64,7 @@ class CompiledProgram:
     kernels: tuple[CompiledKernel, ...]
     graph: Graph
     ops: Mapping[str, frozenset[int]]  # compute kernel name -> its op ids
+    buffers: tuple[int, int] = (0, 0)  # arrays a call takes and returns (`cost.host.program_buffers`)
 
     @property
     def compute_kernels(self) -> list[CompiledKernel]:
@@ -88,7 +90,7 @@ def compiled_program(text: str, backend: Backend) -> CompiledProgram:
             if not members:
                 raise ValueError(f"kernel {k.name} ({k.opcode}) has no ops in the module's graph")
             ops[k.name] = members
-    return CompiledProgram(kernels, graph, ops)
+    return CompiledProgram(kernels, graph, ops, program_buffers(text))
 
 
 def measured_table(program: CompiledProgram, times_us: Mapping[str, float]) -> TableEstimator:
@@ -134,6 +136,8 @@ class CompiledCost:
     comm_us: float
     kernels: tuple[CostedKernel, ...]  # in schedule order
     step_overhead_us: float = 0.0
+    host_us: float = 0.0  # when the host lane issued the last kernel (0 without one)
+    device_wait_us: float = 0.0  # compute-stream time spent waiting for the host to issue
 
     @property
     def full_overlap_us(self) -> float:
@@ -162,6 +166,8 @@ class CompiledCost:
             "full_overlap_us": self.full_overlap_us,
             "overlap_ratio": self.overlap_ratio,
             "step_overhead_us": self.step_overhead_us,
+            "host_us": self.host_us,
+            "device_wait_us": self.device_wait_us,
             "num_kernels": sum(1 for k in self.kernels if k.method != COLLECTIVE_METHOD),
             "num_collectives": sum(1 for k in self.kernels if k.method == COLLECTIVE_METHOD),
             "costed_by": self.costed_by,
@@ -214,8 +220,14 @@ def cost_program(
 ) -> CompiledCost:
     """The program's step on its streams (see the module docstring); `params`: the simulator's
     device parameters (compute scale, per-kernel and per-step overheads, per-tensor all-reduce
-    latency), default none."""
+    latency, the host lane), default none.
+
+    With a host lane (`params.host`), the host first prepares the call (`HostLane.prepare_us` of
+    the program's arguments and results), then issues the kernels in schedule order, each taking it
+    `HostLane.issue(kind)`; a kernel, compute or collective, starts no earlier than the host has
+    issued it. The step ends when the streams and the host are done."""
     params = params or SimulatorParams()
+    host = params.host
     estimates = _compute_times(program, estimator)
     events = []  # (schedule position, kernel index, is the done of an async collective)
     for i, k in enumerate(program.kernels):
@@ -223,6 +235,8 @@ def cost_program(
         if k.done_position is not None:
             events.append((k.done_position, i, True))
     compute_free = comm_free = 0.0
+    issued = host.prepare_us(*program.buffers) if host is not None else 0.0
+    waited = 0.0
     ends: dict[int, float] = {}
     costed: list[CostedKernel | None] = [None] * len(program.kernels)
     compute_us = comm_us = 0.0
@@ -231,9 +245,11 @@ def cost_program(
         if is_done:
             compute_free = max(compute_free, ends[i])
             continue
+        if host is not None:
+            issued += host.issue(k.collective or k.kind)
         if k.is_collective:
             t = _collective_us(k, allreduce, params)
-            start = max(compute_free, comm_free)
+            start = max(compute_free, comm_free, issued)
             comm_free = ends[i] = start + t
             if k.done_position is None:  # synchronous: the compute stream waits for it
                 compute_free = comm_free
@@ -242,15 +258,19 @@ def cost_program(
             continue
         estimate, method, assumed = estimates[k.name]
         t = params.kernel_us(estimate)
-        start, compute_free = compute_free, compute_free + t
+        start = max(compute_free, issued)
+        waited += start - compute_free
+        compute_free = start + t
         compute_us += t
         costed[i] = CostedKernel(k.name, k.kind, method, t, "compute", start, compute_free, assumed)
     return CompiledCost(
-        max(compute_free, comm_free) + params.step_overhead_us,
+        max(compute_free, comm_free, issued) + params.step_overhead_us,
         compute_us,
         comm_us,
         tuple(costed),  # type: ignore[arg-type]
         params.step_overhead_us,
+        issued if host is not None else 0.0,
+        waited,
     )
 
 
