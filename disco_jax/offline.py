@@ -211,9 +211,14 @@ def _peak(compiled) -> int | None:
 
 
 def program_costs(cluster) -> ProgramCosts:
-    """The compiled-program model on `cluster`'s costs (its kernel estimator, its collectives):
+    """The compiled-program model on `cluster`'s costs (its kernel estimator, its collectives, its host lane):
     how offline plans cost every program they compile."""
-    return ProgramCosts(backends.GPU, ChainEstimator([cluster.kernel_estimator()]), cluster.allreduce_model())
+    return ProgramCosts(
+        backends.GPU,
+        ChainEstimator([cluster.kernel_estimator()]),
+        cluster.allreduce_model(),
+        cluster.simulator_params(),
+    )
 
 
 class NothingFits(ValueError):

@@ -88,12 +88,9 @@ def global_args(compiled, host_leaves: list, treedef):
 
 def pack(value) -> str:
     """A JSON value as base64 of zlib-compressed JSON: module texts and per-call timelines of the
-    paper steps are megabytes each, and a row stays one line, written whole (`unpack` reads it)."""
+    paper steps are megabytes each, and a row stays one line, written whole
+    (`disco_jax.eval.gpu_records.unpack` reads it)."""
     return base64.b64encode(zlib.compress(json.dumps(value).encode(), 6)).decode("ascii")
-
-
-def unpack(packed: str):
-    return json.loads(zlib.decompress(base64.b64decode(packed)))
 
 
 def trace_summary(traces: list, module: str, calls: int) -> dict:

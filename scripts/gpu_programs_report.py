@@ -5,57 +5,50 @@ Reads the JSON lines files that script wrote (gzipped or not) and prints, on any
 * **launch**: per chain of N tiny kernels, the wall time of a call, the traced device time of a
   kernel, and the cost one more kernel adds to a call (the slope of wall time over N), with
   command buffers on and off;
-* **library calls**: every gemm and convolution kernel of the recorded programs (``--config
-  paper`` rows: the paper configs' own shapes and dtypes) with its traced time, its work
-  (`cost.work`: flops, 16-bit or not) and the efficiency it achieved against the datasheet peak
-  after the fitted launch; and the median efficiency per kind, which ``--write-constants`` stores
-  in the H100 profile's ``device_constants.json`` (``dot_efficiency``, read by `gpus.H100_SXM`);
-* **fidelity**: per one-GPU step (default and plan, command buffers on and off) the measured wall
-  time against `cost.compiled_cost` of its compiled text with the H100's kernel estimator (GNN,
-  roofline with the fitted constants) and the measured gap per kernel of its setting; the traced
-  kernels against the module's; and per kernel (command buffers off) the estimator's error;
+* **library calls**: every gemm and convolution kernel of the recorded programs with its traced
+  time, its work (`cost.work`) and the efficiency it achieved against the datasheet peak; and
+  per kind the fit `disco_jax.eval.gpu_fit.fit_library_calls` makes of them (an overhead per
+  call and an efficiency);
+* **host lane**: per command-buffer setting the fit `gpu_fit.fit_host_lane` makes of the
+  host-bound calls, beside the host's traced time per kernel where the records hold host events;
+* **fidelity**: per recorded one-GPU step its wall time against `cost.cost_program` of its
+  compiled text with the device's kernel estimator and host lane, calibrated on all models
+  (fitted) and on all but the step's own (held out, leave one model out), and the median and
+  worst |error| of the paper and tiny steps both ways;
 * **mock**: the 8-GPU programs run under the mock topology against the 8xH100-NVLink cluster's
   compute and communication streams.
 
+Each device kind in the records (the H100 of 2026-11-26, the H200 of 2026-11-28) is costed on
+its own spec (`gpus.device_for_kind`) and calibrated on its own records.
+
     python scripts/gpu_programs_report.py data/gpu/2026-11-26/*.jsonl.gz [--json out.json]
         [--write-constants]
+    python scripts/gpu_programs_report.py data/gpu/2026-11-28/*.jsonl.gz --write-constants
+
+`--write-constants` stores, per device kind, the all-models calibration (`gpu_fit.Calibration`)
+in its profile's `device_constants.json` (`calibration`), and for a kind whose kernels were never
+sampled alone (the H200) the launch and memory efficiency fitted to its traced fusions
+(`gpu_fit.fitted_constants`).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import gzip
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from disco_jax import backends, cost
-from disco_jax.cost.simulator import SimulatorParams
-from disco_jax.cost.work import kernel_work
-from disco_jax.eval import clusters, gpus
+import numpy as np  # noqa: E402
 
+from disco_jax import cost  # noqa: E402
+from disco_jax.cost.simulator import SimulatorParams  # noqa: E402
+from disco_jax.eval import clusters, gpu_fit, gpu_records, gpus  # noqa: E402
 
-def load(paths: list[str]) -> list[dict]:
-    rows = []
-    for p in paths:
-        opener = gzip.open if p.endswith(".gz") else open
-        with opener(p, "rt") as f:
-            rows += [{**json.loads(line), "file": Path(p).name} for line in f if line.strip()]
-    return rows
-
-
-@functools.cache
-def program_of(text: str) -> cost.CompiledProgram:
-    """A recorded executable read for costing, once (its graph is most of the report's time)."""
-    return cost.compiled_program(text, backends.GPU)
-
-
-def setting(row: dict) -> str:
-    return "off" if row.get("command_buffers") == "off" else "on"
+program_of, setting = gpu_records.program_of, gpu_records.setting
 
 
 # ---------------------------------------------------------------------------------------------- launch
@@ -93,78 +86,6 @@ def launch_figures(rows: list[dict]) -> dict:
     return figures
 
 
-def kernel_gap_us(launch: dict, cb: str) -> float:
-    """The median over sizes of what a kernel adds to a call beyond its own device time."""
-    gaps = [f["gap_us"] for f in launch.values() if f["command_buffers"] == cb]
-    return float(np.median(gaps)) if gaps else 0.0
-
-
-# ------------------------------------------------------------------------------------- library calls
-
-
-def library_calls(rows: list[dict], device: gpus.DeviceSpec) -> list[dict]:
-    """Every gemm / convolution kernel of the command-buffers-off step programs with its trace time."""
-    calls = []
-    seen = set()
-    for r in rows:
-        if r.get("mode") != "steps" or setting(r) != "off" or "text" not in r:
-            continue
-        times = r["trace"]["kernel_us"]
-        program = program_of(r["text"])
-        for k in program.compute_kernels:
-            if k.kind not in ("gemm", "conv") or k.name not in times:
-                continue
-            work = kernel_work(program.graph, program.ops[k.name])
-            if not work.dot:
-                continue
-            key = (r["model"], r["config"], r["program"], k.name)
-            if key in seen:
-                continue
-            seen.add(key)
-            measured = times[k.name]
-            sixteen = work.dot_16bit >= work.dot / 2
-            peak = (device.dot16_flops or device.dot_flops).value if sixteen else device.dot_flops.value
-            device_s = max(measured - device.launch_us.value, 1e-3) / 1e6
-            calls.append(
-                {
-                    "model": r["model"],
-                    "config": r["config"],
-                    "program": r["program"],
-                    "kernel": k.name,
-                    "kind": k.kind,
-                    "flops": work.dot,
-                    "bytes": work.bytes,
-                    "dtype": "16-bit" if sixteen else "f32 (TF32)",
-                    "measured_us": measured,
-                    "device_us": device_s * 1e6,
-                    "at_peak_us": work.dot / peak * 1e6,
-                    "efficiency": work.dot / device_s / peak,
-                }
-            )
-    return calls
-
-
-def efficiency_fit(calls: list[dict], min_flops: float) -> dict:
-    """Achieved efficiency per kind over the calls of at least `min_flops` (smaller ones are
-    launch- or memory-bound, where the roofline's other terms answer): the median of the calls',
-    its spread, and the aggregate (their work at the peak over their summed time: the one
-    efficiency that gives their total time)."""
-    out = {}
-    for kind in ("gemm", "conv", "all"):
-        chosen = [c for c in calls if (kind == "all" or c["kind"] == kind) and c["flops"] >= min_flops]
-        if chosen:
-            eff = np.array([c["efficiency"] for c in chosen])
-            at_peak = sum(c["at_peak_us"] for c in chosen)
-            out[kind] = {
-                "calls": len(chosen),
-                "aggregate": at_peak / sum(c["device_us"] for c in chosen),
-                "median": float(np.median(eff)),
-                "p10": float(np.percentile(eff, 10)),
-                "p90": float(np.percentile(eff, 90)),
-            }
-    return out
-
-
 # ------------------------------------------------------------------------------------------ fidelity
 
 
@@ -173,51 +94,24 @@ def predict(text: str, estimator, allreduce, gap_us: float) -> cost.CompiledCost
     return cost.cost_program(program_of(text), estimator, allreduce, params)
 
 
-def fidelity(rows: list[dict], launch: dict, cluster: clusters.Cluster) -> list[dict]:
+def mock_fidelity(rows: list[dict], cluster: clusters.Cluster) -> list[dict]:
+    """The 8-GPU programs run under the mock topology, costed on the cluster's two streams."""
     estimator, allreduce = cluster.kernel_estimator(), cluster.allreduce_model()
     out = []
     for r in rows:
-        if r.get("mode") not in ("steps", "mock") or "text" not in r or r.get("model") == "allreduce":
+        if r.get("mode") != "mock" or "text" not in r or r.get("model") == "allreduce" or "wall_median_us" not in r:
             continue
-        if (r["mode"] == "mock") != (cluster.num_devices > 1):
-            continue
-        cb = setting(r)
-        costed = predict(r["text"], estimator, allreduce, kernel_gap_us(launch, cb))
-        bare = predict(r["text"], estimator, allreduce, 0.0)
-        program = program_of(r["text"])
-        traced = r["trace"]["kernel_us"]
-        compute = {k.name for k in program.compute_kernels}
-        per_kernel = []
-        if cb == "off":
-            for k in costed.kernels:
-                if k.lane == "compute" and k.name in traced and traced[k.name] > 0:
-                    predicted = k.time_us - kernel_gap_us(launch, cb)
-                    per_kernel.append(abs(predicted - traced[k.name]) / traced[k.name])
-        measured = r["wall_median_us"]
+        costed = predict(r["text"], estimator, allreduce, 0.0)
         out.append(
             {
-                "mode": r["mode"],
                 "model": r["model"],
-                "config": r["config"],
                 "program": r["program"],
-                "command_buffers": cb,
-                "measured_us": measured,
+                "measured_us": r["wall_median_us"],
                 "predicted_us": costed.iteration_us,
-                "error": (costed.iteration_us - measured) / measured,
-                "predicted_kernels_only_us": bare.iteration_us,
                 "predicted_compute_us": costed.compute_us,
                 "predicted_comm_us": costed.comm_us,
-                "kernels": len(compute),
-                "collectives": len(program.collectives),
-                "traced_ops": len(traced),
-                "traced_kernels_of_module": len(compute & set(traced)),
-                "traced_sum_us": sum(traced.values()),
-                # Kernels only, against the traced kernels' sum: where every kernel was traced.
-                "device_error": (bare.iteration_us - sum(traced.values())) / sum(traced.values())
-                if cb == "off" and traced
-                else None,
-                "costed_by": costed.costed_by,
-                "kernel_median_error": float(np.median(per_kernel)) if per_kernel else None,
+                "collectives": len(program_of(r["text"]).collectives),
+                "traced_ops": len(r["trace"]["kernel_us"]),
             }
         )
     return out
@@ -240,120 +134,134 @@ def mock_allreduce(rows: list[dict], cluster: clusters.Cluster) -> list[dict]:
 # ------------------------------------------------------------------------------------------- output
 
 
-def write_constants(fit: dict, launch: dict, command: str) -> Path:
-    """Store in the H100 profile's device constants the measured gemm/convolution efficiency (a
-    `DeviceSpec` constant, `gpus.H100_SXM` reads it) and, as measurements beside the constants,
-    what a kernel adds to a step with command buffers on and off."""
-    path = gpus.SHIPPED_PROFILE_DIR / "nvidia-h100-80gb-hbm3" / gpus.CONSTANTS_FILE
-    stored = json.loads(path.read_text())
-    f = fit["all"]
-    stored["constants"]["dot_efficiency"] = {
-        "value": f["aggregate"],
-        "unit": "fraction",
-        "source": f"measured on an H100 (NVIDIA H100 80GB HBM3): the achieved fraction of the datasheet's dense "
-        f"peak (16-bit or TF32 by the operands), their work at the peak over their summed time (median of the "
-        f"calls {f['median']:.3f}), over {f['calls']} gemm and convolution kernels of the zoo's "
-        f"paper configs (per-device batch of the 8-GPU rows) as XLA:GPU ran them, after the fitted launch "
-        f"(`{command}`, docs/gpu.md)",
-        "fit": {k: v for k, v in fit.items()},
-    }
-    stored["measured"] = {
-        "kernel_gap_us": {
-            "command_buffers_on": kernel_gap_us(launch, "on"),
-            "command_buffers_off": kernel_gap_us(launch, "off"),
-            "unit": "us",
-            "source": "measured on an H100: what one more kernel adds to a call beyond its own device time, the "
-            "slope of wall time over chains of 1, 50 and 200 tiny kernels minus the traced kernel time, median "
-            f"over three sizes (`{command}`, docs/gpu.md, 'Launch cost of a kernel'); not charged by the cost "
-            "models (with command buffers, XLA's default, it is under 2% of the paper configs' steps)",
-            "chains": launch,
-        }
+def write_constants(
+    device: gpus.DeviceSpec, calibration: gpu_fit.Calibration, rows: list[dict], files: str, summary: dict
+) -> Path:
+    """Store `calibration` in the device's profile (`device_constants.json`, `calibration`); where
+    the profile has no constants fitted to kernels timed alone, those fitted to the traced
+    fusions of the records (`gpu_fit.fitted_constants`) too; and for the H100 the launch
+    chains' gap per kernel (measured, not charged: the host lane is what the model charges)."""
+    from disco_jax._profile_db import SHIPPED_PROFILE_DIR, sanitize_device_kind
+
+    folder = SHIPPED_PROFILE_DIR / sanitize_device_kind(device.device_kind or "")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / gpus.CONSTANTS_FILE
+    stored = json.loads(path.read_text()) if path.exists() else {"device_kind": device.device_kind}
+    if not stored.get("samples"):  # no kernels timed alone: the traced fusions' constants
+        stored["samples"] = None
+        stored["constants"] = {**stored.get("constants", {}), **gpu_fit.fitted_constants(rows, device, files)}
+    stored["calibration"] = {
+        **calibration.to_json(),
+        "fidelity": summary,  # |error| of the recorded steps' wall time, fitted and held out by model
+        "command": f"python scripts/gpu_programs_report.py {files}/*.jsonl.gz --write-constants",
     }
     path.write_text(json.dumps(stored, indent=1) + "\n")
     return path
+
+
+def print_fidelity(scored: list[dict], summary: dict) -> None:
+    for f in scored:
+        traced = f["traced_kernels_us"]
+        print(
+            f"  {f['family']:11s} {str(f['model'])[:22]:22s} {f['config']:7s} {f['program']:7s} "
+            f"cb {f['command_buffers']:3s} "
+            f"measured {f['measured_us']:9.1f} fitted {f['fitted_us']:9.1f} ({f['fitted_error']:+6.1%}) held out "
+            f"{f['held_out_us']:9.1f} ({f['held_out_error']:+6.1%}); kernels {f['predicted_device_us']:9.1f}"
+            + ("" if traced is None else f" (traced {traced:9.1f})")
+            + f", host {f['predicted_host_us']:9.1f}"
+        )
+    for group, entry in summary.items():
+        fitted, held = entry["fitted"], entry["held_out"]
+        print(
+            f"  {group:16s} {entry['programs']:3d} programs: |error| median {fitted['median']:6.1%} worst "
+            f"{fitted['worst']:6.1%} fitted; held out by model: median {held['median']:6.1%} worst {held['worst']:6.1%}"
+        )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+")
     parser.add_argument("--json", help="write every figure here")
-    parser.add_argument("--min-flops", type=float, default=1e9, help="library calls fitted: at least this much work")
-    parser.add_argument("--write-constants", action="store_true", help="store the measured constants (H100 profile)")
+    parser.add_argument("--write-constants", action="store_true", help="store the calibration in the profiles")
     args = parser.parse_args(argv)
-    rows = load(args.files)
-    one, eight = clusters.node_of("h100-sxm", 1), clusters.get_cluster("8xH100-NVLink")
+    rows = gpu_records.load(args.files)
     launch = launch_figures(rows)
-    print("## launch: a chain of N tiny kernels (wall of a call, us)")
-    for f in launch.values():
-        print(
-            f"  command buffers {f['command_buffers']:3s} {f['elements']:8d} floats: wall {f['wall_us']}; "
-            f"per kernel {f['per_kernel_us']:.2f} us = device {f['kernel_device_us']:.2f} + gap {f['gap_us']:.2f}; "
-            f"traced ops in the longest: {f['traced_ops_longest']}"
-        )
-    for cb in ("on", "off"):
-        print(f"  gap per kernel, command buffers {cb}: {kernel_gap_us(launch, cb):.2f} us (median over sizes)")
-    calls = library_calls(rows, one.device)
-    fit = efficiency_fit(calls, args.min_flops)
-    print(f"\n## library calls: {len(calls)} gemm / convolution kernels; efficiency (>= {args.min_flops:.0e} flops)")
-    for kind, f in fit.items():
-        print(
-            f"  {kind:5s} {f['calls']:4d} calls: aggregate {f['aggregate']:.3f}, median {f['median']:.3f} "
-            f"(p10 {f['p10']:.3f}, p90 {f['p90']:.3f})"
-        )
-    by_model: dict = defaultdict(list)
-    for c in calls:
-        by_model[(c["model"], c["kind"], c["dtype"])].append(c)
-    for (model, kind, dtype), cs in sorted(by_model.items()):
-        eff = [c["efficiency"] for c in cs if c["flops"] >= args.min_flops]
-        total_ms = sum(c["measured_us"] for c in cs) / 1e3
-        median = f", median efficiency {np.median(eff):.3f}" if eff else ""
-        print(f"  {model:11s} {kind:4s} {dtype:10s} {len(cs):4d} kernels, {total_ms:7.2f} ms{median}")
-    print("\n## fidelity: one GPU, compiled-program model (H100 estimator, measured gap) against the wall time")
-    rows_fid = fidelity(rows, launch, one)
-    for f in rows_fid:
-        km = f["kernel_median_error"]
-        device = f["device_error"]
-        print(
-            f"  {f['model']:11s} {f['config']:5s} {f['program']:8s} cb {f['command_buffers']:3s} measured "
-            f"{f['measured_us']:9.1f} predicted {f['predicted_us']:9.1f} ({f['error']:+6.1%}); kernels "
-            f"{f['kernels']:5d}, traced {f['traced_kernels_of_module']:5d} of {f['traced_ops']:<5d} events; "
-            f"kernel time: traced {f['traced_sum_us']:9.1f}, predicted {f['predicted_kernels_only_us']:9.1f}"
-            + ("" if device is None else f" ({device:+6.1%})")
-            + ("" if km is None else f"; per kernel median {km:.1%}")
-        )
-    for cb in ("on", "off"):
-        for config in ("tiny", "paper"):
-            chosen = [f for f in rows_fid if f["command_buffers"] == cb and f["config"] == config]
-            if chosen:
-                step = np.median([abs(f["error"]) for f in chosen])
-                line = f"  median |error|, {config}, command buffers {cb}, {len(chosen)} programs: step {step:.1%}"
-                device = [abs(f["device_error"]) for f in chosen if f["device_error"] is not None]
-                print(line + (f", kernel time {np.median(device):.1%}" if device else ""))
-    print("\n## mock topology 1x8x1: 8-GPU programs on one GPU against 8xH100-NVLink")
-    for a in mock_allreduce(rows, eight):
-        print(
-            f"  all-reduce {a['bytes'] / 2**20:.0f} MiB alone: measured {a['measured_us']:.1f} us (traced "
-            f"{a['traced_us']:.1f}); the cluster's model {a['cluster_us']:.1f} us"
-        )
-    rows_mock = fidelity(rows, launch, eight)
-    for f in rows_mock:
-        print(
-            f"  {f['model']:11s} {f['program']:15s} measured {f['measured_us']:8.1f} us; cluster: compute stream "
-            f"{f['predicted_compute_us']:8.1f}, comm {f['predicted_comm_us']:8.1f}, step {f['predicted_us']:8.1f} "
-            f"({f['collectives']} collectives; traced ops {f['traced_ops']})"
-        )
-    errors = [r for r in rows if r.get("error")]
-    for r in errors:
-        print(f"  FAILED {r.get('mode')} {r.get('model')} {r.get('program')}: {r['error'][:160]}")
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"launch": launch, "library_calls": calls, "efficiency": fit, "fidelity": rows_fid, "mock": rows_mock},
-                indent=1,
+    if launch:
+        print("## launch: a chain of N tiny kernels (wall of a call, us)")
+        for f in launch.values():
+            print(
+                f"  command buffers {f['command_buffers']:3s} {f['elements']:8d} floats: wall {f['wall_us']}; "
+                f"per kernel {f['per_kernel_us']:.2f} us = device {f['kernel_device_us']:.2f} + gap "
+                f"{f['gap_us']:.2f}; traced ops in the longest: {f['traced_ops_longest']}"
             )
-        )
-    if args.write_constants and "all" in fit:
-        print(f"\nwrote {write_constants(fit, launch, 'python scripts/gpu_programs_report.py ... --write-constants')}")
+    out: dict = {"launch": launch, "devices": {}}
+    kinds = sorted({r["device_kind"] for r in rows if gpu_records.is_step(r)})
+    for kind in kinds:
+        device = gpus.device_for_kind(kind)
+        if device is None:
+            print(f"\n## {kind}: no device spec (gpus.DEVICES): not costed")
+            continue
+        mine = [r for r in rows if r.get("device_kind") == kind]
+        calls = gpu_fit.library_calls(mine, device)
+        scored, calibration = gpu_fit.score(mine, device)
+        print(f"\n## {kind}: library calls, {len(calls)} gemm / convolution kernels")
+        by_model: dict = defaultdict(list)
+        for c in calls:
+            by_model[(c["family"], c["config"], c["kind"], c["dtype"])].append(c)
+        for (fam, cfg, kind_, dtype), cs in sorted(by_model.items()):
+            big = [c for c in cs if c["flops"] >= gpu_fit.MIN_FIT_FLOPS]
+            eff = f", efficiency median {np.median([c['efficiency'] for c in big]):.3f}" if big else ""
+            total_ms = sum(c["measured_us"] for c in cs) / 1e3
+            print(f"  {fam:11s} {cfg:11s} {kind_:4s} {dtype:10s} {len(cs):4d} kernels, {total_ms:8.2f} ms{eff}")
+        for kind_, (overhead, efficiency) in (calibration.library_fit or {}).items():
+            print(f"  fit {kind_}: {overhead:.1f} us per call + work at {efficiency:.3f} of the dense peak")
+        print(f"\n## {kind}: host lane (per setting), and the host's traced time per kernel where recorded")
+        for cb, lane in calibration.host_lanes.items():
+            issue = ", ".join(f"{k} {v:.2f}" for k, v in lane.issue_us.items())
+            print(
+                f"  command buffers {cb:3s}: call {lane.call_us:.1f} us + {lane.per_argument_us:.2f} per argument + "
+                f"{lane.per_result_us:.2f} per result; issue (us) {issue}"
+            )
+        traced: dict = defaultdict(list)
+        for r in mine:
+            if gpu_records.is_step(r):
+                for k, v in gpu_records.host_events(r).items():
+                    traced[k] += v
+        for k, v in sorted(traced.items()):
+            print(f"  traced host time per {k} kernel: median {np.median(v):.1f} us over {len(v)} (profiler on)")
+        print(f"\n## {kind}: fidelity, one GPU (the compiled-program model with the host lane)")
+        summary = gpu_fit.summary(scored)
+        print_fidelity(scored, summary)
+        out["devices"][kind] = {
+            "library_calls": calls,
+            "calibration": calibration.to_json(),
+            "fidelity": scored,
+            "summary": summary,
+        }
+        if args.write_constants:
+            files = str(Path(args.files[0]).parent)
+            print(f"\nwrote {write_constants(device, calibration, mine, files, summary)}")
+    mock = [r for r in rows if r.get("mode") == "mock"]
+    if mock:
+        eight = clusters.get_cluster("8xH100-NVLink")
+        print("\n## mock topology 1x8x1: 8-GPU programs on one GPU against 8xH100-NVLink")
+        for a in mock_allreduce(rows, eight):
+            print(
+                f"  all-reduce {a['bytes'] / 2**20:.0f} MiB alone: measured {a['measured_us']:.1f} us (traced "
+                f"{a['traced_us']:.1f}); the cluster's model {a['cluster_us']:.1f} us"
+            )
+        out["mock"] = mock_fidelity(rows, eight)
+        for f in out["mock"]:
+            print(
+                f"  {f['model']:11s} {f['program']:15s} measured {f['measured_us']:8.1f} us; cluster: compute stream "
+                f"{f['predicted_compute_us']:8.1f}, comm {f['predicted_comm_us']:8.1f}, step {f['predicted_us']:8.1f} "
+                f"({f['collectives']} collectives; traced ops {f['traced_ops']})"
+            )
+    for r in rows:
+        if r.get("error"):
+            print(f"  FAILED {r.get('mode')} {r.get('model')} {r.get('program')}: {r['error'][:160]}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     return 0
 
 

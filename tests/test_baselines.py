@@ -372,7 +372,10 @@ def test_h100_clusters_cost_fusible_kernels_with_the_h100_gnn_and_the_rest_with_
     h100 = clusters.CLUSTERS["8xH100-NVLink"].kernel_estimator()
     assert h100.name == "gnn+analytical-scaled"
     roofline = clusters.RooflineEstimator(clusters.H100_SXM)
-    expected = gnn.estimate(graph, fusible) + roofline.estimate(graph, opaque)
+    # The GNN's answers made dtype-true, with the reductions' fitted bias (`gpus.DtypeTrueEstimator`).
+    expected = gpus.DtypeTrueEstimator(gnn, clusters.H100_SXM).estimate(graph, fusible) + roofline.estimate(
+        graph, opaque
+    )
     assert h100.estimate(graph, fusible + opaque) == pytest.approx(expected)
     assert expected[:4] != pytest.approx(roofline.estimate(graph, fusible))  # the GNN, not the roofline
     cluster_a = clusters.CLUSTERS["clusterA-12x1080Ti"].kernel_estimator()

@@ -142,6 +142,7 @@ def test_kernel_and_step_overheads(program, graph):
         "kernel_overhead_us",
         "step_overhead_us",
         "allreduce_tensor_us",
+        "host",
     }
 
 

@@ -117,6 +117,16 @@ def test_kernel_times_from_trace_counts_nested_events_of_one_op_once_and_average
     assert kernel_times_from_trace([trace], "jit_other", steps=2) == {}
 
 
+def test_kernel_times_from_trace_ignores_a_run_id_only_a_few_events_carry():
+    """On a GPU a memset can carry a run id of its own: it is not one more execution of every op."""
+    ops = [f"fusion.{i}" for i in range(6)]
+    events = [(1, op, 100 * i + 1000 * run, 50, 0, run) for run in (1, 2) for i, op in enumerate(ops)]
+    trace = _xspace([*events, (1, "fusion.0", 5000, 5, 0, 0)])
+    times = kernel_times_from_trace([trace], "jit_f", steps=2)
+    assert times["fusion.1"] == pytest.approx(50 / 1e3)
+    assert times["fusion.0"] == pytest.approx((50 + 50 + 5) / 2 / 1e3)
+
+
 def test_measure_allreduce_cost_fits_a_nonnegative_line():
     mesh = jax.make_mesh((8,), ("data",))
     model, points = measure_allreduce_cost(mesh, sizes_bytes=(4096, 65536, 262144), repeats=3, warmup=1, chain=2)

@@ -54,6 +54,7 @@ from disco_jax._graph import Graph, build_graph
 from disco_jax.cost.allreduce import AllReduceCost, collective_time_us
 from disco_jax.cost.estimators import ChainEstimator, Estimator, TableEstimator
 from disco_jax.cost.events import SimulatorParams
+from disco_jax.cost.host import program_buffers
 
 if TYPE_CHECKING:
     from disco_jax.backends import Backend
@@ -74,6 +75,7 @@ class CompiledProgram:
     graph: Graph
     ops: Mapping[str, frozenset[int]]  # compute kernel name -> its op ids
     control_flow: tuple[ControlFlow, ...] = ()
+    buffers: tuple[int, int] = (0, 0)  # arrays a call takes and returns (`cost.host.program_buffers`)
 
     @property
     def compute_kernels(self) -> list[CompiledKernel]:
@@ -106,7 +108,7 @@ def compiled_program(text: str, backend: Backend, scheduled: bool = True) -> Com
             if not members:
                 raise ValueError(f"kernel {k.name} ({k.opcode}) has no ops in the module's graph")
             ops[k.name] = members
-    return CompiledProgram(kernels, graph, ops, schedule.control_flow)
+    return CompiledProgram(kernels, graph, ops, schedule.control_flow, program_buffers(text))
 
 
 def measured_table(program: CompiledProgram, times_us: Mapping[str, float]) -> TableEstimator:
@@ -161,6 +163,8 @@ class CompiledCost:
     comm_us: float
     kernels: tuple[CostedKernel, ...]  # every run, in the order they start on their stream
     step_overhead_us: float = 0.0
+    host_us: float = 0.0  # when the host lane issued the last kernel (0 without one)
+    device_wait_us: float = 0.0  # compute-stream time spent waiting for the host to issue
     # Per loop and conditional, in the order first run: what it ran and cost (`cost_program`).
     control_flow: tuple[dict, ...] = ()
 
@@ -191,6 +195,8 @@ class CompiledCost:
             "full_overlap_us": self.full_overlap_us,
             "overlap_ratio": self.overlap_ratio,
             "step_overhead_us": self.step_overhead_us,
+            "host_us": self.host_us,
+            "device_wait_us": self.device_wait_us,
             # Runs per step: a loop body's kernels count once per iteration.
             "num_kernels": sum(1 for k in self.kernels if k.method != COLLECTIVE_METHOD),
             "num_collectives": sum(1 for k in self.kernels if k.method == COLLECTIVE_METHOD),
@@ -240,13 +246,15 @@ def _collective_us(k: CompiledKernel, allreduce: AllReduceCost, params: Simulato
 
 @dataclasses.dataclass
 class _Streams:
-    """The compute and communication streams as `cost_program` runs them: when each is free,
-    their busy time, and every kernel run so far."""
+    """The compute and communication streams (and the host lane that issues their kernels) as
+    `cost_program` runs them: when each is free, their busy time, and every kernel run so far."""
 
     compute_free: float = 0.0
     comm_free: float = 0.0
     compute_us: float = 0.0
     comm_us: float = 0.0
+    issued: float = 0.0  # when the host lane has issued the kernels so far (0 without one)
+    waited: float = 0.0  # compute-stream time spent waiting for the host
     costed: list[CostedKernel] = dataclasses.field(default_factory=list)
     control_flow: list[dict] = dataclasses.field(default_factory=list)
 
@@ -255,7 +263,7 @@ class _Streams:
 
     @property
     def end(self) -> float:
-        return max(self.compute_free, self.comm_free)
+        return max(self.compute_free, self.comm_free, self.issued)
 
 
 def cost_program(
@@ -266,8 +274,14 @@ def cost_program(
 ) -> CompiledCost:
     """The program's step on its streams (see the module docstring); `params`: the simulator's
     device parameters (compute scale, per-kernel and per-step overheads, per-tensor all-reduce
-    latency), default none."""
+    latency, the host lane), default none.
+
+    With a host lane (`params.host`), the host first prepares the call (`HostLane.prepare_us` of
+    the program's arguments and results), then issues the kernels in schedule order, each taking it
+    `HostLane.issue(kind)`; a kernel, compute or collective, starts no earlier than the host has
+    issued it. The step ends when the streams and the host are done."""
     params = params or SimulatorParams()
+    host = params.host
     estimates = _compute_times(program, estimator)
     collective_us = {k.name: _collective_us(k, allreduce, params) for k in program.collectives}
     # Per scope, its events in schedule order: (position, kernel start | kernel done | control flow).
@@ -290,9 +304,12 @@ def cost_program(
             k: CompiledKernel = item  # type: ignore[assignment]
             if what == "done":
                 s.compute_free = max(s.compute_free, ends[k.name])
-            elif k.is_collective:
+                continue
+            if host is not None:
+                s.issued += host.issue(k.collective or k.kind)
+            if k.is_collective:
                 t = collective_us[k.name]
-                start = max(s.compute_free, s.comm_free)
+                start = max(s.compute_free, s.comm_free, s.issued)
                 s.comm_free = ends[k.name] = start + t
                 if k.done_position is None:  # synchronous: the compute stream waits for it
                     s.compute_free = s.comm_free
@@ -305,8 +322,9 @@ def cost_program(
             else:
                 estimate, method, assumed = estimates[k.name]
                 t = params.kernel_us(estimate)
-                start = s.compute_free
-                s.compute_free += t
+                start = max(s.compute_free, s.issued)
+                s.waited += start - s.compute_free
+                s.compute_free = start + t
                 s.compute_us += t
                 s.costed.append(
                     CostedKernel(k.name, k.kind, method, t, "compute", start, s.compute_free, assumed, scope, iteration)
@@ -337,13 +355,13 @@ def cost_program(
                 note="the most expensive branch is charged: which one runs is not in the program",
             )
             chosen = trials[taken]
-            s.compute_free, s.comm_free = chosen.compute_free, chosen.comm_free
-            s.compute_us, s.comm_us = chosen.compute_us, chosen.comm_us
+            for field in ("compute_free", "comm_free", "compute_us", "comm_us", "issued", "waited"):
+                setattr(s, field, getattr(chosen, field))
             s.costed[:], s.control_flow[:] = chosen.costed, chosen.control_flow
-        record["time_us"] = max(s.compute_free, s.comm_free) - begin
+        record["time_us"] = s.end - begin
         s.control_flow.append(record)
 
-    streams = _Streams()
+    streams = _Streams(issued=host.prepare_us(*program.buffers) if host is not None else 0.0)
     run("", (), streams)
     return CompiledCost(
         streams.end + params.step_overhead_us,
@@ -351,6 +369,8 @@ def cost_program(
         streams.comm_us,
         tuple(streams.costed),
         params.step_overhead_us,
+        streams.issued if host is not None else 0.0,
+        streams.waited,
         tuple(streams.control_flow),
     )
 
@@ -379,7 +399,10 @@ def loop_program(program: CompiledProgram, loop: str) -> CompiledProgram:
     kernels = tuple(k for k in program.kernels if k.scope in scopes)
     flows = (dataclasses.replace(flow, scope="", position=0), *(f for f in program.control_flow if f.scope in scopes))
     return CompiledProgram(
-        kernels, program.graph, {n: o for n, o in program.ops.items() if n in {k.name for k in kernels}}, flows
+        kernels,
+        program.graph,
+        {n: o for n, o in program.ops.items() if n in {k.name for k in kernels}},
+        control_flow=flows,
     )
 
 

@@ -24,6 +24,7 @@ from disco_jax.cost.allreduce import (
     collective_time_us,
     transfer_bytes,
 )
+from disco_jax.cost.host import HostLane
 from disco_jax.cost.kernels import BUCKET, GATHER, GROUP, KernelState
 
 
@@ -42,6 +43,10 @@ class SimulatorParams:
     allreduce_tensor_us: what each tensor after the first adds to an all-reduce of several, in
     place of the all-reduce cost's own (`AllReduceCostModel.per_tensor_us`, measured apart from
     any step); None: the cost's own.
+    host: the host lane (`cost.host.HostLane`: the call's set-up per argument and result buffer,
+    and the host's time to issue each kernel, which the device cannot start before); read by the
+    compiled-program model (`cost.compiled.cost_program`), not by the graph simulator; None: the
+    host keeps ahead of the device.
     Each can be fitted per step by `calibrate` from measured runs of several strategies; the
     defaults are the bare simulator of DisCo. JSON: the field names (plans record them; nothing
     reads them back, so plans written before the overheads existed stay loadable)."""
@@ -51,6 +56,7 @@ class SimulatorParams:
     kernel_overhead_us: float = 0.0
     step_overhead_us: float = 0.0
     allreduce_tensor_us: float | None = None
+    host: HostLane | None = None
 
     def kernel_us(self, estimated_us: float) -> float:
         """The simulated time of a compute kernel whose estimator says `estimated_us`."""

@@ -56,6 +56,8 @@ class Work:
     bytes: bytes of the op's output.
     dot_16bit: the part of `dot` whose operands are 16-bit floats (bfloat16, float16): tensor
       cores run it at their 16-bit rate, twice the TF32 one on an H100.
+    conv: the part of `dot` that convolutions compute (cuDNN's kernels, whose achieved rate
+      differs from the gemm libraries').
     """
 
     flops: float = 0.0
@@ -64,6 +66,7 @@ class Work:
     dot: float = 0.0
     bytes: int = 0
     dot_16bit: float = 0.0
+    conv: float = 0.0
 
     def __add__(self, other: Work) -> Work:
         return Work(
@@ -73,6 +76,7 @@ class Work:
             self.dot + other.dot,
             self.bytes + other.bytes,
             self.dot_16bit + other.dot_16bit,
+            self.conv + other.conv,
         )
 
 
@@ -110,15 +114,18 @@ def _contracted(inst: _hlo.Instruction, lhs: _hlo.TensorSpec) -> int:
 
 
 def _matrix_op(inst: _hlo.Instruction) -> str | None:
-    """'convolution' or 'dot' for an instruction that is one: itself, or a library call that
-    carries one's attributes (a cuDNN convolution: `window` and `dim_labels`; a cuBLAS gemm: dot
-    dimension numbers in its backend config); None otherwise."""
+    """'convolution', 'dot' or 'attention' for an instruction that is one: itself, or a library
+    call that carries one's attributes (a cuDNN convolution: `window` and `dim_labels`; cuDNN's
+    fused attention: an `fmha` target; a cuBLAS gemm: dot dimension numbers in its backend
+    config); None otherwise."""
     if inst.opcode in ("dot", "convolution"):
         return inst.opcode
     if inst.opcode != "custom-call":
         return None
     if inst.attr("dim_labels") is not None:
         return "convolution"
+    if "fmha" in (inst.attr("custom_call_target") or ""):
+        return "attention"
     return "dot" if '"lhs_contracting_dimensions"' in (inst.attr("backend_config") or "") else None
 
 
@@ -147,6 +154,26 @@ def _conv_flops(inst: _hlo.Instruction, lhs: _hlo.TensorSpec | None, rhs: _hlo.T
     return 2.0 * forward_output.elements * kernel.elements / max(1, out_features)
 
 
+_FMHA_SHAPE = re.compile(r'"intermediate_tensor_shape":\{"dimensions":\["(\d+)","(\d+)","(\d+)","(\d+)"\]')
+
+
+def _attention_flops(inst: _hlo.Instruction, query: _hlo.TensorSpec | None) -> float:
+    """cuDNN's fused attention (`__cudnn$fmhaSoftmax*`): 2 x batch x heads x queries x keys x
+    head width per matrix product, of which the forward call computes 2 (scores, then their
+    product with the values) and the backward 5 (the scores again, and the gradients of the
+    values, the probabilities, the queries and the keys); a causal mask skips half. The
+    (batch, heads, queries, keys) shape is the call's `intermediate_tensor_shape`."""
+    config = inst.attr("backend_config") or ""
+    found = _FMHA_SHAPE.search(config)
+    if found is None or query is None or not query.dims:
+        return 0.0
+    b, h, q, k = (int(x) for x in found.groups())
+    per_product = 2.0 * b * h * q * k * query.dims[-1]
+    products = 5 if "Backward" in (inst.attr("custom_call_target") or "") else 2
+    causal = '"mask_type":"CAUSAL"' in config
+    return products * per_product / (2 if causal else 1)
+
+
 def instruction_work(inst: _hlo.Instruction, operands: Sequence[list[_hlo.TensorSpec] | None]) -> Work:
     """Work of one instruction of an opaque op (the op itself, or an instruction of a custom
     fusion's computation); `operands` are the output specs of its operands (None where unknown)."""
@@ -156,10 +183,13 @@ def instruction_work(inst: _hlo.Instruction, operands: Sequence[list[_hlo.Tensor
     if matrix is not None:
         if matrix == "convolution":
             flops = _conv_flops(inst, first, second)
+        elif matrix == "attention":
+            flops = _attention_flops(inst, first)
         else:
             flops = 0.0 if first is None else 2.0 * inst.outputs[0].elements * _contracted(inst, first)
         narrow = first is not None and second is not None and {first.dtype, second.dtype} <= HALF_FLOATS
-        return Work(flops=flops, dot=flops, dot_16bit=flops if narrow else 0.0)
+        conv = flops if matrix == "convolution" else 0.0
+        return Work(flops=flops, dot=flops, dot_16bit=flops if narrow else 0.0, conv=conv)
     elements = float(sum(t.elements for t in inst.outputs))
     if inst.opcode in TRANSCENDENTAL:
         return Work(flops=TRANSCENDENTAL_FLOPS * elements, transcendental=elements)
@@ -251,18 +281,38 @@ def kernel_io_bytes(graph: Graph, members: frozenset[int], exports: Sequence[int
     dynamic-update-slice in place (a loop body stacking its layer's activations into a
     `(layers, ...)` buffer) its update's: neither reads nor writes the whole buffer
     (`_region_read`, `_written_bytes`)."""
-    ops = graph.ops
-    inputs = {v for o in members for v in ops[o].operands if v not in members}
-    read = 0
-    for v in inputs:
-        if ops[v].opcode == "constant" and ops[v].output_bytes <= 64:
-            continue
-        region = _region_read(graph, members, v)
-        read += ops[v].output_bytes if region is None else region
+    inputs, exports = _kernel_io(graph, members, exports)
+    read = sum(_read_bytes(graph, members, v) for v in inputs)
+    return read, sum(_written_bytes(graph, members, o) for o in exports)
+
+
+def _read_bytes(graph: Graph, members: frozenset[int], value: int) -> int:
+    region = _region_read(graph, members, value)
+    return graph.ops[value].output_bytes if region is None else region
+
+
+def kernel_half_bytes(graph: Graph, members: frozenset[int]) -> int:
+    """Of `kernel_io_bytes`' total, the bytes of 16-bit float values (bfloat16, float16): what the
+    kernel would move in addition were they 32-bit (a dtype-true cost scales by it). A value moved
+    in part (a slice, an in-place update) counts its 16-bit share of what is moved."""
+    inputs, exports = _kernel_io(graph, members, None)
+
+    def half(o: int, moved: int) -> int:
+        whole = graph.ops[o].output_bytes
+        share = sum(t.bytes for t in graph.ops[o].inst.outputs if t.dtype in HALF_FLOATS)
+        return share if moved >= whole or not whole else share * moved // whole
+
+    return sum(half(v, _read_bytes(graph, members, v)) for v in inputs) + sum(
+        half(o, _written_bytes(graph, members, o)) for o in exports
+    )
+
+
+def _kernel_io(graph: Graph, members: frozenset[int], exports: Sequence[int] | None) -> tuple[list[int], list[int]]:
+    inputs = {v for o in members for v in graph.ops[o].operands if v not in members}
+    read = [v for v in inputs if graph.ops[v].opcode != "constant" or graph.ops[v].output_bytes > 64]
     if exports is None:
         exports = [o for o in members if any(u not in members for u in graph.users[o])] or [max(members)]
-    written = sum(_written_bytes(graph, members, o) for o in exports)
-    return read, written
+    return read, list(exports)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,12 +325,19 @@ class KernelWork:
     transcendental: float
     dot: float
     dot_16bit: float = 0.0  # of `dot`, the flops of 16-bit float operands (`Work.dot_16bit`)
+    conv: float = 0.0  # of `dot`, the flops of convolutions (`Work.conv`)
 
     @classmethod
     def of(cls, read_bytes: float, written_bytes: float, ops: Sequence[Work]) -> KernelWork:
         total = sum(ops, Work())
         return cls(
-            float(read_bytes), float(written_bytes), total.elementwise, total.transcendental, total.dot, total.dot_16bit
+            float(read_bytes),
+            float(written_bytes),
+            total.elementwise,
+            total.transcendental,
+            total.dot,
+            total.dot_16bit,
+            total.conv,
         )
 
     @property

@@ -34,9 +34,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import ClassVar
 
-from disco_jax.cost import AllReduceCost, Estimator
+from disco_jax.cost import AllReduceCost, Estimator, SimulatorParams
 from disco_jax.eval import gpus, nccl
-from disco_jax.eval.gpus import A100_SXM, GTX_1080_TI, H100_SXM, DeviceSpec, Quantity, RooflineEstimator
+from disco_jax.eval.gpus import A100_SXM, GTX_1080_TI, H100_SXM, H200_SXM, DeviceSpec, Quantity, RooflineEstimator
 
 NCCL_TUNING = "NCCL src/graph/tuning.cc (v2.7), baseLat/hwLat tables, ring algorithm"
 GB = 1e9
@@ -195,6 +195,12 @@ class Cluster:
         """What a kernel costs on this cluster's GPU (`gpus.kernel_estimator`)."""
         return gpus.kernel_estimator(self.device)
 
+    def simulator_params(self) -> SimulatorParams:
+        """How its GPUs execute beyond kernel and collective costs, for the compiled-program model:
+        the host lane fitted on such a GPU's machine with XLA's default command buffers
+        (`DeviceSpec.host_lane`; none where no GPU of the kind was recorded)."""
+        return SimulatorParams(host=self.device.host_lane("on"))
+
     def sources(self) -> dict:
         """Every number behind this cluster, with its source (for the report). A fitted cluster's
         collectives: per nccl-tests table behind them, how the model does on it (`nccl.table_fit`);
@@ -349,6 +355,8 @@ CLUSTERS: dict[str, Cluster] = {c.name: c for c in (CLUSTER_A, H100_NVLINK_8, H1
 # of such a node (None: datasheet), for `node_of`.
 TARGET_NODES: dict[str, tuple[DeviceSpec, Link, str | None]] = {
     "h100-sxm": (H100_SXM, NVLINK4, "nvlink"),
+    # The H200 SXM has the H100's NVLink 4 and NVSwitch: the H100 node's fitted collectives carry over.
+    "h200-sxm": (H200_SXM, NVLINK4, "nvlink"),
     "a100-sxm": (A100_SXM, NVLINK3, None),
 }
 

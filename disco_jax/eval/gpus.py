@@ -36,11 +36,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from disco_jax import Graph
+from disco_jax._graph import build_graph, per_graph
 from disco_jax._profile_db import SHIPPED_PROFILE_DIR, sanitize_device_kind
 from disco_jax.cost import (
     ELEMENTWISE,
@@ -48,10 +49,13 @@ from disco_jax.cost import (
     Estimator,
     KernelWork,
     chain,
+    kernel_half_bytes,
     kernel_work,
     plugin_estimators,
     work_per_op,
 )
+from disco_jax.cost.host import HostLane
+from disco_jax.cost.work import HALF_FLOATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,15 +90,83 @@ class DeviceSpec:
     )
     device_kind: str | None = None  # what JAX reports on this GPU: the key of its estimator weights
     dot16_flops: Quantity | None = None  # dots and convolutions of 16-bit floats; None: at dot_flops
+    # Measured where a GPU's library calls were timed (`eval.gpu_fit.fit_library_calls`): per kind
+    # ("gemm", "conv"), (overhead_us, efficiency): a call's compute time is the overhead plus its
+    # work at `efficiency` of the dense peak, so small calls achieve less of the peak than large
+    # ones. None (or a kind missing): its work at `dot_efficiency` for every call.
+    library_fit: Mapping[str, tuple[float, float]] | None = None
+    # Factor on the GNN's time of a kernel that reduces (XLA's kInput fusions), fitted where the
+    # GNN's answers were set against traced kernels; None: 1.
+    reduction_bias: Quantity | None = None
+    # The host lane (`cost.host.HostLane`) by XLA's command-buffer setting ("on": XLA's default,
+    # "off"), fitted to traced calls on such a GPU's machine; None: the host is not charged.
+    host_lanes: Mapping[str, HostLane] | None = None
+
+    def dot_time_us(self, kind: str, at_peak_us: float) -> float:
+        """The compute time of a library call of `kind` whose work takes `at_peak_us` at the dense
+        peak of its operands' type (`library_fit`, else `dot_efficiency`)."""
+        fit = (self.library_fit or {}).get(kind)
+        if fit is None:
+            return at_peak_us / self.dot_efficiency.value
+        overhead_us, efficiency = fit
+        return overhead_us + at_peak_us / efficiency
+
+    def host_lane(self, command_buffers: str = "on") -> HostLane | None:
+        """The fitted host lane for XLA's command-buffer setting ("on" is XLA:GPU's default)."""
+        return (self.host_lanes or {}).get(command_buffers)
 
     def with_fitted(self) -> DeviceSpec:
-        """The spec with the constants fitted to its GPU's kernel samples where they exist
-        (`device_constants.json` beside the shipped samples, `fit_device_constants`)."""
+        """The spec with the constants fitted to its GPU's kernel samples and recorded programs
+        where they exist (`device_constants.json` beside the shipped samples:
+        `fit_device_constants`, `eval.gpu_fit.write_calibration`)."""
         path = SHIPPED_PROFILE_DIR / sanitize_device_kind(self.device_kind or "") / CONSTANTS_FILE
         if not self.device_kind or not path.exists():
             return self
-        stored = json.loads(path.read_text())["constants"]
-        return dataclasses.replace(self, **{k: Quantity(v["value"], v["unit"], v["source"]) for k, v in stored.items()})
+        return self.with_constants(json.loads(path.read_text()))
+
+    def with_constants(self, stored: Mapping) -> DeviceSpec:
+        """The spec with the constants of a `device_constants.json` document: its `constants`
+        (`Quantity` fields by name), and where present its `calibration` (`library_fit`,
+        `reduction_bias`, `host_lanes`)."""
+        quantities = {k: Quantity(v["value"], v["unit"], v["source"]) for k, v in stored.get("constants", {}).items()}
+        out = dataclasses.replace(self, **quantities)
+        calibration = stored.get("calibration")
+        if not calibration:
+            return out
+        by = calibration.get("library_fit", {}).get("kinds")
+        bias = calibration.get("reduction_bias")
+        lanes = calibration.get("host_lanes")
+        return dataclasses.replace(
+            out,
+            library_fit=None if by is None else {k: (float(v[0]), float(v[1])) for k, v in by.items()},
+            reduction_bias=None if bias is None else Quantity(bias["value"], bias["unit"], bias["source"]),
+            host_lanes=None if lanes is None else {k: HostLane.from_json(v) for k, v in lanes.items()},
+        )
+
+
+def calibration_text(device: DeviceSpec) -> str:
+    """One sentence on what `device`'s costs were calibrated to (its profile's `calibration`):
+    the library calls' fit and, where stored, how well the model predicted the recorded steps
+    held out by model; "no calibration to recorded programs" where there is none."""
+    path = SHIPPED_PROFILE_DIR / sanitize_device_kind(device.device_kind or "") / CONSTANTS_FILE
+    calibration = json.loads(path.read_text()).get("calibration") if path.exists() else None
+    if not calibration:
+        return "no calibration to recorded programs"
+    kinds = calibration.get("library_fit", {}).get("kinds", {})
+    names = {"gemm": "gemms", "conv": "convolutions"}
+    parts = [
+        f"{names.get(k, k)} at {v[0]:.1f} us per call plus their work at {v[1]:.1%} of the dense peak"
+        for k, v in kinds.items()
+    ]
+    text = "library calls fitted to the traced calls of the recorded programs (" + "; ".join(parts) + ")"
+    held = calibration.get("fidelity", {}).get("paper/cb off", {}).get("held_out")
+    if held:
+        text += (
+            f"; with the host lane fitted on the same machine, the model predicts the paper-size steps "
+            f"recorded on one such GPU within a median {held['median']:.1%} of their step time (worst "
+            f"{held['worst']:.1%}), every constant fitted without the step's own model"
+        )
+    return text
 
 
 def device_for_kind(device_kind: str) -> DeviceSpec | None:
@@ -109,7 +181,7 @@ def kernel_estimator(device: DeviceSpec) -> Estimator:
     plugins = _plugins(device.device_kind) if device.device_kind else ()
     if not plugins:
         return roofline
-    return chain(*plugins, roofline)
+    return chain(*(DtypeTrueEstimator(p, device) for p in plugins), roofline)
 
 
 @functools.cache
@@ -145,7 +217,9 @@ class RooflineEstimator:
         d = self.device
         memory_s = work.bytes / (d.memory_bandwidth.value * d.memory_efficiency.value)
         dot16 = (d.dot16_flops or d.dot_flops).value
-        dot_s = ((work.dot - work.dot_16bit) / d.dot_flops.value + work.dot_16bit / dot16) / d.dot_efficiency.value
+        at_peak_us = 1e6 * ((work.dot - work.dot_16bit) / d.dot_flops.value + work.dot_16bit / dot16)
+        kind = "conv" if 2 * work.conv >= work.dot else "gemm"
+        dot_s = d.dot_time_us(kind, at_peak_us) / 1e6 if work.dot else 0.0
         compute_s = (work.elementwise + d.transcendental_cost.value * work.transcendental) / d.fp32_flops.value + dot_s
         return 1e6 * max(memory_s, compute_s)
 
@@ -153,7 +227,8 @@ class RooflineEstimator:
         """The device's assumed constants (`Quantity.assumption`) a kernel's time rests on."""
         work = kernel_work(graph, members)
         used = ["launch_us", "memory_efficiency"]
-        used += ["dot_efficiency"] if work.dot else []
+        kind = "conv" if 2 * work.conv >= work.dot else "gemm"
+        used += ["dot_efficiency"] if work.dot and kind not in (self.device.library_fit or {}) else []
         used += ["transcendental_cost"] if work.transcendental else []
         return [name for name in used if getattr(self.device, name).assumption]
 
@@ -172,6 +247,76 @@ class RooflineEstimator:
                 if isinstance(getattr(self.device, f.name), Quantity)
             },
         }
+
+
+@dataclasses.dataclass
+class DtypeTrueEstimator:
+    """A learned estimator's answers (the GNN's) made true to the kernel's dtypes and bounded by
+    the device, under the estimator's own name:
+
+    * a kernel computing or moving 16-bit floats is answered for its 32-bit twin (the same ops with bfloat16
+      and float16 widened to float32: `_widened`), where the GNN was trained (97% of its samples;
+      on its own it answers a bfloat16 fusion about as its float32 twin, 74.4 against 74.8 us for
+      100.7 against 201 MB, issue 47), and that answer's time above the launch is scaled by the
+      kernel's bytes over the twin's (`cost.work.kernel_half_bytes`): a 16-bit kernel never costs
+      more than its 32-bit twin;
+    * a kernel that reduces is scaled by `DeviceSpec.reduction_bias` (fitted where the GNN's
+      answers were set against traced kernels);
+    * no kernel costs less than the launch plus its bytes at the datasheet bandwidth, which no
+      kernel beats."""
+
+    base: Estimator
+    device: DeviceSpec
+
+    @property
+    def name(self) -> str:
+        return self.base.name
+
+    def warm_up(self) -> None:
+        warm = getattr(self.base, "warm_up", None)
+        if callable(warm):
+            warm()
+
+    def estimate(self, graph: Graph, kernels: Sequence[frozenset[int]]) -> list[float | None]:
+        d = self.device
+        launch = d.launch_us.value
+        answers = list(self.base.estimate(graph, kernels))
+        half = [kernel_half_bytes(graph, k) for k in kernels]
+        narrow = [i for i, k in enumerate(kernels) if half[i] or _computes_16bit(graph, k)]
+        if narrow:
+            twin, ids = _widened(graph)
+            mapped = [frozenset(ids[graph.ops[o].name] for o in kernels[i]) for i in narrow]
+            for i, t in zip(narrow, self.base.estimate(twin, mapped)):
+                answers[i] = t
+        bias = d.reduction_bias.value if d.reduction_bias is not None else 1.0
+        out: list[float | None] = []
+        for members, t, h in zip(kernels, answers, half):
+            if t is None:
+                out.append(None)
+                continue
+            if bias != 1.0 and any(graph.ops[o].opcode == "reduce" for o in members):
+                t *= bias
+            moved = kernel_work(graph, members).bytes
+            if h and moved:
+                t = launch + max(0.0, t - launch) * moved / (moved + h)
+            out.append(max(t, launch + 1e6 * moved / d.memory_bandwidth.value))
+        return out
+
+
+def _computes_16bit(graph: Graph, members: frozenset[int]) -> bool:
+    """Whether any op of the kernel makes a 16-bit float value (inside it, or as its output)."""
+    return any(t.dtype in HALF_FLOATS for o in members for t in graph.ops[o].inst.outputs)
+
+
+@per_graph
+def _widened(graph: Graph) -> tuple[Graph, dict[str, int]]:
+    """The graph's 32-bit twin (every bfloat16 and float16 array float32; the ops and their names
+    otherwise the same, none merged) and its op ids by name."""
+    from disco_jax.backends import GPU
+
+    text = graph.module.to_text().replace("bf16[", "f32[").replace("f16[", "f32[")
+    twin = build_graph(text, GPU.fusible, merge_duplicates=False)
+    return twin, {op.name: op.id for op in twin.ops}
 
 
 # --------------------------------------------------------------------------- fitted constants
@@ -273,6 +418,24 @@ H100_SXM = DeviceSpec(
     ),
 ).with_fitted()
 
+H200_SXM = DeviceSpec(
+    name="NVIDIA H200 SXM 141GB",
+    # The H100's chip (NVIDIA H200 datasheet: the same FP32, TF32 and BF16 Tensor Core figures as
+    # the H100 SXM): every compute peak carries over.
+    fp32_flops=Quantity(67e12, "FLOP/s", "NVIDIA H200 datasheet: FP32 67 TFLOPS (SXM), the H100's"),
+    dot_flops=Quantity(
+        494.7e12, "FLOP/s", "NVIDIA H200 datasheet: TF32 Tensor Core 989 TFLOPS with sparsity, 494.7 dense"
+    ),
+    memory_bandwidth=Quantity(4.8e12, "B/s", "NVIDIA H200 datasheet: HBM3e 4.8 TB/s (SXM, 141 GB)"),
+    launch_us=Quantity(5.0, "us", _ASSUMED_LAUNCH, assumption=True),
+    dot_efficiency=Quantity(0.5, "fraction", _ASSUMED_DOT_EFFICIENCY, assumption=True),
+    memory_efficiency=Quantity(0.8, "fraction", _ASSUMED_MEMORY_EFFICIENCY, assumption=True),
+    device_kind="NVIDIA H200",  # jax.devices()[0].device_kind on one (data/gpu/2026-11-28/env.json)
+    dot16_flops=Quantity(
+        989.4e12, "FLOP/s", "NVIDIA H200 datasheet: BF16 / FP16 Tensor Core 1,979 TFLOPS with sparsity"
+    ),
+).with_fitted()
+
 A100_SXM = DeviceSpec(
     name="NVIDIA A100 SXM4 80GB",
     fp32_flops=Quantity(19.5e12, "FLOP/s", "NVIDIA A100 Tensor Core GPU datasheet: FP32 19.5 TFLOPS"),
@@ -289,7 +452,7 @@ A100_SXM = DeviceSpec(
     dot16_flops=Quantity(312e12, "FLOP/s", "NVIDIA A100 datasheet: BF16 / FP16 Tensor Core 312 TFLOPS dense"),
 )
 
-DEVICES = (GTX_1080_TI, H100_SXM, A100_SXM)
+DEVICES = (GTX_1080_TI, H100_SXM, H200_SXM, A100_SXM)
 
 __all__ = [
     "A100_SXM",
@@ -297,9 +460,12 @@ __all__ = [
     "DEVICES",
     "GTX_1080_TI",
     "H100_SXM",
+    "H200_SXM",
+    "DtypeTrueEstimator",
     "DeviceSpec",
     "Quantity",
     "RooflineEstimator",
+    "calibration_text",
     "device_for_kind",
     "fit_device_constants",
     "kernel_estimator",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from disco_jax._files import write_json_atomic
 from disco_jax.backends import CPU, GPU, Backend
-from disco_jax.eval import baselines, clusters, headroom, report_measured
+from disco_jax.eval import baselines, clusters, gpus, headroom, report_measured
 from disco_jax.eval import report_text as fmt
 from disco_jax.eval.figures import write_figures
 from disco_jax.eval.rows import (
@@ -104,7 +104,7 @@ def report_markdown(rows: list[dict], figures: dict[str, str], run_info: dict) -
             blocks += report_measured.accuracy(prow, figures)
     blocks += _paper_models(rows, models)
     blocks += _baselines_and_clusters()
-    blocks.append(fmt.fill("caveats"))
+    blocks.append(fmt.fill("caveats", h100_calibration=gpus.calibration_text(gpus.H100_SXM)))
     failures = run_info.get("failures") or []
     if failures:
         blocks.append(

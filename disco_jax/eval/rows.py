@@ -302,7 +302,7 @@ def simulated_row(
     def simulated(s: Strategy):
         return simulate(program, s, estimator, allreduce, bound=True)
 
-    costs = ProgramCosts(backends.GPU, estimator, allreduce)  # each distinct compiled program once
+    costs = ProgramCosts(backends.GPU, estimator, allreduce, cluster.simulator_params())  # each program once
 
     def costed(program: CompiledProgram) -> dict | None:
         return None if (found := costs(program)) is None else found.to_json()

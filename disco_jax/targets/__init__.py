@@ -20,7 +20,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 # Target name -> its text proto in this package (every figure is sourced in the file's header).
-TARGETS = {"h100-sxm": "h100_sxm.txtpb", "a100-sxm": "a100_sxm.txtpb"}
+TARGETS = {"h100-sxm": "h100_sxm.txtpb", "h200-sxm": "h200_sxm.txtpb", "a100-sxm": "a100_sxm.txtpb"}
 
 
 def target_config(name: str) -> str:
