@@ -11,7 +11,7 @@ collectives across iterations: the latency-hiding scheduler; collective pipelini
 all-gathers and reduce-scatters (`xla_gpu_pipeline_all_gather` / `..._reduce_scatter` =
 `COLLECTIVE_PIPELINING_MODE_ON`: layer l+1's gather issued in iteration l); and the while loop
 double-buffered (its body unrolled twice). Each is costed by the compiled-program model with the
-cluster's kernel estimator and collective model, and its per-device peak read from XLA's memory
+cluster's kernel estimator, collective model and host lane, and its per-device peak read from XLA's memory
 analysis. Prints, per option set: compile seconds, kernel and collective runs, where the loops'
 collectives sit, simulated step, exposed communication (step minus compute), peak.
 
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         compile_s = time.perf_counter() - start
         text = compiled.as_text()
         program = cost.compiled_program(text, backends.GPU)
-        costed = cost.cost_program(program, estimator, collectives)
+        costed = cost.cost_program(program, estimator, collectives, cluster.simulator_params())
         record = costed.to_json()
         in_loops = sum(1 for k in program.collectives if k.scope)
         peak = choice.footprint(update.memory(compiled, {}))

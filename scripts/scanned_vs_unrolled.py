@@ -1,12 +1,13 @@
 """The same GPT decoder with its blocks scanned and unrolled, compiled deviceless for a GPU
-cluster and costed as compiled (docs/compiled-cost.md, "Scanned layers").
+cluster and costed as compiled (docs/compiled-cost.md, "Scanned against unrolled").
 
 For each form (`scan_layers=True`: Flax `nn.scan` over the blocks, a `while` per pass; and the
 blocks one after the other), prints the compile time, the kernels and collectives the
 compiled-program model runs per step (`cost.cost_program`) beside the runs counted from the
 module's text (each loop body's kernels times its `known_trip_count`, plus the rest), the
-simulated step, and where the two forms' compute time differs, by kind of kernel: gemms (the
-same arithmetic in both), the scanned form's stacking kernels (those holding a dynamic-slice or
+simulated step (the cluster's kernel estimator, collectives and host lane), and where the two
+forms' compute time differs, by kind of kernel: gemms (the same arithmetic in both), the scanned
+form's stacking kernels (those holding a dynamic-slice or
 dynamic-update-slice: a layer's parameters sliced out of their `(layers, ...)` stack, its
 activations stored into one for the backward), loop fusions that only broadcast (zeroed
 buffers), and the other fusions.
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
         compile_s = time.perf_counter() - start
         text = compiled.as_text()
         program = cost.compiled_program(text, backends.GPU)
-        costed = cost.cost_program(program, estimator, collectives)
+        costed = cost.cost_program(program, estimator, collectives, cluster.simulator_params())
         record = costed.to_json()
         by_class: Counter = Counter()
         for k in costed.kernels:

@@ -355,10 +355,11 @@ def test_a_scanned_decoder_is_costed_kernel_by_kernel_as_xla_gpu_runs_its_loops(
     the communication stream, and the same gemms as the unrolled twin (same flops, same time)."""
     costs = {}
     for scan in (True, False):
-        spec = zoo.resized("gpt", num_layers=3, scan_layers=scan)
+        spec = zoo.resized("gpt", num_layers=3, scan_layers=scan, compute_dtype="bfloat16")
         text = zoo.lower_abstract(spec, optax.adam(1e-3), targets.mesh("h100-sxm", 8), "jit").compile().as_text()
         program = cost.compiled_program(text, backends.GPU)
-        costed = costs[scan] = cost.cost_program(program, H100_ROOFLINE, H100_COLLECTIVES)
+        cluster = clusters.get_cluster("8xH100-NVLink")  # the GNN (dtype-true) and the host lane too
+        costed = cost.cost_program(program, cluster.kernel_estimator(), H100_COLLECTIVES, cluster.simulator_params())
         record = costed.to_json()
         assert (record["num_kernels"], record["num_collectives"]) == executed_kernels(text)
         loops = record.get("control_flow", [])

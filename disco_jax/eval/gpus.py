@@ -311,11 +311,12 @@ def _computes_16bit(graph: Graph, members: frozenset[int]) -> bool:
 @per_graph
 def _widened(graph: Graph) -> tuple[Graph, dict[str, int]]:
     """The graph's 32-bit twin (every bfloat16 and float16 array float32; the ops and their names
-    otherwise the same, none merged) and its op ids by name."""
+    otherwise the same, none merged, loop bodies' too: a compiled program's graph holds them) and
+    its op ids by name."""
     from disco_jax.backends import GPU
 
     text = graph.module.to_text().replace("bf16[", "f32[").replace("f16[", "f32[")
-    twin = build_graph(text, GPU.fusible, merge_duplicates=False)
+    twin = build_graph(text, GPU.fusible, merge_duplicates=False, control_flow=True)
     return twin, {op.name: op.id for op in twin.ops}
 
 
