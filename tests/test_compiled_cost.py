@@ -348,8 +348,9 @@ def test_a_conditional_costs_its_most_expensive_branch_and_says_so_and_a_call_is
 
 
 def test_a_scanned_decoder_is_costed_kernel_by_kernel_as_xla_gpu_runs_its_loops():
-    """The tiny GPT with its 3 blocks under `nn.scan` (a `while` for the forward and one for the
-    backward, DESIGN.md point 22) and unrolled, compiled deviceless for 8 H100s: the model runs
+    """The tiny GPT in bfloat16 with its 3 blocks under `nn.scan` (a `while` for the forward and
+    one for the backward, DESIGN.md point 22) and unrolled, compiled deviceless for 8 H100s and
+    costed with the cluster's estimator (the dtype-true GNN) and host lane: the model runs
     exactly the kernels and collectives the module executes (each body's times its trip count,
     plus the rest, counted from the text here), the backward body's all-reduce once per layer on
     the communication stream, and the same gemms as the unrolled twin (same flops, same time)."""
