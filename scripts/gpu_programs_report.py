@@ -141,11 +141,8 @@ def write_constants(
     the profile has no constants fitted to kernels timed alone, those fitted to the traced
     fusions of the records (`gpu_fit.fitted_constants`) too; and for the H100 the launch
     chains' gap per kernel (measured, not charged: the host lane is what the model charges)."""
-    from disco_jax._profile_db import SHIPPED_PROFILE_DIR, sanitize_device_kind
-
-    folder = SHIPPED_PROFILE_DIR / sanitize_device_kind(device.device_kind or "")
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / gpus.CONSTANTS_FILE
+    path = device.constants_path
+    path.parent.mkdir(parents=True, exist_ok=True)
     stored = json.loads(path.read_text()) if path.exists() else {"device_kind": device.device_kind}
     if not stored.get("samples"):  # no kernels timed alone: the traced fusions' constants
         stored["samples"] = None
@@ -202,8 +199,9 @@ def main(argv=None) -> int:
             print(f"\n## {kind}: no device spec (gpus.DEVICES): not costed")
             continue
         mine = [r for r in rows if r.get("device_kind") == kind]
-        calls = gpu_fit.library_calls(mine, device)
-        scored, calibration = gpu_fit.score(mine, device)
+        recorded = gpu_fit.Recorded.of(mine, device)
+        calls = list(recorded.calls)
+        scored, calibration = gpu_fit.score(recorded)
         print(f"\n## {kind}: library calls, {len(calls)} gemm / convolution kernels")
         by_model: dict = defaultdict(list)
         for c in calls:

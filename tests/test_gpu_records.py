@@ -72,14 +72,15 @@ def test_calibration_held_out_by_model_on_the_h200_records():
     committed records give (docs/gpu.md) stay where they are: held-out step error of the paper
     steps, median 9.8% and worst 19.8% with command buffers off; tiny steps median 15.3%."""
     records = gpu_records.load(H200_RECORDS)
-    scored, calibration = gpu_fit.score(records, gpus.H200_SXM)
+    recorded = gpu_fit.Recorded.of(records, gpus.H200_SXM)
+    scored, calibration = gpu_fit.score(recorded)
     summary = gpu_fit.summary(scored)
     paper, tiny = summary["paper/cb off"], summary["tiny/cb off"]
     assert paper["programs"] == 8 and tiny["programs"] == 8
     assert paper["held_out"]["median"] <= 0.12 and paper["held_out"]["worst"] <= 0.22
     assert tiny["held_out"]["median"] <= 0.18
     # Held out means held out: no model's own records in the constants it is scored with.
-    held = gpu_fit.Calibration.fit(records, gpus.H200_SXM, exclude={"transformer"})
+    held = gpu_fit.Calibration.fit(recorded, exclude={"transformer"})
     assert "transformer" not in held.models and "transformer" in calibration.models
     assert "transformer" not in held.host_lanes["off"].source
     # The fitted figures a device spec carries, and a host that costs more per convolution.

@@ -16,12 +16,13 @@ This module fits what the model needs beyond the datasheet:
 * **the reductions' GNN bias** (`DeviceSpec.reduction_bias`): traced over predicted time, summed
   over the GNN-costed kernels that reduce.
 
-`Calibration.fit(records, exclude=...)` fits all three leaving models out; `score` costs every
-recorded step with the calibrated model twice, fitted on all models and fitted without the
-row's own model (leave one model out), so no model is scored on constants fitted to itself.
+`Recorded.of(records, device)` reads what the fits need once; `Calibration.fit(recorded,
+exclude=...)` fits all three leaving models out; `score` costs every recorded step with the
+calibrated model twice, fitted on all models and fitted without the row's own model (leave one
+model out), so no model is scored on constants fitted to itself.
 
     records = gpu_records.load(sorted(Path("data/gpu/2026-11-28").glob("*.jsonl.gz")))
-    rows, calibration = gpu_fit.score(records, gpus.H200_SXM)
+    rows, calibration = gpu_fit.score(gpu_fit.Recorded.of(records, gpus.H200_SXM))
     gpu_fit.summary(rows)   # median and worst |error| of the paper and tiny steps, both ways
 """
 
@@ -34,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from disco_jax import cost
-from disco_jax.cost.host import HostLane
+from disco_jax.cost.host import KINDS, HostLane
 from disco_jax.cost.work import kernel_work
 from disco_jax.eval import gpus
 from disco_jax.eval.gpu_records import (
@@ -91,7 +92,8 @@ def fit_host_lane(records: Sequence[Mapping], cb: str, exclude: Iterable[str] = 
         program = program_of(r["text"])
         counts = kernel_counts(program)
         arguments, results = program.buffers
-        features.append([1.0, float(arguments), float(results), float(sum(counts.values())), float(counts["conv"])])
+        kernels, convolutions = sum(counts.values()), counts.get("conv", 0)
+        features.append([1.0, float(arguments), float(results), float(kernels), float(convolutions)])
         walls.append(float(r["wall_median_us"]))
     a, y = np.array(features), np.array(walls)
     weight = 1.0 / y  # relative error: the calls span 0.1 to 6 ms
@@ -101,7 +103,7 @@ def fit_host_lane(records: Sequence[Mapping], cb: str, exclude: Iterable[str] = 
         call_us=float(call),
         per_argument_us=float(per_argument),
         per_result_us=float(per_result),
-        issue_us={"fusion": float(issue), "gemm": float(issue), "conv": float(issue + conv_extra)},
+        issue_us={kind: float(issue + (conv_extra if kind == "conv" else 0.0)) for kind in KINDS},
         source=f"fitted to the wall time of {len(rows)} host-bound calls (tiny steps, trivial programs and lone "
         f"kernels; models {', '.join(used)}), command buffers {cb}: relative least squares of wall against [1, "
         "arguments, results, kernels, convolutions], no figure below 0 (disco_jax.eval.gpu_fit.fit_host_lane)",
@@ -180,20 +182,15 @@ def fit_library_calls(calls: Sequence[Mapping], exclude: Iterable[str] = ()) -> 
 # ------------------------------------------------------------------------------ reductions' bias
 
 
-def fit_reduction_bias(
-    records: Sequence[Mapping], device: gpus.DeviceSpec, exclude: Iterable[str] = ()
-) -> float | None:
-    """Traced over predicted time, summed over the kernels that reduce which `device`'s GNN
-    costed (bias 1), in the command-buffers-off steps of the families not in `exclude`; None
-    where the device has no GNN or no such kernel was traced."""
-    skip = set(exclude)
-    base = dataclasses.replace(device, reduction_bias=None)
-    estimator = gpus.kernel_estimator(base)
+def reduction_samples(records: Sequence[Mapping], device: gpus.DeviceSpec) -> list[tuple[str, float, float]] | None:
+    """(family, traced us, predicted us at bias 1) of every kernel that reduces which `device`'s
+    GNN costed, in the command-buffers-off steps of `records`; None where the device has no GNN."""
+    estimator = gpus.kernel_estimator(dataclasses.replace(device, reduction_bias=None))
     if not isinstance(estimator, cost.ChainEstimator):
         return None
-    traced = predicted = 0.0
+    samples = []
     for r in records:
-        if not is_step(r) or setting(r) != "off" or family(r) in skip:
+        if not is_step(r) or setting(r) != "off":
             continue
         times = traced_kernel_us(r)
         program = program_of(r["text"])
@@ -202,11 +199,17 @@ def fit_reduction_bias(
             n for n, ops in program.ops.items() if n in times and any(graph.ops[o].opcode == "reduce" for o in ops)
         ]
         answers = estimator.estimate_with_source(graph, [program.ops[n] for n in names])
-        for name, (t, source) in zip(names, answers):
-            if source == "gnn":
-                traced += times[name]
-                predicted += t
-    return traced / predicted if predicted else None
+        samples += [(family(r), times[n], t) for n, (t, source) in zip(names, answers) if source == "gnn"]
+    return samples
+
+
+def fit_reduction_bias(samples: Sequence[tuple[str, float, float]] | None, exclude: Iterable[str] = ()) -> float | None:
+    """Traced over predicted time, summed over the `reduction_samples` of the families not in
+    `exclude`; None where there are none."""
+    skip = set(exclude)
+    chosen = [(traced, predicted) for fam, traced, predicted in samples or () if fam not in skip]
+    predicted = sum(p for _, p in chosen)
+    return sum(t for t, _ in chosen) / predicted if predicted else None
 
 
 # ------------------------------------------------------------------------- device constants
@@ -252,6 +255,23 @@ def fitted_constants(records: Sequence[Mapping], device: gpus.DeviceSpec, files:
 
 
 @dataclasses.dataclass(frozen=True)
+class Recorded:
+    """What the fits read of one device kind's records, read once: every held-out fit of `score`
+    takes its share of the same library calls and reduction samples."""
+
+    device: gpus.DeviceSpec
+    records: tuple[Mapping, ...]  # those of the device's kind
+    calls: tuple[dict, ...]  # `library_calls`
+    reductions: tuple[tuple[str, float, float], ...] | None  # `reduction_samples`
+
+    @classmethod
+    def of(cls, records: Sequence[Mapping], device: gpus.DeviceSpec) -> Recorded:
+        mine = tuple(r for r in records if r.get("device_kind") == device.device_kind)
+        reductions = reduction_samples(mine, device)
+        return cls(device, mine, tuple(library_calls(mine, device)), None if reductions is None else tuple(reductions))
+
+
+@dataclasses.dataclass(frozen=True)
 class Calibration:
     """What `fit` fitted for one device kind, and the models it was fitted to."""
 
@@ -263,17 +283,17 @@ class Calibration:
     library_calls: int
 
     @classmethod
-    def fit(cls, records: Sequence[Mapping], device: gpus.DeviceSpec, exclude: Iterable[str] = ()) -> Calibration:
+    def fit(cls, recorded: Recorded, exclude: Iterable[str] = ()) -> Calibration:
+        """The three fits on the records of the families not in `exclude`."""
         skip = set(exclude)
-        mine = [r for r in records if r.get("device_kind") == device.device_kind]
-        calls = [c for c in library_calls(mine, device) if c["family"] not in skip]
-        lanes = {cb: fit_host_lane(mine, cb, skip) for cb in ("on", "off")}
+        calls = [c for c in recorded.calls if c["family"] not in skip]
+        lanes = {cb: fit_host_lane(recorded.records, cb, skip) for cb in ("on", "off")}
         return cls(
-            device.device_kind or device.name,
+            recorded.device.device_kind or recorded.device.name,
             fit_library_calls(calls) or None,
-            fit_reduction_bias(mine, device, skip),
+            fit_reduction_bias(recorded.reductions, skip),
             {cb: lane for cb, lane in lanes.items() if lane is not None},
-            tuple(sorted({family(r) for r in mine if is_step(r)} - skip)),
+            tuple(sorted({family(r) for r in recorded.records if is_step(r)} - skip)),
             len(calls),
         )
 
@@ -329,20 +349,20 @@ class _NoCollectives:
 _NO_COLLECTIVES = _NoCollectives()
 
 
-def score(records: Sequence[Mapping], base: gpus.DeviceSpec) -> tuple[list[dict], Calibration]:
-    """Every recorded step of `base`'s device kind, costed by the model calibrated on all its
-    models (``fitted``) and on all but its own (``held_out``); and the all-models calibration."""
-    mine = [r for r in records if r.get("device_kind") == base.device_kind]
-    everything = Calibration.fit(mine, base)
+def score(recorded: Recorded) -> tuple[list[dict], Calibration]:
+    """Every recorded step of the device's kind, costed by the model calibrated on all its models
+    (``fitted``) and on all but its own (``held_out``); and the all-models calibration."""
+    base = recorded.device
+    everything = Calibration.fit(recorded)
     fitted = everything.device(base)
     held_out_devices = {}
     out = []
-    for r in mine:
+    for r in recorded.records:
         if not is_step(r):
             continue
         fam = family(r)
         if fam not in held_out_devices:
-            held_out_devices[fam] = Calibration.fit(mine, base, exclude={fam}).device(base)
+            held_out_devices[fam] = Calibration.fit(recorded, exclude={fam}).device(base)
         measured = float(r["wall_median_us"])
         both = {"fitted": predict(r, fitted), "held_out": predict(r, held_out_devices[fam])}
         traced = traced_kernel_us(r)
@@ -386,6 +406,8 @@ def summary(rows: Sequence[Mapping]) -> dict:
 __all__ = [
     "MIN_FIT_FLOPS",
     "Calibration",
+    "Recorded",
+    "reduction_samples",
     "fitted_constants",
     "kernel_samples",
     "fit_library_calls",

@@ -25,8 +25,6 @@ from disco_jax import backends, cost
 STEP_MODES = ("steps", "decoder")
 STEP_PROGRAMS = ("default", "plan")
 TRIVIAL_PROGRAMS = ("args_only", "args_outputs")
-# Kernel kinds counted apart for the host lane; the others are charged as one of these (`host_kind`).
-FITTED_ISSUE_KINDS = ("fusion", "gemm", "conv")
 
 
 def unpack(packed: str):
@@ -87,17 +85,18 @@ def program_of(text: str) -> cost.CompiledProgram:
     return cost.compiled_program(text, backends.GPU)
 
 
-def host_kind(kind: str) -> str:
-    """The fitted issue cost a kernel is charged: library calls as gemms, ops and collectives as
-    fusions (too few of them in the records to fit apart)."""
-    return {"library": "gemm", "op": "fusion", "collective": "fusion"}.get(kind, kind)
+def host_kind(k) -> str:
+    """The kind the host lane issues a kernel as (`cost.host.HostLane.issue`): a compute kernel's
+    kind, "collective" for any collective."""
+    return "collective" if k.is_collective else k.kind
 
 
 def kernel_counts(program: cost.CompiledProgram) -> dict[str, int]:
-    counts = dict.fromkeys(FITTED_ISSUE_KINDS, 0)
+    """Kernel runs per call by `host_kind` (a loop body's kernels once per iteration)."""
+    counts: dict[str, int] = defaultdict(int)
     for k in program.kernels:
-        counts[host_kind(k.collective and "collective" or k.kind)] += 1
-    return counts
+        counts[host_kind(k)] += k.repeat
+    return dict(counts)
 
 
 def traced_kernel_us(row: Mapping) -> dict[str, float]:
@@ -122,12 +121,12 @@ def _timeline_kernel_us(packed: str) -> dict[str, float]:
 
 
 def host_events(row: Mapping) -> dict[str, list[float]]:
-    """Per fitted kind, the host's traced time (us) issuing each kernel, from the calls recorded
+    """Per `host_kind`, the host's traced time (us) issuing each kernel, from the calls recorded
     one per trace (the first call left out); empty for rows recorded without host events."""
     if "calls_z" not in row:
         return {}
     program = program_of(row["text"])
-    kind = {k.name: host_kind(k.collective and "collective" or k.kind) for k in program.kernels}
+    kind = {k.name: host_kind(k) for k in program.kernels}
     out: dict[str, list[float]] = defaultdict(list)
     for call in unpack(row["calls_z"])[1:]:
         names = call["names"]
@@ -150,10 +149,10 @@ def is_host_bound(row: Mapping) -> bool:
 
 
 __all__ = [
-    "FITTED_ISSUE_KINDS",
     "config",
     "family",
     "host_events",
+    "host_kind",
     "is_host_bound",
     "is_step",
     "is_trivial",

@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -115,11 +116,16 @@ class DeviceSpec:
         """The fitted host lane for XLA's command-buffer setting ("on" is XLA:GPU's default)."""
         return (self.host_lanes or {}).get(command_buffers)
 
+    @property
+    def constants_path(self) -> Path:
+        """Where its shipped profile keeps its fitted constants (`device_constants.json`)."""
+        return SHIPPED_PROFILE_DIR / sanitize_device_kind(self.device_kind or "") / CONSTANTS_FILE
+
     def with_fitted(self) -> DeviceSpec:
         """The spec with the constants fitted to its GPU's kernel samples and recorded programs
         where they exist (`device_constants.json` beside the shipped samples:
         `fit_device_constants`, `eval.gpu_fit.write_calibration`)."""
-        path = SHIPPED_PROFILE_DIR / sanitize_device_kind(self.device_kind or "") / CONSTANTS_FILE
+        path = self.constants_path
         if not self.device_kind or not path.exists():
             return self
         return self.with_constants(json.loads(path.read_text()))
@@ -148,8 +154,8 @@ def calibration_text(device: DeviceSpec) -> str:
     """One sentence on what `device`'s costs were calibrated to (its profile's `calibration`):
     the library calls' fit and, where stored, how well the model predicted the recorded steps
     held out by model; "no calibration to recorded programs" where there is none."""
-    path = SHIPPED_PROFILE_DIR / sanitize_device_kind(device.device_kind or "") / CONSTANTS_FILE
-    calibration = json.loads(path.read_text()).get("calibration") if path.exists() else None
+    path = device.constants_path
+    calibration = json.loads(path.read_text()).get("calibration") if device.device_kind and path.exists() else None
     if not calibration:
         return "no calibration to recorded programs"
     kinds = calibration.get("library_fit", {}).get("kinds", {})
