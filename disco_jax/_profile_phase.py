@@ -151,12 +151,10 @@ def loop_body_times(captured: Captured, times: dict[str, float]) -> dict[str, fl
     iteration's run summed) as a table by kernel signature, per iteration: `cost.measured_table`
     of the captured module's loops, read as `cost.LoopEstimator` reads them (names, as for the
     entry's kernels, are the executable's). {} for a step without loops."""
-    text = captured.graph.module.to_text()
-    if " while(" not in text:
+    if not any(op.opcode == "while" for op in captured.graph.ops):
         return {}
-    try:
-        program = cost.compiled_program(text, captured.backend, scheduled=False)
-    except ValueError:  # a loop whose trip count cannot be read: costed by its own traced time only
+    program = cost.captured_program(captured.graph, captured.backend)
+    if program is None:  # a loop whose trip count cannot be read: costed by its own traced time only
         return {}
     body = {k.name for k in program.kernels if k.scope}
     return cost.measured_table(program, {n: t for n, t in times.items() if n in body}).times_us

@@ -406,6 +406,20 @@ def loop_program(program: CompiledProgram, loop: str) -> CompiledProgram:
     )
 
 
+def captured_program(graph: Graph, backend: Backend) -> CompiledProgram | None:
+    """A captured graph's own module read as a program (`compiled_program(..., scheduled=False)`:
+    before scheduling, in instruction order), read once per graph and kept in its `derived` slot
+    (the profile phase's loop-body table and `LoopEstimator` share it); None where a loop's trip
+    count cannot be read or an op cannot be placed."""
+    key = ("captured_program", backend.platform)
+    if key not in graph.derived:
+        try:
+            graph.derived[key] = compiled_program(graph.module.to_text(), backend, scheduled=False)
+        except (ValueError, KeyError):
+            graph.derived[key] = None
+    return graph.derived[key]
+
+
 class LoopEstimator:
     """Costs a kernel that is one `while` op of a graph (the graph simulator's opaque loop) as the
     compiled-program model costs that loop: its body's kernels once per iteration, in the body's
@@ -420,17 +434,10 @@ class LoopEstimator:
 
     def __init__(self, estimator: Estimator, allreduce: AllReduceCost, backend: Backend):
         self.estimator, self.allreduce, self.backend = estimator, allreduce, backend
-        self._programs: dict[str, CompiledProgram | None] = {}  # module fingerprint -> its read
         self._loops: dict[tuple[str, str], float | None] = {}
 
     def _program(self, graph: Graph) -> CompiledProgram | None:
-        key = graph.fingerprint
-        if key not in self._programs:
-            try:
-                self._programs[key] = compiled_program(graph.module.to_text(), self.backend, scheduled=False)
-            except (ValueError, KeyError):  # a trip count it cannot read, an op it cannot place
-                self._programs[key] = None
-        return self._programs[key]
+        return captured_program(graph, self.backend)
 
     def estimate(self, graph: Graph, kernels):
         out: list[float | None] = []
