@@ -545,17 +545,33 @@ def gemm_programs(shapes, layouts: dict[str, tuple[str, ...]], dtypes, attention
     return out
 
 
-def run_gemm(out: Output, time_budget_s: float, small: bool = False) -> None:
+def tp_shapes(width: int = 4096, hidden: int = 11008, tokens: int = 16384, ways=(2, 4, 8)):
+    """The products of a Megatron-sharded layer (attention and MLP, column then row) at each
+    tensor-parallel degree: what a device computes when a layer is split over the model axis."""
+    shapes = []
+    for t in ways:
+        shapes += [(tokens, width, width // t), (tokens, width // t, width)]
+        shapes += [(tokens, width, hidden // t), (tokens, hidden // t, width)]
+    return tuple(shapes)
+
+
+def run_gemm(out: Output, time_budget_s: float, small: bool = False, tp: bool = False) -> None:
     """Each product compiled alone (XLA:GPU autotunes it as it would in a step), timed over 10
-    calls and traced once: its kernels' device time against `cost.work`'s flops."""
-    if small:  # a CPU check of the mode itself
+    calls and traced once: its kernels' device time against `cost.work`'s flops. With `tp`, only
+    the tensor-parallel shards' products (`tp_shapes`), forward and both backward layouts."""
+    if tp:
+        shapes = tp_shapes(64, 96, 32, (2,)) if small else tp_shapes()
+        layouts = {shape: ("tn", "nt") for shape in shapes}
+        programs = gemm_programs(shapes, layouts, ("bfloat16",), None)
+    elif small:  # a CPU check of the mode itself
         shapes, layouts, attention = ((64, 32, 48),), {(64, 32, 48): ("tn", "nt")}, (1, 2, 16, 8)
     else:
         big = {(16384, k, n): ("tn", "nt") for k, n in ((4096, 4096), (4096, 16384), (16384, 4096), (8192, 8192))}
         shapes, layouts, attention = GEMM_SHAPES, big, (4, 32, 4096, 128)
-    programs = gemm_programs(shapes, layouts, ("bfloat16",), attention)
-    f32_shapes = shapes[:1] if small else ((16384, 4096, 4096), (16384, 4096, 16384))
-    programs += gemm_programs(f32_shapes, {}, ("float32",), None)
+    if not tp:
+        programs = gemm_programs(shapes, layouts, ("bfloat16",), attention)
+        f32_shapes = shapes[:1] if small else ((16384, 4096, 4096), (16384, 4096, 16384))
+        programs += gemm_programs(f32_shapes, {}, ("float32",), None)
     started = time.time()
     key = jax.random.key(0)
     for name, meta, spec, shapes_, dtype in programs:
@@ -583,7 +599,9 @@ def decoder_configs(which: str):
     (width 4096, 32 heads of 128, vocabulary 32000, 4 sequences of 4096 tokens, bfloat16 compute)
     of 1 and 2 layers, the per-layer cost being their difference, and one layer with cuDNN's
     fused attention; ``dtype`` one mid-size decoder in float32 and in bfloat16 compute;
-    ``small`` tiny versions of both for a CPU check."""
+    ``scan`` one bfloat16 decoder of 4 layers unrolled and under `nn.scan`, and of 8 layers
+    scanned (a scanned step's error against its unrolled twin's, and the per-iteration cost);
+    ``small`` tiny versions of these for a CPU check."""
     from disco_jax.zoo._gpt import GPTConfig
 
     if which == "llama7b":
@@ -596,9 +614,20 @@ def decoder_configs(which: str):
     if which == "dtype":
         base = GPTConfig(32000, 1024, 16, 4, 1024, 8, "float32")
         return [("gpt_f32", base), ("gpt_bf16", dataclasses.replace(base, compute_dtype="bfloat16"))]
+    if which == "scan":
+        base = GPTConfig(32000, 2048, 16, 4, 2048, 4, "bfloat16")
+        return [
+            ("scan_unrolled_4layers", base),
+            ("scan_scanned_4layers", dataclasses.replace(base, scan_layers=True)),
+            ("scan_scanned_8layers", dataclasses.replace(base, num_layers=8, scan_layers=True)),
+        ]
     if which == "small":
-        base = GPTConfig(64, 32, 2, 1, 16, 2, "float32")
-        return [("small_f32", base), ("small_bf16", dataclasses.replace(base, compute_dtype="bfloat16"))]
+        base = GPTConfig(64, 32, 2, 2, 16, 2, "float32")
+        return [
+            ("small_f32", base),
+            ("small_bf16", dataclasses.replace(base, compute_dtype="bfloat16")),
+            ("small_scanned", dataclasses.replace(base, scan_layers=True)),
+        ]
     raise ValueError(f"unknown decoder set {which!r}")
 
 
@@ -689,8 +718,11 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", type=int, nargs="*", default=[256, 65536, 1048576])
     parser.add_argument("--no-mock", action="store_true", help="mock mode on the real devices (a CPU check)")
     parser.add_argument("--trivial", action="store_true", help="steps: time the trivial programs beside each step")
-    parser.add_argument("--set", default="llama7b", choices=("llama7b", "dtype", "small"), help="decoder: which")
+    parser.add_argument(
+        "--set", default="llama7b", choices=("llama7b", "dtype", "scan", "small"), help="decoder: which"
+    )
     parser.add_argument("--small", action="store_true", help="gemm: tiny products (a CPU check)")
+    parser.add_argument("--tp", action="store_true", help="gemm: the tensor-parallel shards' products only")
     parser.add_argument("--labels", nargs="*", default=None, help="decoder: only these of the set")
     args = parser.parse_args(argv)
     if args.mode == "mock" and not args.no_mock:
@@ -705,7 +737,7 @@ def main(argv=None) -> int:
     elif args.mode == "steps":
         run_steps(out, models, args.config, args.budget, args.time_budget_s, args.trivial)
     elif args.mode == "gemm":
-        run_gemm(out, args.time_budget_s, args.small)
+        run_gemm(out, args.time_budget_s, args.small, args.tp)
     elif args.mode == "decoder":
         run_decoder(out, args.set, args.time_budget_s, args.labels)
     else:

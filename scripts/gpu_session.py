@@ -22,6 +22,13 @@ Stages (files in DIR; each row as `gpu_programs.py` writes it):
    trivial programs (`gpu_programs.py steps --trivial`), the models alternating between the files
    (a file comes back only under 16 MiB).
 5. ``tiny.jsonl``: the tiny configs the same way (the per-call cost over 27-300 argument buffers).
+6. ``scan.jsonl``: a bfloat16 decoder of 4 layers unrolled and scanned, and of 8 layers scanned
+   (`gpu_programs.py decoder --set scan`): the scanned step's error against its unrolled twin's.
+7. ``gemm_tp.jsonl``: the products of a Megatron-sharded 7B layer at 2, 4 and 8 ways
+   (`gpu_programs.py gemm --tp`): a tensor-parallel shard's dot efficiency.
+
+``--stages`` runs only the named stages, in the order given (a second session on a kind already
+recorded skips what it has: ``--stages env scan tp paper tiny``).
 
 Every traced stage runs with command buffers off (`gpu_programs.CB_OFF`), so each kernel is its
 own event of the instruction it belongs to. A stage past its share of the deadline is cut (its
@@ -128,16 +135,7 @@ class Session:
         return [str(HERE / "gpu_programs.py"), mode, "--out", str(self.out / out_file), *extra]
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="folder the files are written to")
-    parser.add_argument("--deadline-s", type=float, default=540.0)
-    parser.add_argument("--cpu-check", action="store_true", help="every stage at toy sizes on the CPU")
-    args = parser.parse_args(argv)
-    s = Session(Path(args.out), args.deadline_s, args.cpu_check)
-    small = args.cpu_check
-    s.say(f"session: {'CPU check' if small else 'GPU'} run into {s.out}")
-
+def stage_env(s: Session, small: bool) -> None:
     if shutil.which("nvidia-smi") and not small:
         smi = subprocess.run(["nvidia-smi", "-q"], capture_output=True, text=True, timeout=30).stdout
     else:
@@ -149,10 +147,17 @@ def main(argv=None) -> int:
         env["nvidia_smi_q"] = smi
         env_file.write_text(json.dumps(env, indent=1, default=str))
 
+
+def stage_gemm(s: Session, small: bool) -> None:
     s.run("gemm", s.programs("gemm", "gemm.jsonl", "--time-budget-s", "60", *(["--small"] if small else [])), 75)
+
+
+def stage_decoder(s: Session, small: bool) -> None:
     which = "small" if small else "llama7b"
     s.run("decoder", s.programs("decoder", "decoder.jsonl", "--set", which, "--time-budget-s", "80"), 110)
 
+
+def stage_paper(s: Session, small: bool) -> None:
     paper_end = time.time() + 230
     for i, model in enumerate(PAPER_MODELS[:2] if small else PAPER_MODELS):
         config = "tiny" if small else "paper"
@@ -161,11 +166,57 @@ def main(argv=None) -> int:
         argv = s.programs("steps", file, "--models", model, "--config", config, "--budget", "0", "--trivial")
         s.run(f"paper {model}", argv, cap)
 
+
+def stage_dtype(s: Session, small: bool) -> None:
     if not small:
         s.run("dtype", s.programs("decoder", "decoder.jsonl", "--set", "dtype", "--time-budget-s", "30"), 45)
+
+
+def stage_tiny(s: Session, small: bool) -> None:
     tiny = TINY_MODELS[:2] if small else TINY_MODELS
     argv = s.programs("steps", "tiny.jsonl", "--models", *tiny, "--budget", "0", "--trivial", "--time-budget-s", "35")
     s.run("tiny", argv, 45)
+
+
+def stage_scan(s: Session, small: bool) -> None:
+    which = "small" if small else "scan"
+    labels = ["--labels", "small_f32", "small_scanned"] if small else []
+    s.run("scan", s.programs("decoder", "scan.jsonl", "--set", which, "--time-budget-s", "90", *labels), 120)
+
+
+def stage_tp(s: Session, small: bool) -> None:
+    s.run(
+        "tp gemm",
+        s.programs("gemm", "gemm_tp.jsonl", "--tp", "--time-budget-s", "60", *(["--small"] if small else [])),
+        75,
+    )
+
+
+STAGES = {
+    "env": stage_env,
+    "gemm": stage_gemm,
+    "decoder": stage_decoder,
+    "paper": stage_paper,
+    "dtype": stage_dtype,
+    "tiny": stage_tiny,
+    "scan": stage_scan,
+    "tp": stage_tp,
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="folder the files are written to")
+    parser.add_argument("--deadline-s", type=float, default=540.0)
+    parser.add_argument("--cpu-check", action="store_true", help="every stage at toy sizes on the CPU")
+    parser.add_argument("--stages", nargs="*", choices=STAGES, default=list(STAGES), help="these, in this order")
+    args = parser.parse_args(argv)
+    s = Session(Path(args.out), args.deadline_s, args.cpu_check)
+    small = args.cpu_check
+    s.say(f"session: {'CPU check' if small else 'GPU'} run into {s.out}")
+
+    for stage in args.stages:
+        STAGES[stage](s, small)
     for f in sorted(s.out.iterdir()):
         s.say(f"{f.name}: {f.stat().st_size / 2**20:.2f} MiB")
     return 0

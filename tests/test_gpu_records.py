@@ -141,7 +141,15 @@ def test_prepared_gpu_command_runs_every_stage_on_the_cpu(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert {p.name for p in out.iterdir()} >= {"env.json", "gemm.jsonl", "decoder.jsonl", "paper1.jsonl", "tiny.jsonl"}
+    assert {p.name for p in out.iterdir()} >= {
+        "env.json",
+        "gemm.jsonl",
+        "decoder.jsonl",
+        "paper1.jsonl",
+        "tiny.jsonl",
+        "scan.jsonl",
+        "gemm_tp.jsonl",
+    }
     rows = gpu_records.load(sorted(out.glob("*.jsonl")))
     assert not [r for r in rows if r.get("error")]
     steps = [r for r in rows if gpu_records.is_step(r) and r["file"] == "tiny.jsonl"]
@@ -152,5 +160,16 @@ def test_prepared_gpu_command_runs_every_stage_on_the_cpu(tmp_path):
         calls = gpu_records.unpack(r["calls_z"])
         assert len(calls) == 3 and all(c["events"] and not c["truncated"] for c in calls)
         assert r["memory"]["analysis"]["argument"] > 0
-    assert {r.get("model") for r in rows if r["file"] == "decoder.jsonl"} == {"small_f32", "small_bf16"}
+    assert {r.get("model") for r in rows if r["file"] == "decoder.jsonl"} == {
+        "small_f32",
+        "small_bf16",
+        "small_scanned",
+    }
+    assert {r.get("model") for r in rows if r["file"] == "scan.jsonl"} == {"small_f32", "small_scanned"}
+    assert {(r["m"], r["k"], r["n"]) for r in rows if r["file"] == "gemm_tp.jsonl"} == {
+        (32, 64, 32),
+        (32, 32, 64),
+        (32, 64, 48),
+        (32, 48, 64),
+    }
     assert any(r["program"].startswith("attention_") for r in rows if r["file"] == "gemm.jsonl")
