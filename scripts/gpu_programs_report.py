@@ -150,7 +150,9 @@ def write_constants(
     stored["calibration"] = {
         **calibration.to_json(),
         "fidelity": summary,  # |error| of the recorded steps' wall time, fitted and held out by model
-        "command": f"python scripts/gpu_programs_report.py {files}/*.jsonl.gz --write-constants",
+        "command": "python scripts/gpu_programs_report.py "
+        + " ".join(f"{d}/*.jsonl.gz" for d in files.split(" and "))
+        + " --write-constants",
     }
     path.write_text(json.dumps(stored, indent=1) + "\n")
     return path
@@ -237,7 +239,7 @@ def main(argv=None) -> int:
             "summary": summary,
         }
         if args.write_constants:
-            files = str(Path(args.files[0]).parent)
+            files = " and ".join(sorted({str(Path(f).parent) for f in args.files}))
             print(f"\nwrote {write_constants(device, calibration, mine, files, summary)}")
     mock = [r for r in rows if r.get("mode") == "mock"]
     if mock:

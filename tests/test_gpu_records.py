@@ -20,7 +20,11 @@ from disco_jax.eval import clusters, gpu_fit, gpu_records, gpus
 from disco_jax.zoo import _gpt
 
 ROOT = Path(__file__).resolve().parents[1]
-H200_RECORDS = sorted((ROOT / "data" / "gpu" / "2026-11-28").glob("*.jsonl.gz"))
+# Two sessions on an H200: the second adds the scanned decoders, the tensor-parallel products and
+# the paper and tiny steps again.
+H200_RECORDS = sorted(
+    p for day in ("2026-11-28", "2026-11-28-second") for p in (ROOT / "data" / "gpu" / day).glob("*.jsonl.gz")
+)
 
 
 class _OneMicrosecond:
@@ -70,15 +74,24 @@ def test_host_lane_json_and_bad_figures():
 def test_calibration_held_out_by_model_on_the_h200_records():
     """Every constant is fitted without the scored model (leave one model out); the figures the
     committed records give (docs/gpu.md) stay where they are: held-out step error of the paper
-    steps, median 9.8% and worst 19.8% with command buffers off; tiny steps median 15.3%."""
+    steps, median 9.9% and worst 19.3% with command buffers off; tiny steps median 20.6%. And a
+    scanned decoder is predicted no worse than its unrolled twin (issue 43): measured 55.6 against
+    43.0 ms, held out -5.0% against -15.7%."""
     records = gpu_records.load(H200_RECORDS)
     recorded = gpu_fit.Recorded.of(records, gpus.H200_SXM)
     scored, calibration = gpu_fit.score(recorded)
     summary = gpu_fit.summary(scored)
     paper, tiny = summary["paper/cb off"], summary["tiny/cb off"]
-    assert paper["programs"] == 8 and tiny["programs"] == 8
-    assert paper["held_out"]["median"] <= 0.12 and paper["held_out"]["worst"] <= 0.22
-    assert tiny["held_out"]["median"] <= 0.18
+    assert paper["programs"] == 16 and tiny["programs"] == 14
+    assert paper["held_out"]["median"] <= 0.10 and paper["held_out"]["worst"] <= 0.25
+    assert tiny["held_out"]["median"] <= 0.25
+    scan = {
+        r["model"]: r["held_out_error"]
+        for r in scored
+        if r["file"] == "scan.jsonl.gz" and r["command_buffers"] == "off"
+    }
+    assert abs(scan["scan_scanned_4layers"]) <= abs(scan["scan_unrolled_4layers"])
+    assert abs(scan["scan_scanned_8layers"]) <= abs(scan["scan_unrolled_4layers"])
     # Held out means held out: no model's own records in the constants it is scored with.
     held = gpu_fit.Calibration.fit(recorded, exclude={"transformer"})
     assert "transformer" not in held.models and "transformer" in calibration.models
@@ -86,7 +99,8 @@ def test_calibration_held_out_by_model_on_the_h200_records():
     # The fitted figures a device spec carries, and a host that costs more per convolution.
     lane = calibration.host_lanes["off"]
     assert lane.issue("conv") > lane.issue("fusion") > 0
-    assert set(calibration.library_fit) == {"gemm", "conv"}
+    assert set(calibration.library_fit) == {"gemm", "gemm16", "conv"}
+    assert calibration.library_fit["gemm16"][1] > calibration.library_fit["gemm"][1]
     assert all(0.3 < efficiency < 1.2 for _, efficiency in calibration.library_fit.values())
 
 

@@ -52,7 +52,7 @@ from disco_jax.eval.gpu_records import (
 # Library calls smaller than this are launch- or memory-bound (the roofline's other terms answer
 # for them): not fitted (`fit_library_calls`).
 MIN_FIT_FLOPS = 1e8
-LIBRARY_KINDS = ("gemm", "conv")
+LIBRARY_KINDS = ("gemm", "gemm16", "conv")
 
 
 # ------------------------------------------------------------------------------------- host lane
@@ -144,7 +144,7 @@ def library_calls(records: Sequence[Mapping], device: gpus.DeviceSpec) -> list[d
                     "model": r.get("model") or r.get("program"),
                     "config": config(r) if r.get("mode") != "gemm" else "7B products",
                     "kernel": k.name,
-                    "kind": "conv" if 2 * work.conv >= work.dot else "gemm",
+                    "kind": gpus.library_kind(work),
                     "flops": work.dot,
                     "dtype": "16-bit" if sixteen else "f32 (TF32)",
                     "measured_us": times[k.name],

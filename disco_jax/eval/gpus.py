@@ -92,9 +92,11 @@ class DeviceSpec:
     device_kind: str | None = None  # what JAX reports on this GPU: the key of its estimator weights
     dot16_flops: Quantity | None = None  # dots and convolutions of 16-bit floats; None: at dot_flops
     # Measured where a GPU's library calls were timed (`eval.gpu_fit.fit_library_calls`): per kind
-    # ("gemm", "conv"), (overhead_us, efficiency): a call's compute time is the overhead plus its
-    # work at `efficiency` of the dense peak, so small calls achieve less of the peak than large
-    # ones. None (or a kind missing): its work at `dot_efficiency` for every call.
+    # `library_kind` ("gemm", "gemm16", "conv") -> (overhead_us, efficiency): a call's compute time
+    # is the overhead plus its work at `efficiency` of the dense peak of its type, so small calls
+    # achieve less of the peak than large ones. A 16-bit gemm without a fit of its own takes the
+    # "gemm" fit (calibrations before 16-bit gemms were fitted apart); a kind missing: its work at
+    # `dot_efficiency` for every call.
     library_fit: Mapping[str, tuple[float, float]] | None = None
     # Factor on the GNN's time of a kernel that reduces (XLA's kInput fusions), fitted where the
     # GNN's answers were set against traced kernels; None: 1.
@@ -106,7 +108,8 @@ class DeviceSpec:
     def dot_time_us(self, kind: str, at_peak_us: float) -> float:
         """The compute time of a library call of `kind` whose work takes `at_peak_us` at the dense
         peak of its operands' type (`library_fit`, else `dot_efficiency`)."""
-        fit = (self.library_fit or {}).get(kind)
+        fits = self.library_fit or {}
+        fit = fits.get(kind, fits.get("gemm") if kind == "gemm16" else None)
         if fit is None:
             return at_peak_us / self.dot_efficiency.value
         overhead_us, efficiency = fit
@@ -150,6 +153,16 @@ class DeviceSpec:
         )
 
 
+def library_kind(work: KernelWork) -> str:
+    """The kind a library call is fitted and costed as: "conv" where convolutions are most of its
+    work, "gemm16" for a product of 16-bit operands (cuBLAS's bf16/f16 kernels reach about 0.8 of
+    their peak at 7B sizes where the f32 ones, on TF32, reach about 0.5: one fit for both serves
+    neither), else "gemm"."""
+    if 2 * work.conv >= work.dot:
+        return "conv"
+    return "gemm16" if work.dot_16bit >= work.dot / 2 else "gemm"
+
+
 def calibration_text(device: DeviceSpec) -> str:
     """One sentence on what `device`'s costs were calibrated to (its profile's `calibration`):
     the library calls' fit and, where stored, how well the model predicted the recorded steps
@@ -159,7 +172,7 @@ def calibration_text(device: DeviceSpec) -> str:
     if not calibration:
         return "no calibration to recorded programs"
     kinds = calibration.get("library_fit", {}).get("kinds", {})
-    names = {"gemm": "gemms", "conv": "convolutions"}
+    names = {"gemm": "gemms", "gemm16": "16-bit gemms", "conv": "convolutions"}
     parts = [
         f"{names.get(k, k)} at {v[0]:.1f} us per call plus their work at {v[1]:.1%} of the dense peak"
         for k, v in kinds.items()
@@ -224,8 +237,7 @@ class RooflineEstimator:
         memory_s = work.bytes / (d.memory_bandwidth.value * d.memory_efficiency.value)
         dot16 = (d.dot16_flops or d.dot_flops).value
         at_peak_us = 1e6 * ((work.dot - work.dot_16bit) / d.dot_flops.value + work.dot_16bit / dot16)
-        kind = "conv" if 2 * work.conv >= work.dot else "gemm"
-        dot_s = d.dot_time_us(kind, at_peak_us) / 1e6 if work.dot else 0.0
+        dot_s = d.dot_time_us(library_kind(work), at_peak_us) / 1e6 if work.dot else 0.0
         compute_s = (work.elementwise + d.transcendental_cost.value * work.transcendental) / d.fp32_flops.value + dot_s
         return 1e6 * max(memory_s, compute_s)
 
@@ -233,8 +245,9 @@ class RooflineEstimator:
         """The device's assumed constants (`Quantity.assumption`) a kernel's time rests on."""
         work = kernel_work(graph, members)
         used = ["launch_us", "memory_efficiency"]
-        kind = "conv" if 2 * work.conv >= work.dot else "gemm"
-        used += ["dot_efficiency"] if work.dot and kind not in (self.device.library_fit or {}) else []
+        fits = self.device.library_fit or {}
+        fitted = library_kind(work) in fits or (library_kind(work) == "gemm16" and "gemm" in fits)
+        used += ["dot_efficiency"] if work.dot and not fitted else []
         used += ["transcendental_cost"] if work.transcendental else []
         return [name for name in used if getattr(self.device, name).assumption]
 
