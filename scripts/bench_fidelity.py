@@ -27,6 +27,10 @@ collectives over gloo on loopback (`disco_jax._launch`).
     python scripts/bench_fidelity.py [--models mlp transformer rnnlm dlrm] [--platforms cpu8 gloo2]
         [--pairs 15] [--budget 5] [--json out.json]
 
+A model may carry changes to its tiny config, ``NAME:FIELD=VALUE,...`` (`zoo.resized`): the GPT
+scanned and unrolled side by side (issue 43: a scanned step's error against its twin's) is
+``--models gpt gpt:scan_layers=True``.
+
 With ``--gap`` it prints instead where the step time of JAX default goes on each platform (the
 measurements behind docs/simulator-fidelity.md): wall time, the null program's time, and from a
 profiler trace the time per device inside the module's thunks, the all-reduces' share, the thunk
@@ -55,6 +59,19 @@ GAP_ENV = "DISCO_JAX_FIDELITY_GAP"  # set by --gap for the job
 # --------------------------------------------------------------------------- in the job
 
 
+def model_spec(name: str):
+    """The tiny spec `name` names: a zoo model, or ``model:field=value,...`` resized."""
+    import ast
+
+    from disco_jax import zoo
+
+    base, _, changes = name.partition(":")
+    if not changes:
+        return zoo.get_model(base, "tiny")
+    fields = dict(item.split("=", 1) for item in changes.split(","))
+    return zoo.resized(base, "tiny", **{k: ast.literal_eval(v) for k, v in fields.items()})
+
+
 def measure_model(name: str, pairs: int, budget_s: float) -> dict | None:
     """Calibrate, search, and measure and simulate every configuration of one model (in every
     process of the job; process 0 returns the row, the others None)."""
@@ -68,7 +85,7 @@ def measure_model(name: str, pairs: int, budget_s: float) -> dict | None:
     from disco_jax._profile_phase import calibrate, calibration_strategies, profile
 
     started = time.perf_counter()
-    spec = zoo.get_model(name, "tiny")
+    spec = model_spec(name)
     step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(), "jit")
     args = (state, batch)
     captured = capture(step.lower(*args), backends.CPU, args, {})
@@ -179,7 +196,7 @@ def gap_model(name: str, steps: int = 5) -> dict | None:
     from disco_jax import _device_timing, _profile_phase, _validate, backends, zoo
     from disco_jax._compile import capture
 
-    spec = zoo.get_model(name, "tiny")
+    spec = model_spec(name)
     step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(), "jit")
     captured = capture(step.lower(state, batch), backends.CPU, (state, batch), {})
     runner = captured.runner(captured.default_compiled)
