@@ -57,7 +57,10 @@ class Comparison:
     compared array (an output leaf; in a multi-process job one local shard of it), in leaf order:
     `default_deviation` and `plan_deviation`, max |XLA's - float64| and max |candidate - float64|,
     and `allowed`, `factor` x the first plus the floor (`floor_ulps` ulps of the array's magnitude);
-    0.0 for integer and boolean arrays, which must equal XLA's."""
+    0.0 for integer and boolean arrays, which must equal XLA's. `state_steps`: the verdict is the
+    one from the state after that many unmodified steps (the candidate passed from the call's
+    own inputs first; `_output_check.OutputCheck.moved`); 0 with `state_reason` saying why it was
+    judged from the call's inputs only."""
 
     bitwise_equal: bool
     within_tolerance: bool
@@ -72,6 +75,8 @@ class Comparison:
     default_deviation: list[float] | None = None
     plan_deviation: list[float] | None = None
     allowed: list[float] | None = None
+    state_steps: int = 0
+    state_reason: str | None = None
 
     @classmethod
     def merge(cls, comparisons: list[dict]) -> Comparison:
@@ -100,20 +105,23 @@ class Comparison:
             default_deviation=largest("default_deviation"),
             plan_deviation=largest("plan_deviation"),
             allowed=largest("allowed"),
+            state_steps=first.get("state_steps", 0),
+            state_reason=first.get("state_reason"),
         )
 
     def summary(self) -> str:
-        """One line for a rejection reason: which check, and by how much."""
+        """One line for a rejection reason: which check, by how much, and from which state."""
+        where = f" from the state after {self.state_steps} unmodified steps" if self.state_steps else ""
         if self.check == FLOAT64_CHECK and self.plan_deviation:
             i = max(range(len(self.plan_deviation)), key=lambda k: self.plan_deviation[k] - self.allowed[k])
             return (
-                f"output {i} deviates {self.plan_deviation[i]:.3g} from the float64 result, allowed "
+                f"output {i} deviates {self.plan_deviation[i]:.3g} from the float64 result{where}, allowed "
                 f"{self.allowed[i]:.3g} ({self.factor:g} x XLA's {self.default_deviation[i]:.3g} + floor)"
             )
         if self.check == BITWISE_CHECK:
-            return f"max abs error {self.max_abs_error:.3g}, bitwise equality required"
+            return f"max abs error {self.max_abs_error:.3g}{where}, bitwise equality required"
         why = f" ({self.fallback_reason})" if self.fallback_reason else ""
-        return f"max abs error {self.max_abs_error:.3g}, beyond the ulp tolerance{why}"
+        return f"max abs error {self.max_abs_error:.3g}{where}, beyond the ulp tolerance{why}"
 
 
 SENSITIVITY_FACTOR = 10.0
