@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -269,9 +270,10 @@ def compare_to_float64(exact: Any, default: Any, candidate: Any) -> Comparison:
 
 CONFIDENCE = 0.95
 ACCEPTANCE_RULE = (
-    "interleaved pairs; the distribution-free confidence interval of the median per-pair plan/default "
-    "ratio (binomial order statistics, Bonferroni-adjusted over the looks of the sequential test) must "
-    "lie below 1.0; an interval above 1.0 or still holding 1.0 at the last look keeps XLA's executable"
+    "interleaved pairs; the confidence interval of the median per-pair plan/default ratio (the wider of the "
+    "binomial order statistics and the same allowing for neighbouring pairs that move together, "
+    "Bonferroni-adjusted over the looks of the sequential test) must lie below 1.0; an interval above 1.0 or "
+    "still holding 1.0 at the last look keeps XLA's executable"
 )
 
 
@@ -291,6 +293,50 @@ def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> 
     if k == 0:
         return -math.inf, math.inf
     return s[k - 1], s[n - k]
+
+
+def sign_autocorrelation(values: Sequence[float]) -> float:
+    """Lag-1 autocorrelation of the values' signs about their median (+1 above, -1 below, ties
+    dropped), corrected for its small-sample bias (about -(1 + 3 rho) / n), at most 0.9. Positive
+    when neighbouring pairs move together: a machine busier for a while slows several pairs in a
+    row, which the binomial interval would count as independent evidence."""
+    x = np.asarray(values, dtype=float)
+    signs = np.sign(x - np.median(x))
+    signs = signs[signs != 0]
+    n = len(signs)
+    if n < 4:
+        return 0.0
+    rho = float(np.mean(signs[1:] * signs[:-1]))
+    return min(0.9, rho + (1.0 + 3.0 * max(rho, 0.0)) / n)
+
+
+def dependent_median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """Confidence interval of the median of serially dependent values: the order statistics at
+    n/2 -+ z * sqrt(n * (1 + rho) / (1 - rho)) / 2, with rho the values' `sign_autocorrelation`
+    (the normal approximation to the binomial interval with the variance of the count above the
+    median inflated as for an AR(1) sequence of signs; rho <= 0 counts as 0), at most the
+    sample's range (a plan whose every ratio is below 1 is judged by its largest). (-inf, inf)
+    below 4 values."""
+    s = sorted(values)
+    n = len(s)
+    if n < 4:
+        return -math.inf, math.inf
+    rho = max(0.0, sign_autocorrelation(values))
+    half = statistics.NormalDist().inv_cdf(1.0 - (1.0 - confidence) / 2) * 0.5 * math.sqrt(n * (1 + rho) / (1 - rho))
+    low, high = max(1, math.floor(n / 2 - half)), min(n, math.ceil(n / 2 + half))
+    return s[low - 1], s[high - 1]
+
+
+def ratio_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """The interval the project judges a median per-pair ratio by: the binomial order statistics
+    (`median_interval`, exact for independent pairs) and the interval allowing for neighbouring
+    pairs that move together (`dependent_median_interval`), whichever reaches further on each
+    side. On AR(1) log-ratios (t3 noise, 30 values, 400 draws) the binomial interval covered the
+    median 80% (rho 0.5) and 67% (rho 0.7) of the time, this one 95% and 90%; its coverage on
+    this machine is what `scripts/aa_calibration.py` measures."""
+    low, high = median_interval(values, confidence)
+    dependent_low, dependent_high = dependent_median_interval(values, confidence)
+    return min(low, dependent_low), max(high, dependent_high)
 
 
 @dataclasses.dataclass
@@ -369,7 +415,7 @@ def summarize(
         float(np.percentile(ratios, 25)),
         float(np.percentile(ratios, 75)),
         len(ratios),
-        tuple(float(x) for x in median_interval(ratios, confidence)),
+        tuple(float(x) for x in ratio_interval(ratios, confidence)),
         [float(r) for r in ratios],
         confidence,
     )

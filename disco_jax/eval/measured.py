@@ -2,7 +2,10 @@
 
 Measured platforms (`rows.MEASURED_PLATFORMS`, name -> processes x devices per process):
 
-* ``cpu-8dev``: 8 virtual CPU devices in one process (XLA:CPU's in-process collectives);
+* ``cpu-8dev``: 8 virtual CPU devices in one process (XLA:CPU's in-process collectives), sharing
+  the machine's cores;
+* ``cpu-2dev``: 2 virtual CPU devices in one process on a 2-core machine, each device its own core
+  (`report_measured.PLATFORM_LABELS` says what each can and cannot predict);
 * ``gloo-2x1``: 2 processes x 1 CPU device, collectives over gloo on loopback (the job is started
   by ``disco-jax launch``): communication between processes, as on a real cluster.
 
