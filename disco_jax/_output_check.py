@@ -11,9 +11,11 @@ closer to the exact result:
          │                            run once on the host CPU with its floating inputs promoted to
          │                            float64 (`jax.enable_x64`), or the reason it cannot run
          └── OutputCheck              one per program (`Captured.output_check`): XLA's outputs of
-                .compare(outputs)     that program, the float64 outputs, and (for the fallback) the
-                                      step's outputs on inputs nudged by one ulp
-                   └── Comparison     the verdict, which check decided, per-leaf deviations
+                .compare(outputs,     that program, the float64 outputs, and (for the fallback) the
+                   rerun=...)         step's outputs on inputs nudged by one ulp; `.moved()`: the
+                   │                  same check from the state after `STATE_STEPS` unmodified steps
+                   └── Comparison     the verdict, which check decided, per-leaf deviations, and
+                                      from which state (`state_steps`)
 
 `compare` judges a candidate (a fusion plan, or another program of the same call such as the
 sharded weight update) with `_validate.compare_to_float64` where the float64 run exists: per
@@ -27,7 +29,10 @@ regroups all-reduces must still be bitwise XLA's (every element is reduced in th
 Every caller compares through this: the pipeline's validation (`_search_phase.validate`), the measured
 search's candidates (`_tuning_devices.device_measure`), the sharded update's check
 (`sharding.update.check_outputs`) and the benchmark's measured rows (`eval.measured`). The float64
-run happens at most once per call, the first time a candidate is not bitwise-checked.
+run happens at most once per call, the first time a candidate is not bitwise-checked (and once
+more for the moved state). Each passes `rerun`, its candidate on other argument values
+(`_compile.Runner.on`), so that a candidate that passes on the call's inputs, where a fresh
+optimizer state is zero and hides how the plan carries state, is judged again from a moved one.
 
 Multi-process jobs: the inputs are gathered to every process (`process_allgather`), each process
 runs the float64 step on its own CPU device and compares the regions of its own output shards;
