@@ -33,7 +33,7 @@ from typing import Any
 
 import jax
 
-from disco_jax import _capture, _hlo, _output_check, _validate
+from disco_jax import _capture, _hlo, _output_check
 from disco_jax._graph import Graph, build_graph
 from disco_jax._plan import MachineKey
 from disco_jax._program import Program
@@ -50,15 +50,26 @@ def donated(lowered: jax.stages.Lowered) -> list[bool]:
 class Runner:
     """Calls a compiled step with fresh copies of the inputs it donates, so it can run again."""
 
-    def __init__(self, compiled: Any, lowered: jax.stages.Lowered, args: tuple, kwargs: dict):
+    def __init__(
+        self, compiled: Any, lowered: jax.stages.Lowered | None, args: tuple, kwargs: dict, donates: bool | None = None
+    ):
         self.compiled, self.args, self.kwargs = compiled, args, kwargs
-        self.donates = any(donated(lowered))
+        self.donates = any(donated(lowered)) if donates is None else donates
 
     def __call__(self, *_ignored):
         args, kwargs = self.args, self.kwargs
         if self.donates:
             args, kwargs = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, (args, kwargs))
         return self.compiled(*args, **kwargs)
+
+    def on(self, args: tuple, kwargs: dict) -> Any:
+        """The executable's outputs on other values of the same arguments (the output check's
+        moved state): each array placed in the sharding this runner's own argument has, so a
+        program that shards its optimizer state takes values another program returned."""
+        own = jax.tree.leaves((self.args, self.kwargs))
+        values, tree = jax.tree.flatten((args, kwargs))
+        placed = [_output_check.placed_like(v, o) for v, o in zip(values, own)]
+        return Runner(self.compiled, None, *jax.tree.unflatten(tree, placed), donates=self.donates)()
 
     def as_text(self) -> str:
         return self.compiled.as_text()
@@ -388,10 +399,7 @@ class Captured:
         """How candidates' outputs are judged against this program's (one per program: XLA's
         outputs are run once, the float64 run once per call)."""
 
-        def run_nudged():
-            return self.runner(self.default_compiled, *_validate.nudge((self.args, self.kwargs)))()
-
-        return _output_check.OutputCheck(self.runner(self.default_compiled), run_nudged, self.exact)
+        return _output_check.OutputCheck(self.runner(self.default_compiled).on, self.args, self.kwargs, self.exact)
 
     @property
     def graph(self) -> Graph:

@@ -11,9 +11,11 @@ closer to the exact result:
          │                            run once on the host CPU with its floating inputs promoted to
          │                            float64 (`jax.enable_x64`), or the reason it cannot run
          └── OutputCheck              one per program (`Captured.output_check`): XLA's outputs of
-                .compare(outputs)     that program, the float64 outputs, and (for the fallback) the
-                                      step's outputs on inputs nudged by one ulp
-                   └── Comparison     the verdict, which check decided, per-leaf deviations
+                .compare(outputs,     that program, the float64 outputs, and (for the fallback) the
+                   rerun=...)         step's outputs on inputs nudged by one ulp; `.moved()`: the
+                   │                  same check from the state after `STATE_STEPS` unmodified steps
+                   └── Comparison     the verdict, which check decided, per-leaf deviations, and
+                                      from which state (`state_steps`)
 
 `compare` judges a candidate (a fusion plan, or another program of the same call such as the
 sharded weight update) with `_validate.compare_to_float64` where the float64 run exists: per
@@ -27,7 +29,10 @@ regroups all-reduces must still be bitwise XLA's (every element is reduced in th
 Every caller compares through this: the pipeline's validation (`_search_phase.validate`), the measured
 search's candidates (`_tuning_devices.device_measure`), the sharded update's check
 (`sharding.update.check_outputs`) and the benchmark's measured rows (`eval.measured`). The float64
-run happens at most once per call, the first time a candidate is not bitwise-checked.
+run happens at most once per call, the first time a candidate is not bitwise-checked (and once
+more for the moved state). Each passes `rerun`, its candidate on other argument values
+(`_compile.Runner.on`), so that a candidate that passes on the call's inputs, where a fresh
+optimizer state is zero and hides how the plan carries state, is judged again from a moved one.
 
 Multi-process jobs: the inputs are gathered to every process (`process_allgather`), each process
 runs the float64 step on its own CPU device and compares the regions of its own output shards;
@@ -75,6 +80,19 @@ class Float64Run:
                 if failed:
                     self._outputs, self.reason = None, f"process {failed[0][0]}: {failed[0][1]}"
         return self._outputs
+
+    def on(self, dynamic_args: tuple, dynamic_kwargs: dict) -> Float64Run:
+        """The float64 run of the same function on other values of the call's dynamic arguments
+        (static ones, by the jit's `static_argnums`/`static_argnames`, stay as called)."""
+        info = getattr(self.fn, "_jit_info", None)
+        if info is None:
+            return Float64Run(self.fn, dynamic_args, dynamic_kwargs)
+        n = len(self.args)
+        static = {i % n for i in info.static_argnums} if n else set()
+        values = iter(dynamic_args)
+        args = tuple(a if i in static else next(values) for i, a in enumerate(self.args))
+        kwargs = {k: v if k in info.static_argnames else dynamic_kwargs[k] for k, v in self.kwargs.items()}
+        return Float64Run(self.fn, args, kwargs)
 
     def _run(self) -> tuple[Any | None, str | None]:
         fn = self.fn
@@ -167,38 +185,104 @@ def narrow_float(jaxpr) -> str | None:
     return None
 
 
-class OutputCheck:
-    """How candidates for one program are judged against it. `run_default()`: XLA's executable of
-    the program on the call's inputs; `run_nudged()`: the same on inputs one ulp up (the fallback's
-    sensitivity); `exact`: the call's `Float64Run` (None: the ulp tolerance always decides). Each is
-    run at most once, when first needed."""
+# The state a candidate is also judged from: the state carried out of this many unmodified steps
+# (two: a fresh optimizer state is zero, so a step from it cannot show how a plan treats the
+# state it carries; from a moved state, an error there shows; docs/output-check.md).
+STATE_STEPS = 2
 
-    def __init__(self, run_default: Callable[[], Any], run_nudged: Callable[[], Any], exact: Float64Run | None):
-        self.run_default, self.run_nudged, self.exact = run_default, run_nudged, exact
+
+class OutputCheck:
+    """How candidates for one program are judged against it, on the call's inputs and again on
+    the inputs of a later step. `run_on(args, kwargs)`: XLA's executable of the program on given
+    values of the call's dynamic arguments `args`/`kwargs`; `exact`: the call's `Float64Run` (None:
+    the ulp tolerance always decides). XLA's outputs, the nudged run (the fallback's sensitivity)
+    and the moved state are each made at most once, when first needed.
+
+    The moved state (`moved`): XLA's executable run `state_steps` times from the call's inputs,
+    the outputs that carry an argument's state (`carried_state`) fed back as that argument each
+    time; it is judged like the call's own inputs, with its own float64 run."""
+
+    def __init__(
+        self,
+        run_on: Callable[[tuple, dict], Any],
+        args: tuple,
+        kwargs: dict,
+        exact: Float64Run | None,
+        state_steps: int = STATE_STEPS,
+    ):
+        self.run_on, self.args, self.kwargs, self.exact = run_on, args, kwargs, exact
+        self.state_steps = state_steps
         self._default: Any = None
         self._nudged: Any = None
+        self._moved: OutputCheck | None = None
+        self._moved_reason: str | None = None
 
     @classmethod
     def for_call(cls, fn: Callable, args: tuple, kwargs: dict | None = None) -> OutputCheck:
-        """The check of a jitted function's call as made: its own outputs are the default."""
+        """The check of a jitted function's call as made (every argument dynamic): its own
+        outputs are the default."""
         kwargs = kwargs or {}
-        return cls(
-            lambda: fn(*args, **kwargs),
-            lambda: fn(*_validate.nudge(args), **_validate.nudge(kwargs)),
-            Float64Run(fn, args, kwargs),
-        )
+        return cls(lambda a, k: fn(*a, **k), args, kwargs, Float64Run(fn, args, kwargs))
 
     def default(self) -> Any:
         """XLA's outputs of the program (run the first time they are asked for)."""
         if self._default is None:
-            self._default = jax.block_until_ready(self.run_default())
+            self._default = jax.block_until_ready(self.run_on(self.args, self.kwargs))
         return self._default
 
-    def compare(self, outputs: Any, *, bitwise: bool = False, merge_key: str | None = None) -> _validate.Comparison:
-        """`outputs` (a candidate's, global arrays, sharded as its program shards them) against this
-        program's: bitwise, or against the float64 run, or within the ulp tolerance when there is
-        none. This process compares the regions of its own shards of `outputs`; `merge_key` (a
-        multi-process job's unique key): every process's verdict merged under it."""
+    def moved(self) -> OutputCheck | None:
+        """The check of the same program from the state after `state_steps` unmodified steps
+        (same batch, state fed back), or None with `moved_reason` saying why there is none."""
+        if self._moved is None and self._moved_reason is None:
+            carried = carried_state(self.args, self.default())
+            if self.state_steps < 1:
+                self._moved_reason = "not asked for"
+            elif not carried:
+                self._moved_reason = "no output carries an argument's state to the next step"
+            else:
+                args, outputs = self.args, self.default()
+                for step in range(self.state_steps):
+                    if step:
+                        outputs = jax.block_until_ready(self.run_on(args, self.kwargs))
+                    args = fed_back(args, outputs, carried)
+                exact = None if self.exact is None else self.exact.on(args, self.kwargs)
+                self._moved = OutputCheck(self.run_on, args, self.kwargs, exact, state_steps=0)
+        return self._moved
+
+    @property
+    def moved_reason(self) -> str | None:
+        return self._moved_reason
+
+    def compare(
+        self,
+        outputs: Any,
+        *,
+        bitwise: bool = False,
+        merge_key: str | None = None,
+        rerun: Callable[[tuple, dict], Any] | None = None,
+    ) -> _validate.Comparison:
+        """`outputs` (a candidate's on the call's inputs, global arrays, sharded as its program
+        shards them) against this program's: bitwise, or against the float64 run, or within the
+        ulp tolerance when there is none. `rerun(args, kwargs)`: the candidate on other values of
+        the arguments (`Runner.on`); given, a candidate that passes is judged again from the moved
+        state (`moved`), and that verdict is returned (`state_steps` says so; a candidate must
+        pass both). This process compares the regions of its own shards of `outputs`; `merge_key`
+        (a multi-process job's unique key): every process's verdict merged under it."""
+        first = self._compare_once(outputs, bitwise, merge_key)
+        if rerun is None:
+            first.state_reason = "the candidate was not run again"
+            return first
+        if not first.within_tolerance:
+            return first
+        moved = self.moved()
+        if moved is None:
+            first.state_reason = self.moved_reason
+            return first
+        later = moved._compare_once(rerun(moved.args, moved.kwargs), bitwise, merge_key and f"{merge_key}/moved")
+        later.state_steps = self.state_steps
+        return later
+
+    def _compare_once(self, outputs: Any, bitwise: bool, merge_key: str | None) -> _validate.Comparison:
         default = _distributed.regions(self.default(), outputs)
         local = _distributed.addressable(outputs)
         if bitwise:
@@ -212,13 +296,59 @@ class OutputCheck:
                 comparison = _validate.compare_to_float64(_distributed.local_parts(exact, outputs), default, local)
             else:
                 if self._nudged is None:
-                    self._nudged = jax.block_until_ready(self.run_nudged())
+                    nudged_args, nudged_kwargs = _validate.nudge((self.args, self.kwargs))
+                    self._nudged = jax.block_until_ready(self.run_on(nudged_args, nudged_kwargs))
                 floor = _validate.sensitivity(default, _distributed.regions(self._nudged, outputs))
                 comparison = _validate.compare_outputs(default, local, bitwise=False, floor=floor)
                 comparison.fallback_reason = reason
         if merge_key is None or not _distributed.is_multiprocess():
             return comparison
         return _validate.Comparison.merge(_distributed.gather_json(merge_key, dataclasses.asdict(comparison)))
+
+
+def _signature(tree: Any) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in leaves)
+
+
+def _parts(outputs: Any) -> tuple:
+    return tuple(outputs) if isinstance(outputs, tuple | list) else (outputs,)
+
+
+def carried_state(args: tuple, outputs: Any) -> dict[int, int]:
+    """Argument index -> index of the output (of a tuple of outputs; 0 for a lone output) that
+    carries its state to the next step: the first output not yet taken with the argument's
+    pytree structure, shapes and dtypes (`(params, opt_state, x, y) -> (params, opt_state, loss)`:
+    {0: 0, 1: 1}; a Flax `TrainState` in, `(state, metrics)` out: {0: 0}). A lone scalar
+    argument (a learning rate, a step number) is not taken for state: it would match a loss."""
+    taken: set[int] = set()
+    carried = {}
+    parts = [_signature(o) for o in _parts(outputs)]
+    for j, arg in enumerate(args):
+        leaves = jax.tree.leaves(arg)
+        if not leaves or (len(leaves) == 1 and np.ndim(leaves[0]) == 0 and arg is leaves[0]):
+            continue
+        signature = _signature(arg)
+        found = next((i for i, s in enumerate(parts) if i not in taken and s == signature), None)
+        if found is not None:
+            carried[j] = found
+            taken.add(found)
+    return carried
+
+
+def fed_back(args: tuple, outputs: Any, carried: dict[int, int]) -> tuple:
+    """The arguments of the next step: each carried argument replaced by its output, in the
+    argument's own sharding (a program may return its state laid out otherwise)."""
+    parts = _parts(outputs)
+
+    return tuple(jax.tree.map(placed_like, parts[carried[j]], a) if j in carried else a for j, a in enumerate(args))
+
+
+def placed_like(value: Any, own: Any) -> Any:
+    """`value` in the sharding of `own` (the argument it stands for), where both are arrays."""
+    if isinstance(value, jax.Array) and isinstance(own, jax.Array) and value.sharding != own.sharding:
+        return jax.device_put(value, own.sharding)
+    return value
 
 
 def shape_mismatch(exact: Any, default: Any) -> str | None:

@@ -41,6 +41,9 @@ class Compiler(Protocol):
     @property
     def emittable(self) -> Callable[[Graph, Any, list[list[int]]], bool]: ...
 
+    @property
+    def packs_buckets(self) -> bool: ...
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Program:

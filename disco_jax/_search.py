@@ -166,7 +166,9 @@ def _search(
         elif entry > kept[0]:
             heapq.heapreplace(kept, entry)
 
-    for s in starts if starts is not None else start_candidates(program.graph):
+    if starts is None:
+        starts = start_candidates(program.graph, getattr(program.backend, "packs_buckets", False))
+    for s in starts:
         key = s.key()
         new = key not in seen
         c = cost(s)

@@ -211,7 +211,7 @@ def validate(step: Captured, best: Strategy, compiled: Any, pairs: int, simulate
     default_runner, plan_runner = step.runner(step.default_compiled), step.runner(compiled)
     bitwise = _strategy.regroups_only(graph, best)
     merge_key = None if step.scope is None else f"{step.scope}/validation"
-    comparison = step.output_check.compare(plan_runner(), bitwise=bitwise, merge_key=merge_key)
+    comparison = step.output_check.compare(plan_runner(), bitwise=bitwise, merge_key=merge_key, rerun=plan_runner.on)
     timing = _validate.time_until_decided(
         default_runner,
         plan_runner,

@@ -57,6 +57,10 @@ class Strategy:
     # starts each step's moves from an empty set): with the group and bucket changes, what
     # `cost.kernels.derive` rebuilds of that strategy's kernel graph. None: unknown.
     rehomed: frozenset[int] | None = dataclasses.field(default=None, compare=False, repr=False)
+    # Every bucket of several gradients packed into one flat buffer (concatenated, one all-reduce,
+    # split), as PyTorch DDP and Horovod run theirs; else one variadic all-reduce. Where the
+    # backend packs (`Backend.packs_buckets`); a sharded bucket's reduce-scatter is never packed.
+    packed: bool = False
 
     def group_index(self) -> tuple[tuple[int, ...], ...]:
         return self.index if self.index is not None else group_index(self.groups, len(self.homes))
@@ -67,7 +71,7 @@ class Strategy:
     def key(self) -> tuple:
         """Identity of the decisions (group order and origin do not matter)."""
         if not self._key:
-            self._key.append((self.fusion_key(), frozenset(self.buckets), self.sharded))
+            self._key.append((self.fusion_key(), frozenset(self.buckets), self.sharded, self.packed))
         return self._key[0]
 
     def fusion_key(self) -> tuple:
@@ -92,6 +96,7 @@ class Strategy:
             ],
             "buckets": [[graph.gradients[gid].result_name for gid in b] for b in self.buckets],
             "sharded": sorted(graph.gradients[gid].result_name for gid in self.sharded),
+            "packed": self.packed,
             "origin": self.origin,
         }
 
@@ -119,7 +124,9 @@ class Strategy:
             if homes[o] < 0:
                 homes[o] = len(groups)
                 groups.append(frozenset([o]))
-        return cls(tuple(groups), tuple(homes), buckets, data.get("origin", "plan"), sharded)
+        return cls(
+            tuple(groups), tuple(homes), buckets, data.get("origin", "plan"), sharded, packed=bool(data.get("packed"))
+        )
 
 
 def xla_default(graph: Graph) -> Strategy:
@@ -151,16 +158,20 @@ def with_buckets(strategy: Strategy, buckets: Sequence[Sequence[int]], origin: s
     return dataclasses.replace(strategy, buckets=tuple(tuple(b) for b in buckets), origin=origin)
 
 
-def start_candidates(graph: Graph) -> list[Strategy]:
-    """The search's first queue: XLA's plan, the unfused graph and their bucket variants."""
+def start_candidates(graph: Graph, packs: bool = False) -> list[Strategy]:
+    """The search's first queue: XLA's plan, the unfused graph and their bucket variants; where
+    the backend packs buckets (`packs`), XLA's plan with its buckets packed into flat buffers."""
     xla, bare = xla_default(graph), unfused(graph)
     per_gradient = [(g.id,) for g in graph.gradients]
-    return [
+    starts = [
         xla,
         bare,
         with_buckets(xla, per_gradient, "xla-fusion+per-gradient-allreduce"),
         with_buckets(bare, graph.xla_buckets, "unfused+xla-allreduce"),
     ]
+    if packs and any(len(b) > 1 for b in xla.buckets):
+        starts.append(dataclasses.replace(xla, packed=True, origin="xla+packed-allreduce"))
+    return starts
 
 
 # --------------------------------------------------------------------------- kernels
@@ -266,7 +277,8 @@ def _finish(s: Strategy, edit: StrategyEdit) -> Strategy | None:
     if not edit.normalize():
         return None  # the compiler could not emit a group the move changed
     rehomed = None if s.rehomed is None else s.rehomed | edit.rehomed
-    return Strategy(tuple(edit.groups), tuple(edit.homes), s.buckets, s.origin, s.sharded, tuple(edit.index), rehomed)
+    index = tuple(edit.index)
+    return Strategy(tuple(edit.groups), tuple(edit.homes), s.buckets, s.origin, s.sharded, index, rehomed, s.packed)
 
 
 def fuse_producer(program: Program, s: Strategy, rng: random.Random, duplicate: bool) -> Strategy | None:
@@ -405,6 +417,16 @@ def split_bucket(program: Program, s: Strategy, rng: random.Random) -> Strategy 
     return dataclasses.replace(s, buckets=tuple(buckets))
 
 
+def pack_buckets(program: Program, s: Strategy, rng: random.Random) -> Strategy | None:
+    """Pack every bucket of several gradients into one flat buffer, or unpack them again (a
+    bucketing move: the rendezvous per operand of a variadic all-reduce against two copies of
+    the bucket). Only where the backend packs (`Backend.packs_buckets`)."""
+    packable = any(len(b) > 1 and b[0] not in s.sharded for b in s.buckets)
+    if not getattr(program.backend, "packs_buckets", False) or not packable:
+        return None
+    return dataclasses.replace(s, packed=not s.packed)
+
+
 def shard_update(program: Program, s: Strategy, rng: random.Random, shardable: frozenset[int]) -> Strategy | None:
     """Shard the weight update of a random bucket's gradients, or make a sharded one replicated
     again (the bucket's gradients must all be in `shardable`: `cost.sharded.UpdateRegions`)."""
@@ -442,6 +464,7 @@ MOVES: dict[str, Move] = {
     "fuse_duplicate": lambda p, s, r: fuse_producer(p, s, r, duplicate=True),
     "merge_allreduce": merge_buckets,
     "split": split,
+    "pack_allreduce": pack_buckets,
 }
 
 

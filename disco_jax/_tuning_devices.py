@@ -56,6 +56,7 @@ def device_measure(step: Captured, default_runner: Runner, tuning: TuningConfig)
             runner(),
             bitwise=regroups_only(graph, strategy),
             merge_key=None if step.scope is None else f"{step.scope}/tuning/{index}/outputs",
+            rerun=runner.on,
         )
         timing = _validate.time_interleaved(default_runner, runner, pairs=tuning.pairs)
         if step.scope is not None:  # judged by the slowest process, as validation does

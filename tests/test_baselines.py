@@ -1,6 +1,7 @@
 """Each baseline compiles the way its name says (asserted on compiled HLO text), bucket builders
 follow DDP's and Horovod's rules, and the clusters' all-reduce formulas give textbook numbers."""
 
+import dataclasses
 import json
 import re
 
@@ -181,13 +182,21 @@ def test_ddp_buckets_follow_ready_order_with_a_small_first_bucket(mlp):
     assert list(b.strategy.buckets) == expected
     assert len(expected) >= 3
     assert sum(graph.gradients[g].nbytes for g in expected[0]) >= first
-    # Enacted by rewrite: the compiled step has exactly these all-reduces, and equal outputs.
+    # Enacted by rewrite as DDP runs it: one all-reduce of one flat buffer per bucket (the
+    # gradients concatenated, split after), and outputs equal bit for bit.
+    assert b.strategy.packed and "packed into flat buffers" in b.description
     compiled = _compiled(lowered, program, default, b)
     allreduces = _entry_allreduces(compiled.as_text())
-    assert sorted(sorted(t.bytes for t in i.outputs) for i in allreduces) == sorted(
-        sorted(graph.gradients[g].nbytes for g in bk) for bk in expected
+    assert [len(i.outputs) for i in allreduces] == [1] * len(expected)
+    assert all(len(i.outputs[0].dims) == 1 for i in allreduces)  # a flat buffer
+    assert sorted(i.outputs[0].bytes for i in allreduces) == sorted(
+        sum(graph.gradients[g].nbytes for g in bk) for bk in expected
     )
     assert _validate.compare_outputs(reference, compiled(*args), bitwise=True).bitwise_equal
+    # The same buckets unpacked: one variadic all-reduce of the bucket's tensors each.
+    variadic = dataclasses.replace(b, strategy=dataclasses.replace(b.strategy, packed=False))
+    allreduces = _entry_allreduces(_compiled(lowered, program, default, variadic).as_text())
+    assert sorted(len(i.outputs) for i in allreduces) == sorted(len(bk) for bk in expected)
 
 
 def test_horovod_buckets_never_exceed_the_threshold(mlp):

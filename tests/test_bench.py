@@ -256,7 +256,9 @@ def _timed(ratios: list[float], reference_us: float = 1000.0) -> dict:
 
 
 def _spread(median: float, width: float, pairs: int = 40) -> list[float]:
-    return [median + width * (2 * i / (pairs - 1) - 1) for i in range(pairs)]
+    """`pairs` ratios evenly over median -+ width, in a scrambled order (timed pairs do not come
+    sorted; a sorted run would read as neighbouring pairs moving together)."""
+    return [median + width * (2 * (i * 17 % pairs) / (pairs - 1) - 1) for i in range(pairs)]
 
 
 def _fair_row(model: str, applied: bool, disco: list[float], weight_update: str = "replicated") -> dict:

@@ -103,7 +103,7 @@ def test_a_derived_kernel_state_and_cost_equal_a_from_scratch_evaluation(two_pro
         if child.key() == base.key():
             continue
         got = evaluator.many([child], parent=base)[0]
-        plain = _strategy.Strategy(child.groups, child.homes, child.buckets, sharded=child.sharded)
+        plain = _strategy.Strategy(child.groups, child.homes, child.buckets, sharded=child.sharded, packed=child.packed)
         expected = simulate(fresh, plain, chain(AnalyticalEstimator()), allreduce)
         assert (got is None) == (expected is None)
         if got is None:
@@ -136,7 +136,7 @@ def test_moves_maintain_the_state_a_from_scratch_evaluation_computes(captured, s
         fused += child.groups != parent.groups
         # From scratch: a new graph (no cached kernel inputs, signatures, consumers), new caches.
         fresh = _program.build_program(text, backends.CPU)
-        plain = _strategy.Strategy(child.groups, child.homes, child.buckets)
+        plain = _strategy.Strategy(child.groups, child.homes, child.buckets, packed=child.packed)
         expected = simulate(fresh, plain, chain(AnalyticalEstimator()), allreduce)
         got = incremental(child)
         assert (got is None) == (expected is None)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from disco_jax import _capture, _program, _strategy, backends
+from disco_jax import AllReduceCostModel, AnalyticalEstimator, _capture, _program, _strategy, backends, simulate
 
 from _steps import make_step
 
@@ -99,3 +99,30 @@ def test_cycle_is_invalid(program, graph):
     bad = _strategy.Strategy(tuple(groups), s.homes, s.buckets)
     assert _strategy.kernel_dag(program, bad) is None
     assert not _strategy.is_valid(program, bad)
+
+
+def test_packing_is_a_bucket_move_that_survives_json_and_is_costed(program, graph):
+    xla = _strategy.xla_default(graph)
+    packed = _strategy.pack_buckets(program, xla, random.Random(0))
+    assert packed.packed and packed.buckets == xla.buckets and packed.key() != xla.key()
+    assert _strategy.pack_buckets(program, packed, random.Random(0)).key() == xla.key()  # and back
+    assert _strategy.Strategy.from_json(graph, packed.to_json(graph)).key() == packed.key()
+    assert any(s.packed for s in _strategy.start_candidates(graph, packs=True))
+    assert not any(s.packed for s in _strategy.start_candidates(graph))
+    # Costed: one rendezvous instead of one per tensor, against copying the buffer in and out.
+    (bucket,) = xla.buckets
+    total = sum(graph.gradients[g].nbytes for g in bucket)
+    estimator = AnalyticalEstimator()
+    for per_tensor_us, packing_wins in ((50.0, True), (0.0, False)):
+        allreduce = AllReduceCostModel(per_byte_us=1e-3, latency_us=50.0, per_tensor_us=per_tensor_us)
+        variadic_us = simulate(program, xla, estimator, allreduce).comm_us
+        packed_us = simulate(program, packed, estimator, allreduce).comm_us
+        expected = allreduce.time_us(total) + 1e-3 * total
+        assert packed_us == pytest.approx(expected)
+        assert variadic_us == pytest.approx(allreduce.time_us(total) + per_tensor_us * (len(bucket) - 1))
+        assert (packed_us < variadic_us) is packing_wins
+
+
+def test_a_backend_that_does_not_pack_is_never_offered_packing(graph):
+    gpu_program = _program.Program(graph, backends.GPU)
+    assert _strategy.pack_buckets(gpu_program, _strategy.xla_default(graph), random.Random(0)) is None

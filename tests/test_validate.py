@@ -36,6 +36,41 @@ def test_median_interval_covers_the_true_median_at_least_95_percent_of_the_time(
     assert covered / trials >= 0.95
 
 
+def _ar1_log_ratios(rng, phi, n=30):
+    """Per-pair log-ratios whose neighbours move together (AR(1), heavy-tailed steps), median 0."""
+    steps = rng.standard_t(3, size=n) * 0.05
+    x = np.zeros(n)
+    x[0] = steps[0] / np.sqrt(1 - phi**2)
+    for i in range(1, n):
+        x[i] = phi * x[i - 1] + steps[i]
+    return np.exp(x)
+
+
+@pytest.mark.parametrize("phi, binomial_at_most, ours_at_least", [(0.0, 1.0, 0.95), (0.5, 0.85, 0.93)])
+def test_the_ratio_interval_holds_where_neighbouring_pairs_move_together(phi, binomial_at_most, ours_at_least):
+    rng = np.random.default_rng(0)
+    trials, binomial, ours = 400, 0, 0
+    for _ in range(trials):
+        ratios = _ar1_log_ratios(rng, phi)
+        low, high = _validate.median_interval(ratios, 0.95)
+        binomial += low <= 1.0 <= high
+        low, high = _validate.ratio_interval(ratios, 0.95)
+        ours += low <= 1.0 <= high
+    assert binomial / trials <= binomial_at_most  # independent pairs assumed: too narrow when they are not
+    assert ours / trials >= ours_at_least
+
+
+def test_the_ratio_interval_is_never_narrower_than_the_binomial_one():
+    rng = np.random.default_rng(3)
+    for n in (8, 20, 40, 80):
+        ratios = list(np.exp(rng.normal(0, 0.1, n)))
+        low, high = _validate.ratio_interval(ratios)
+        b_low, b_high = _validate.median_interval(ratios)
+        assert low <= b_low and high >= b_high
+    assert _validate.sign_autocorrelation([1, 2, 3, 4, 5, 6, 7, 8]) > 0.5  # one run below, one above
+    assert _validate.sign_autocorrelation([1, 9, 2, 8, 3, 7, 4, 6]) < 0.0  # alternating
+
+
 def _fake_clock(monkeypatch, default_us, plan_us):
     """`_timed` returns the next synthetic duration of the function it is given."""
     streams = {"default": iter(default_us), "plan": iter(plan_us)}

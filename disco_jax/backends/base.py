@@ -58,6 +58,10 @@ class Backend:
     creates_reduce_scatter: whether the compiler turns an all-reduce whose every user is a
       dynamic-slice into a reduce-scatter after the hook (XLA:GPU's ReduceScatterCreator; the
       sharded weight update's gradients); the simulator costs such a gradient's transfer as one.
+    packs_buckets: whether the rewriter can pack a bucket's gradients into one flat buffer
+      (concatenate, one all-reduce, slice back: `Strategy.packed`), the way PyTorch DDP and Horovod
+      pack theirs. XLA:CPU: a variadic all-reduce pays one rendezvous per operand, which packing
+      saves; XLA:GPU's combined all-reduce is already one NCCL call over one buffer.
     hook_rules: the proven sharding rules (`sharding.rules` names) the pipeline applies itself to
       every module it compiles on this backend, at the hook after any plan's rewrite
       (`sharding.apply.apply_rules`): those the compiler does not apply (XLA:CPU: the
@@ -91,6 +95,7 @@ class Backend:
     read_kernels: Callable[..., KernelSchedule] = read_kernels
     profile_options: Mapping[str, str] = dataclasses.field(default_factory=dict)
     hook_rules: frozenset[str] = frozenset()
+    packs_buckets: bool = False
 
     @property
     def forms_reduce_scatter(self) -> bool:

@@ -11,6 +11,7 @@ disabled by name to enact DisCo's baselines.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 from disco_jax import _hlo
@@ -177,6 +178,9 @@ class CpuRewriter:
         attrs = [(k, str(em.channel) if k == "channel_id" else v) for k, v in attrs]
         operands = [em.names[g.producer] for g in grads]
         shapes = [graph.ops[g.producer].inst.shape for g in grads]
+        if len(grads) > 1 and em.strategy.packed:
+            self._emit_packed_bucket(em, grads, operands, shapes, attrs)
+            return
         if len(grads) == 1:
             em.emit(_hlo.Instruction(grads[0].result_name, shapes[0], "all-reduce", operands, None, attrs))
             em.names[grads[0].reduced] = grads[0].result_name
@@ -186,6 +190,35 @@ class CpuRewriter:
         for i, g in enumerate(grads):
             em.emit(_hlo.Instruction(g.result_name, shapes[i], "get-tuple-element", [name], None, [("index", str(i))]))
             em.names[g.reduced] = g.result_name
+
+    def _emit_packed_bucket(self, em: Emitter, grads, operands: list[str], shapes: list[str], attrs) -> None:
+        """The bucket as DDP and Horovod run theirs: every gradient flattened into one buffer
+        (`reshape` to 1-D, `concatenate`), one all-reduce of it, each gradient sliced back out
+        and reshaped. Each element is still summed over the devices on its own, so the result is
+        the variadic all-reduce's bit for bit."""
+        dtype = re.match(r"(\w+)\[", shapes[0]).group(1)
+        sizes = [math.prod(int(d) for d in re.findall(r"\d+", dims)) for dims in (_dims(s) for s in shapes)]
+        total, n = sum(sizes), em.channel
+        flat = []
+        for i, (operand, size) in enumerate(zip(operands, sizes)):
+            flat.append(f"disco_pack.{n}.in{i}")
+            em.emit(_hlo.Instruction(flat[-1], f"{dtype}[{size}]{{0}}", "reshape", [operand], None, []))
+        buffer = f"disco_pack.{n}"
+        em.emit(_hlo.Instruction(buffer, f"{dtype}[{total}]{{0}}", "concatenate", flat, None, [("dimensions", "{0}")]))
+        reduced = f"disco_all-reduce.{n}"
+        em.emit(_hlo.Instruction(reduced, f"{dtype}[{total}]{{0}}", "all-reduce", [buffer], None, attrs))
+        start = 0
+        for i, (g, size) in enumerate(zip(grads, sizes)):
+            piece, bounds = f"disco_unpack.{n}.out{i}", f"{{[{start}:{start + size}]}}"
+            em.emit(_hlo.Instruction(piece, f"{dtype}[{size}]{{0}}", "slice", [reduced], None, [("slice", bounds)]))
+            em.emit(_hlo.Instruction(g.result_name, shapes[i], "reshape", [piece], None, []))
+            em.names[g.reduced] = g.result_name
+            start += size
+
+
+def _dims(shape: str) -> str:
+    """The dimensions of an array shape's text (`f32[16,32]{1,0}` -> `16,32`)."""
+    return re.match(r"\w+\[([^\]]*)\]", shape).group(1)
 
 
 CPU = Backend(
@@ -203,4 +236,5 @@ CPU = Backend(
         "JAX_default": {},
     },
     hook_rules=frozenset(apply.RULES),  # XLA:CPU has no reduce-scatter creator, no all-gather combiner
+    packs_buckets=True,
 )

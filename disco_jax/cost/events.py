@@ -25,7 +25,7 @@ from disco_jax.cost.allreduce import (
     transfer_bytes,
 )
 from disco_jax.cost.host import HostLane
-from disco_jax.cost.kernels import BUCKET, GATHER, GROUP, KernelState
+from disco_jax.cost.kernels import BUCKET, GATHER, GROUP, KernelState, is_packed, is_scatter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +67,17 @@ class SimulatorParams:
         if self.allreduce_tensor_us is None:
             return bucket_time_us(allreduce, tensor_bytes)
         return allreduce.time_us(sum(tensor_bytes)) + self.allreduce_tensor_us * max(0, len(tensor_bytes) - 1)
+
+    def packed_bucket_us(self, allreduce: AllReduceCost, tensor_bytes: Sequence[int]) -> float:
+        """One all-reduce of these tensors packed into one flat buffer (`Strategy.packed`): one
+        tensor's all-reduce of their total, plus the concatenation and the split, charged together
+        at the all-reduce's own per-byte rate (the only memory rate the simulator has measured: a
+        reduction over the devices reads every device's buffer, the two copies read and write one
+        buffer each). An approximation; the compiled-program model costs XLA's concatenate and
+        slice kernels themselves, and the measured loop decides."""
+        total = sum(tensor_bytes)
+        copies = allreduce.time_us(total) - allreduce.time_us(0)
+        return allreduce.time_us(total) + copies
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -221,14 +232,15 @@ def _comm_us(program: Program, st: KernelState, k: int, params: SimulatorParams,
     if kind == BUCKET:
         moved = transfer_bytes(program)
         tensors = [moved[g] for g in members]
-        if isinstance(st.keys[k], tuple) and sharded.reduce_scatters(program, allreduce):
+        if is_scatter(st.keys[k]) and sharded.reduce_scatters(program, allreduce):
             return collective_time_us(allreduce, "reduce-scatter", sum(tensors))
         # Gradients the program slices and the backend reduce-scatters leave the all-reduce for
         # one reduce-scatter of them all (`cost.sharded.scattered_gradients`).
         scattered = sharded.scattered_gradients(program)
         whole = [t for g, t in zip(members, tensors) if g not in scattered]
         split = sum(graph.gradients[g].nbytes for g in members if g in scattered)
-        return (params.bucket_us(allreduce, whole) if whole else 0.0) + (
+        bucket_us = params.packed_bucket_us if is_packed(st.keys[k]) else params.bucket_us
+        return (bucket_us(allreduce, whole) if whole else 0.0) + (
             collective_time_us(allreduce, "reduce-scatter", split) if split else 0.0
         )
     (o,) = members

@@ -48,9 +48,21 @@ def _ids(bucket: tuple[int, ...]) -> frozenset[int]:
     return frozenset(~g for g in bucket)
 
 
-def bucket_key(bucket: tuple[int, ...], sharded: frozenset[int] = _NONE):
-    """A bucket's kernel key: its gradients complemented, tagged when their update is sharded."""
-    return ("scatter", _ids(bucket)) if bucket[0] in sharded else _ids(bucket)
+def bucket_key(bucket: tuple[int, ...], sharded: frozenset[int] = _NONE, packed: bool = False):
+    """A bucket's kernel key: its gradients complemented, tagged when their update is sharded
+    ('scatter') or when they are packed into one flat buffer ('packed': `Strategy.packed`, a
+    bucket of several replicated gradients)."""
+    if bucket[0] in sharded:
+        return ("scatter", _ids(bucket))
+    return ("packed", _ids(bucket)) if packed and len(bucket) > 1 else _ids(bucket)
+
+
+def is_packed(key) -> bool:
+    return isinstance(key, tuple) and key[0] == "packed"
+
+
+def is_scatter(key) -> bool:
+    return isinstance(key, tuple) and key[0] == "scatter"
 
 
 def _anchor(graph: Graph, members: frozenset[int], kind: str, regions: UpdateRegions | None) -> float:
@@ -126,7 +138,7 @@ class KernelState:
 
     def bucket_slots(self, strategy: Strategy) -> list[int]:
         """The slots of the strategy's buckets, in its order."""
-        return [self.slot_of[bucket_key(b, strategy.sharded)] for b in strategy.buckets]
+        return [self.slot_of[bucket_key(b, strategy.sharded, strategy.packed)] for b in strategy.buckets]
 
     # ----------------------------------------------------------------- edits
 
@@ -237,7 +249,7 @@ def build(graph: Graph, strategy: Strategy) -> KernelState:
     for o, kernel in zip(graph.opaque_ops, graph.opaque_kernels):
         st.provider[o] = st._add(graph, kernel, kernel, OPAQUE)
     for b in strategy.buckets:
-        key = bucket_key(b, strategy.sharded)
+        key = bucket_key(b, strategy.sharded, strategy.packed)
         k = st._add(graph, key, frozenset(b), BUCKET)
         st.bucket_keys.add(key)
         for gid in b:
@@ -300,7 +312,7 @@ def derive(graph: Graph, parent: KernelState, child: Strategy) -> KernelState:
         st.group_keys.add(key)
         changed.update(g)
         dirty.add(k)
-    bucket_keys = [bucket_key(b, child.sharded) for b in child.buckets]
+    bucket_keys = [bucket_key(b, child.sharded, child.packed) for b in child.buckets]
     gone_buckets = {slot_of[key]: key for key in st.bucket_keys - set(bucket_keys)}
     new_buckets = []  # (slot or None, key, bucket)
     for key, b in zip(bucket_keys, child.buckets):

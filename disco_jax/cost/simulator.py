@@ -29,7 +29,7 @@ from disco_jax.cost.allreduce import AllReduceCost
 from disco_jax.cost.bound import dependency_bound
 from disco_jax.cost.estimators import ChainEstimator, Estimator
 from disco_jax.cost.events import SimulatorParams
-from disco_jax.cost.kernels import KernelState
+from disco_jax.cost.kernels import KernelState, is_scatter
 
 if TYPE_CHECKING:
     from disco_jax._program import Program
@@ -321,7 +321,7 @@ def kernel_state(program: Program, strategy: Strategy) -> KernelState | None:
 
 def _label(program: Program, state: KernelState, k: int, allreduce: AllReduceCost) -> str:
     if state.kinds[k] == BUCKET:
-        scatter = isinstance(state.keys[k], tuple) and sharded.reduce_scatters(program, allreduce)
+        scatter = is_scatter(state.keys[k]) and sharded.reduce_scatters(program, allreduce)
         return f"{'reduce-scatter' if scatter else 'all-reduce'}[{len(state.members[k])}]"
     if state.kinds[k] == kernels.GATHER:
         return f"all-gather[{len(state.members[k])}]"

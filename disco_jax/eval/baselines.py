@@ -18,8 +18,8 @@ The baselines (one function each):
 | `jax_op_fusion` | JAX_op_fusion | XLA's | none |
 | `jax_allreduce_fusion` | JAX_AllReduce_fusion | none | XLA's |
 | `jax_default` | JAX_default | XLA's | XLA's |
-| `pytorch_ddp` | PyTorch_DDP | XLA's | 25 MiB buckets in gradient-ready order, first bucket 1 MiB |
-| `horovod` | Horovod | XLA's | fuse ready gradients up to 128 MiB per cycle |
+| `pytorch_ddp` | PyTorch_DDP | XLA's | 25 MiB buckets in gradient-ready order, first 1 MiB; flat buffers |
+| `horovod` | Horovod | XLA's | gradients ready in one 1 ms cycle, flat buffers of up to 128 MiB |
 
 XLA:CPU levers (checked on compiled HLO in tests/test_baselines.py; pass names in
 docs/xla-facts.md): the pass `fusion` forms loop fusions (with it disabled, `fusion-wrapper` still
@@ -72,9 +72,14 @@ SOURCES = {
     "PyTorch_DDP": "DisCo section 6.1 baseline (5); torch DistributedDataParallel bucket_cap_mb=25 and "
     "_DEFAULT_FIRST_BUCKET_BYTES = 1 MiB; buckets close once they reach the cap "
     "(reducer.cpp compute_bucket_assignment_by_size), in the order gradients become ready "
-    "(DDP's reverse parameter order stands for that)",
-    "Horovod": "Horovod tensor fusion (docs/tensor-fusion.rst): every cycle, ready tensors of one dtype fused "
-    "up to HOROVOD_FUSION_THRESHOLD; defaults 128 MB and 1 ms since v0.21.0 (changelog, #2468)",
+    "(DDP's reverse parameter order stands for that); each bucket one flat buffer all-reduced as one tensor "
+    "(the Reducer copies gradients into, or views them in, its bucket's contiguous tensor), packed here "
+    "where the backend packs (Strategy.packed)",
+    "Horovod": "Horovod tensor fusion (docs/tensor-fusion.rst): every cycle, ready tensors of one dtype copied "
+    "into the fusion buffer up to HOROVOD_FUSION_THRESHOLD, one allreduce of the buffer, copied back out; "
+    "defaults 128 MB and 1 ms (HOROVOD_CYCLE_TIME) since v0.21.0 (changelog, #2468). The cycle is modelled "
+    "from the gradients' simulated ready times: those ready in one 1 ms window share buffers; packed here "
+    "where the backend packs (Strategy.packed)",
 }
 
 
@@ -337,13 +342,24 @@ def pytorch_ddp(
     s = _strategy.with_buckets(
         _fusion_groups(graph, fusion), ddp_buckets(graph, order, bucket_cap_bytes, first_bucket_bytes), "PyTorch_DDP"
     )
+    s = _packed(program, s)
     return Baseline(
         "PyTorch_DDP",
         s,
         compiler_options("PyTorch_DDP", program.backend),
         f"{'XLA op fusion' if fusion == 'xla' else 'no op fusion'}, DDP buckets "
-        f"(cap {bucket_cap_bytes / MiB:g} MiB, first {first_bucket_bytes / MiB:g} MiB)",
+        f"(cap {bucket_cap_bytes / MiB:g} MiB, first {first_bucket_bytes / MiB:g} MiB){_packing(s)}",
     )
+
+
+def _packed(program: Program, s: Strategy) -> Strategy:
+    """A framework's buckets as it runs them: each one flat buffer, where the backend packs
+    (XLA:CPU; XLA:GPU's combined all-reduce is one flat NCCL call already)."""
+    return dataclasses.replace(s, packed=bool(getattr(program.backend, "packs_buckets", False)))
+
+
+def _packing(s: Strategy) -> str:
+    return ", packed into flat buffers" if s.packed else ""
 
 
 def horovod(
@@ -359,13 +375,14 @@ def horovod(
     s = _strategy.with_buckets(
         _fusion_groups(graph, fusion), horovod_buckets(graph, threshold_bytes, ready_times_us, cycle_us), "Horovod"
     )
+    s = _packed(program, s)
     cycle = f", cycle {cycle_us / 1000:g} ms" if ready_times_us is not None else ""
     return Baseline(
         "Horovod",
         s,
         compiler_options("Horovod", program.backend),
         f"{'XLA op fusion' if fusion == 'xla' else 'no op fusion'}, fusion threshold "
-        f"{threshold_bytes / MiB:g} MiB{cycle}",
+        f"{threshold_bytes / MiB:g} MiB{cycle}{_packing(s)}",
     )
 
 

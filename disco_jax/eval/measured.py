@@ -2,7 +2,10 @@
 
 Measured platforms (`rows.MEASURED_PLATFORMS`, name -> processes x devices per process):
 
-* ``cpu-8dev``: 8 virtual CPU devices in one process (XLA:CPU's in-process collectives);
+* ``cpu-8dev``: 8 virtual CPU devices in one process (XLA:CPU's in-process collectives), sharing
+  the machine's cores;
+* ``cpu-2dev``: 2 virtual CPU devices in one process on a 2-core machine, each device its own core
+  (`report_measured.PLATFORM_LABELS` says what each can and cannot predict);
 * ``gloo-2x1``: 2 processes x 1 CPU device, collectives over gloo on loopback (the job is started
   by ``disco-jax launch``): communication between processes, as on a real cluster.
 
@@ -39,7 +42,7 @@ import jax
 import optax
 
 from disco_jax import ProfileDatabase, Strategy, _distributed, _validate, backends, optimize_distributed, zoo
-from disco_jax._compile import Captured, capture, compile_program, compile_strategy, compiled_stats
+from disco_jax._compile import Captured, Runner, capture, compile_program, compile_strategy, compiled_stats
 from disco_jax._console import Ui
 from disco_jax._output_check import Float64Run
 from disco_jax._profile_phase import calibrate, profile
@@ -82,11 +85,12 @@ class Job:
         found = _distributed.broadcast_json(f"{self.scope}/baseline/{b.name}", b.strategy.to_json(graph))
         return dataclasses.replace(b, strategy=Strategy.from_json(graph, found))
 
-    def compare(self, captured: Captured, outputs: Any) -> _validate.Comparison:
-        """Outputs against JAX_default's by the step's output check (`captured.output_check`: the
-        float64 run of the step where it runs), every process's verdict merged."""
+    def compare(self, captured: Captured, runner: Runner) -> _validate.Comparison:
+        """A row's outputs against JAX_default's by the step's output check (`captured.output_check`:
+        the float64 run of the step where it runs; again from a moved state, `runner.on`), every
+        process's verdict merged."""
         merge_key = None if self.scope is None else f"{self.scope}/outputs/{next(self.count)}"
-        return captured.output_check.compare(outputs, merge_key=merge_key)
+        return captured.output_check.compare(runner(), merge_key=merge_key, rerun=runner.on)
 
 
 def compile_baseline(captured: Captured, b: baselines.Baseline) -> tuple:
@@ -162,7 +166,7 @@ def measured_row(
         runner = captured.runner(compiled)
         # Bitwise equality is recorded; the check is the output check's (fusion changes, and our
         # rewrite of some modules, move float results by a few ulps).
-        comparison = job.compare(captured, runner())
+        comparison = job.compare(captured, runner)
         timing = job.time(reference_runner, runner, pairs)
         reference_samples.append(timing.default_us)
         sim = cost_model.simulate(captured.program, b.strategy)
@@ -183,7 +187,7 @@ def measured_row(
     optimized = optimize_distributed(
         step, search=True, budget_s=budget_s, plan_dir=plan_dir, verbose=False, validation_pairs=validation_pairs
     )
-    out = jax.block_until_ready(optimized(*args))
+    jax.block_until_ready(optimized(*args))  # the search phase, as a user runs it
     report = optimized.last_report
     applied = bool(report.applied)
     sharded = (report.weight_update or {}).get("mode") == "sharded"
@@ -195,9 +199,9 @@ def measured_row(
             if applied
             else baselines.jax_default(captured.program).strategy
         )
-    comparison = job.compare(captured, out)
-    log(f"{name}: disco-jax {'plan applied' if applied else 'XLA default kept'}; timing its executable")
     plan_runner = captured.runner(executable, plan_args)
+    comparison = job.compare(captured, plan_runner)
+    log(f"{name}: disco-jax {'plan applied' if applied else 'XLA default kept'}; timing its executable")
     timing = job.time(reference_runner, plan_runner, pairs)
     reference_samples.append(timing.default_us)
     log(f"{name}: the decorator's per-call overhead (decorated call vs its executable)")

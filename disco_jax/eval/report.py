@@ -57,8 +57,31 @@ def write_report(out: str | os.PathLike, *, style: str | None = None, run_info: 
         run_info = json.loads(info_path.read_text())
     figures = write_figures(out, rows)
     readme = out / "README.md"
+    calibration = out / AA_CALIBRATION
+    if calibration.exists():  # the A/A run kept beside the rows (scripts/aa_calibration.py --json)
+        run_info = {**(run_info or {}), "aa_calibration": json.loads(calibration.read_text())}
     readme.write_text(report_markdown(rows, figures, run_info or {}))
     return readme
+
+
+AA_CALIBRATION = "aa_calibration.json"  # `scripts/aa_calibration.py --json`, kept in the report folder
+
+
+def aa_coverage_text(calibration: dict | None) -> str:
+    """What the A/A calibration kept beside the rows says of the intervals, in one sentence."""
+    if not calibration:
+        return (
+            "No A/A calibration is kept with these rows: how often the intervals hold at their stated 95% "
+            f"on this machine is measured by `scripts/aa_calibration.py --json {AA_CALIBRATION}`"
+        )
+    config, summary = calibration["config"], calibration["summary"]["ratio_interval"]
+    n = len(calibration["comparisons"])
+    return (
+        f"A/A calibration ({config['model']} tiny on {config['devices']} CPU devices, one executable timed "
+        f"against itself {n} times): the acceptance rule's intervals held 1 in "
+        f"{summary['acceptance_coverage']:.1%} of the comparisons and the report's in "
+        f"{summary['report_coverage']:.1%} (stated: 95%)"
+    )
 
 
 # --------------------------------------------------------------------------- the report
@@ -104,7 +127,13 @@ def report_markdown(rows: list[dict], figures: dict[str, str], run_info: dict) -
             blocks += report_measured.accuracy(prow, figures)
     blocks += _paper_models(rows, models)
     blocks += _baselines_and_clusters()
-    blocks.append(fmt.fill("caveats", h100_calibration=gpus.calibration_text(gpus.H100_SXM)))
+    blocks.append(
+        fmt.fill(
+            "caveats",
+            h100_calibration=gpus.calibration_text(gpus.H100_SXM),
+            aa_coverage=aa_coverage_text(run_info.get("aa_calibration")),
+        )
+    )
     failures = run_info.get("failures") or []
     if failures:
         blocks.append(

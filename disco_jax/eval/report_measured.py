@@ -9,7 +9,20 @@ from __future__ import annotations
 import statistics
 
 from disco_jax.eval import report_text as fmt
+from disco_jax.eval import rows
 from disco_jax.eval.rows import DISCO, STRATEGY_ORDER, ratio_between
+
+# What each measured platform is, and what its figures can and cannot say (the report prints it).
+PLATFORM_LABELS: dict[str, str] = {
+    rows.CPU_PLATFORM: "8 CPU devices in one process, sharing the machine's cores (2 here): work removed "
+    "from one device is removed from all, so a sharded update's gain here is partly the cores' "
+    "and predicts nothing about GPUs, where each device computes on its own",
+    rows.CPU_CORE_PLATFORM: "2 CPU devices in one process on a 2-core machine, each device its own core: "
+    "a device's work is its own, as on GPUs; collectives are XLA:CPU's in-process rendezvous, one "
+    "per all-reduce operand (XLA:GPU all-reduces one flat buffer)",
+    rows.GLOO_PLATFORM: "2 processes x 1 CPU device, collectives over gloo on loopback TCP: communication "
+    "between processes, each round trip hundreds of microseconds",
+}
 
 
 def readable(row: dict) -> dict:
@@ -176,6 +189,7 @@ def accuracy(measured: list[dict], figures: dict[str, str]) -> list[str]:
         fmt.fill(
             "accuracy_platform",
             platform=platform,
+            label=PLATFORM_LABELS.get(platform, ""),
             devices=measured[0]["num_devices"],
             configurations=len(STRATEGY_ORDER),
             rows="\n".join(lines),

@@ -1,7 +1,8 @@
 """The benchmark's experiments: one *row* per (model, platform), as a JSON-able dict.
 
 * measured rows (`disco_jax.eval.measured`): the model's ``tiny`` config timed on a measured
-  platform (`MEASURED_PLATFORMS`: 8 CPU devices in one process; 2 processes over gloo);
+  platform (`MEASURED_PLATFORMS`: 8 CPU devices in one process sharing the cores; 2 CPU
+  devices on a 2-core machine, one core each; 2 processes over gloo);
 * `simulated_row`: the model's ``paper`` config captured from shapes alone (`capture_paper_model`).
   Captured on XLA:GPU (a cluster with a shipped target), every strategy is compiled deviceless as
   XLA:GPU enacts it and costed by the compiled-program model (`cost.compiled`: its own kernels by
@@ -54,9 +55,10 @@ from disco_jax.eval import baselines, clusters
 from disco_jax.sharding import state_search, update
 
 CPU_PLATFORM = "cpu-8dev"
+CPU_CORE_PLATFORM = "cpu-2dev"
 GLOO_PLATFORM = "gloo-2x1"
 # Measured platforms: name -> (processes, devices per process) of the job that measures them.
-MEASURED_PLATFORMS: dict[str, tuple[int, int]] = {CPU_PLATFORM: (1, 8), GLOO_PLATFORM: (2, 1)}
+MEASURED_PLATFORMS: dict[str, tuple] = {CPU_PLATFORM: (1, 8), CPU_CORE_PLATFORM: (1, 2), GLOO_PLATFORM: (2, 1)}
 PAPER_DEVICES = 8  # paper configs are captured on 8 devices (the clusters' data-parallel degree)
 ROW_FORMAT = 1
 ALL_MODELS = ("vgg19", "resnet50", "transformer", "rnnlm", "bert", "reformer", "mlp", "dlrm")
@@ -236,14 +238,9 @@ def ratio_between(a: dict, b: dict, confidence: float = 0.95) -> tuple[float, fl
 def outputs_json(comparison) -> dict:
     """A row's record of a configuration's outputs: the verdict, which check decided (and why not
     the float64 one), and for the float64 check the largest ratio of the plan's deviation from the
-    float64 result to what it was allowed."""
-    out = {
-        "bitwise_equal": comparison.bitwise_equal,
-        "within_tolerance": comparison.within_tolerance,
-        "max_abs_error": comparison.max_abs_error,
-        "check": comparison.check,
-        "fallback_reason": comparison.fallback_reason,
-    }
+    float64 result to what it was allowed; `state_steps`: judged from the state after that many steps."""
+    fields = ("bitwise_equal", "within_tolerance", "max_abs_error", "check", "fallback_reason", "state_steps")
+    out = {f: getattr(comparison, f) for f in fields}
     if comparison.plan_deviation:
         shares = [p / a for p, a in zip(comparison.plan_deviation, comparison.allowed) if a]
         out["worst_share_of_allowed"] = max(shares, default=0.0)

@@ -375,4 +375,5 @@ def check_outputs(step: Captured, sharded: Captured) -> _validate.Comparison:
     another order than an all-reduce: not bitwise). Each process compares the regions of its own
     shards of the sharded program's outputs; every process's verdict merged in a multi-process job."""
     merge_key = None if step.scope is None else f"{step.scope}/weight-update-check"
-    return step.output_check.compare(sharded.runner(sharded.default_compiled)(), merge_key=merge_key)
+    runner = sharded.runner(sharded.default_compiled)
+    return step.output_check.compare(runner(), merge_key=merge_key, rerun=runner.on)

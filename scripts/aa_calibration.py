@@ -1,0 +1,143 @@
+"""A/A calibration of the timing intervals: one compiled executable timed against itself as if it
+were two configurations, many times. Every such comparison must read 1, so the fraction of its
+intervals that hold 1 is the coverage the intervals really have on this machine.
+
+Per comparison the script times `4 * pairs` interleaved pairs of the executable against itself
+(alternating which goes first, as `_validate` does) and judges them the two ways the project does:
+
+* the acceptance rule (`_validate.time_until_decided`): looks after `pairs`, `2 * pairs` and
+  `4 * pairs` pairs at 1 - 0.05/3 each; a comparison that ends "faster" or "slower" is a false
+  decision (the rule claims 95% overall);
+* the report's interval (`_validate.summarize` at 95%) over the first `report_pairs` pairs, as the
+  measured rows time each configuration; an interval without 1 is a miss.
+
+Each is computed with the interval of `_validate.ratio_interval` (the binomial order statistics of
+the median and the same allowing for neighbouring pairs that move together, whichever is wider)
+and, for comparison, with the binomial interval alone (`_validate.median_interval`, the rule
+before the A/A runs). Printed: coverage per rule and method, the ratios' spread, and the
+comparisons that missed. `--json` keeps every pair's ratio; `--rejudge FILE` judges a kept run
+again without timing anything (after a change of the intervals).
+
+    python scripts/aa_calibration.py [--model transformer] [--devices 8] [--comparisons 40]
+        [--pairs 20] [--report-pairs 30] [--json out.json] [--rejudge out.json]
+
+`--devices 2` on a 2-core machine gives each device its own core (cpu-2dev); 8 devices share the
+cores (cpu-8dev).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def judge(records: list[dict], pairs: int, report_pairs: int) -> dict:
+    """Coverage of the acceptance rule and of the report's interval over `records` (each with
+    its per-pair `ratios`), per interval method; prints it, returns it."""
+    import numpy as np
+
+    from disco_jax import _validate
+
+    looks = (pairs, 2 * pairs, 4 * pairs)
+    each = 1.0 - (1.0 - _validate.CONFIDENCE) / len(looks)
+    methods = {"ratio_interval": _validate.ratio_interval, "binomial only": _validate.median_interval}
+    n = len(records)
+    all_ratios = np.concatenate([r["ratios"] for r in records])
+    q5, q25, q75, q95 = np.percentile(all_ratios, [5, 25, 75, 95])
+    print(f"per-pair ratios: median {np.median(all_ratios):.3f}, IQR {q25:.3f}-{q75:.3f}, 5-95% {q5:.3f}-{q95:.3f}")
+    rho = [_validate.sign_autocorrelation(r["ratios"][:report_pairs]) for r in records]
+    print(f"sign autocorrelation of neighbouring pairs (bias-corrected): median {np.median(rho):.2f}")
+    summary = {}
+    for name, interval in methods.items():
+        false, missed = [], []
+        for c, r in enumerate(records):
+            ratios = r["ratios"]
+            for look in looks:
+                low, high = interval(ratios[:look], each)
+                if high < 1.0 or low > 1.0:
+                    false.append((c, "faster" if high < 1.0 else "slower", look, low, high))
+                    break
+            low, high = interval(ratios[:report_pairs], _validate.CONFIDENCE)
+            if not low <= 1.0 <= high:
+                missed.append((c, float(np.median(ratios[:report_pairs])), low, high))
+        summary[name] = {"acceptance_coverage": 1 - len(false) / n, "report_coverage": 1 - len(missed) / n}
+        print(
+            f"{name:>15}: acceptance rule (looks {looks}, 95% overall) {1 - len(false) / n:.1%} "
+            f"({len(false)} false decisions of {n}); report interval (95%, {report_pairs} pairs) "
+            f"{1 - len(missed) / n:.1%} ({len(missed)} of {n} exclude 1)"
+        )
+        for c, median, low, high in missed:
+            print(f"{'':>17}report miss: comparison {c + 1}: {median:.3f} [{low:.3f}, {high:.3f}]")
+        for c, decision, look, low, high in false:
+            print(f"{'':>17}false decision: comparison {c + 1}: {decision} at {look} pairs [{low:.3f}, {high:.3f}]")
+    return summary
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="transformer")
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--comparisons", type=int, default=40)
+    p.add_argument("--pairs", type=int, default=20, help="the acceptance rule's first look (validation_pairs)")
+    p.add_argument("--report-pairs", type=int, default=30, help="pairs per configuration of a measured row")
+    p.add_argument("--json", default=None)
+    p.add_argument("--rejudge", default=None, help="a --json file of an earlier run: judge its ratios again")
+    args = p.parse_args()
+    if args.rejudge:
+        with open(args.rejudge) as f:
+            kept = json.load(f)
+        config = kept["config"]
+        print(f"A/A (kept run {args.rejudge}): {config['model']} tiny, {config['devices']} CPU devices")
+        kept["summary"] = judge(kept["comparisons"], config["pairs"], config["report_pairs"])
+        if args.json:  # the kept ratios with the new verdicts
+            with open(args.json, "w") as f:
+                json.dump(kept, f, indent=1)
+        return
+    os.environ["XLA_FLAGS"] = " ".join(
+        [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+        + [f"--xla_force_host_platform_device_count={args.devices}"]
+    )
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    import numpy as np
+    import optax
+
+    from disco_jax import _validate, zoo
+    from disco_jax._compile import Runner
+
+    spec = zoo.get_model(args.model, "tiny")
+    step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(args.devices), "jit")
+    lowered = step.lower(state, batch)
+    runner = Runner(lowered.compile(), lowered, (state, batch), {})
+    total = max(4 * args.pairs, args.report_pairs)
+    records = []
+    started = time.perf_counter()
+    for _ in range(3):
+        _validate._timed(runner)
+    for c in range(args.comparisons):
+        d, q = _validate._pairs(runner, runner, total)
+        ratios = [float(r) for r in np.array(q) / np.array(d)]
+        records.append({"ratios": ratios, "median_us": float(np.median(d + q))})
+        low, high = _validate.ratio_interval(ratios[: args.report_pairs])
+        print(
+            f"comparison {c + 1}/{args.comparisons}: median {np.median(ratios):.3f}, report {low:.3f}-{high:.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
+    print(
+        f"A/A: {args.model} tiny, {args.devices} CPU devices in one process on {os.cpu_count()} cores; "
+        f"{len(records)} comparisons of one executable against itself, {total} pairs each, "
+        f"median step {np.median([r['median_us'] for r in records]) / 1e3:.2f} ms, "
+        f"{time.perf_counter() - started:.0f} s"
+    )
+    summary = judge(records, args.pairs, args.report_pairs)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "summary": summary, "comparisons": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
