@@ -70,25 +70,28 @@ REPLICATED = "replicated"
 STATE_SHARDED = "optimizer state sharded"  # ZeRO-1
 ALL_SHARDED = "parameters and state sharded"  # ZeRO-3 / FSDP: all-gathered before use
 REGATHERED = "parameters and state sharded, gathered again for each use"  # FSDP, reshard after forward
+AT_USE = "parameters and state sharded, gathered where used"  # FSDP as users write it (NamedSharding only)
 SPLIT = "parameters and state sharded, split over several dimensions"  # where no one dimension divides
 WHOLE_LAYERS = "parameters and state sharded, whole layers per device"  # stacked leaves split on the layer axis
 
 
 def _sharded_update(
-    parameters: bool, regather: bool = False, split: bool = False, whole_layers: bool = False
+    parameters: bool, regather: bool = False, split: bool = False, whole_layers: bool = False, at_use: bool = False
 ) -> Callable:
     """A builder of the step lowered again with every optimizer-state group sharded over the data
     axis (`sharding.update`), and with `parameters` their parameters too (`sharding.params`),
     gathered again for each use with `regather` (`sharding.regather`, applied at the hook), with
     `split` the leaves no dimension of which the axis divides split over several (only where
     there are such leaves: `find_layout(split=True)`), with `whole_layers` a scanned step's
-    stacked leaves split on their layer axis (only where there are such leaves)."""
+    stacked leaves split on their layer axis (only where there are such leaves), with `at_use`
+    the parameters left sharded inside the step (`Layout.at_use`: XLA gathers each where used),
+    each leaf split on its largest dimension the axis divides, as FSDP guides write it."""
 
     def build(step, args: tuple, kwargs: dict, replicated_compiled) -> tuple:
         """(lowered, layout, why) of the sharded step; (None, None, why not) where it does not apply."""
         shardings = jax.tree.leaves(replicated_compiled.input_shardings)
         layout, reason = update.find_layout(
-            step, args, kwargs, args, kwargs, shardings, split=split, whole_layers=whole_layers
+            step, args, kwargs, args, kwargs, shardings, split=split, whole_layers=whole_layers, largest=at_use
         )
         if layout is None:
             return None, None, reason
@@ -100,7 +103,7 @@ def _sharded_update(
                 None,
                 "no leaf is split over several dimensions (none needs it, or the mesh's axes are Explicit)",
             )
-        layout = layout.subset(layout.all_leaves(parameters=parameters), regather)
+        layout = layout.subset(layout.all_leaves(parameters=parameters), regather, at_use)
         return update.relower(step, layout, args, kwargs, (args, kwargs), replicated_compiled)[0], layout, reason
 
     return build
@@ -112,6 +115,7 @@ SHARDED_UPDATES: dict[str, Callable] = {
     STATE_SHARDED: _sharded_update(parameters=False),
     ALL_SHARDED: _sharded_update(parameters=True),
     REGATHERED: _sharded_update(parameters=True, regather=True),
+    AT_USE: _sharded_update(parameters=True, at_use=True),
     SPLIT: _sharded_update(parameters=True, split=True),
     # A scanned step's stacks split on their layer axis: gathered whole around the loops, no
     # resharding of the loop bodies' activations (docs/sharded-update.md, "Stacked parameters").
