@@ -268,6 +268,7 @@ def plan_for_target(
     memory_limit_bytes: int | None = None,
     ranked: int = RANKED_CANDIDATES,
     weight_updates: list[UpdateCandidate] | None = None,
+    layouts: bool = False,
     **kwargs,
 ) -> _plan.Plan:
     """Search, check and store a plan for the GPUs `args` are sharded over (see the module
@@ -277,7 +278,10 @@ def plan_for_target(
     `clusters.node_of`). `processes`: how many processes the real job runs (part of the plan's
     key). `memory_limit_bytes`: per device; the weight update is then chosen first
     (`choose_weight_update`) and the plan is the chosen program's. `ranked`: how many of the
-    search's best candidates are compiled and ranked (each is one compile of the step). Returns
+    search's best candidates are compiled and ranked (each is one compile of the step).
+    `layouts`: also search the mesh and per-layer layout (`layout_search`: every data x model
+    mesh and choice per layer group compiled and costed, within `memory_limit_bytes`) and record
+    it in the plan (`search["offline"]["layout"]`; the decorator does not enact it yet). Returns
     the stored plan."""
     from disco_jax.eval import clusters
 
@@ -321,6 +325,11 @@ def plan_for_target(
             info = {**plan.weight_update, "program": chosen.program.graph.fingerprint}
             _plan.save_plan(choice.decision_plan(replicated.captured().program.graph, machine, info), plan_dir)
             lap("replicated program captured (its fingerprint)")
+    if layouts:
+        from disco_jax import layout_search
+
+        plan.search["offline"]["layout"] = layout_search.offline_layout(step, args, cluster, memory_limit_bytes)
+        lap("mesh and layout searched")
     plan.search["offline"]["seconds"] = seconds
     _plan.save_plan(plan, plan_dir)
     return plan
