@@ -40,7 +40,7 @@ from disco_jax._program import Program
 from disco_jax._ranking import RANKED_CANDIDATES, XLA_PROGRAM, ProgramCosts, rank_by_compiled_cost
 from disco_jax.cost import ChainEstimator, simulate
 from disco_jax.cost.compiled import CompiledCost
-from disco_jax.sharding import choice, update
+from disco_jax.sharding import choice, params, update
 
 
 def _devices_of(args: tuple, kwargs: dict) -> list:
@@ -97,6 +97,8 @@ def _sharded_update(
             return None, None, reason
         if parameters and not layout.parameters:
             return None, None, "no parameter is updated from its own optimizer state only"
+        if at_use and params.explicit_axes(layout.mesh):
+            return None, None, "the mesh's axes are Explicit: parameters cannot enter the user's function sharded"
         if split and layout.step_mesh is layout.mesh:
             return (
                 None,

@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cluster", default="8xH100-NVLink")
     parser.add_argument("--memory-gb", type=float, default=80.0)
     parser.add_argument("--only", default=None, help="comma-separated plan labels to compile (default: all)")
+    parser.add_argument("--no-hand", action="store_true", help="skip the hand-written configurations")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     cluster = clusters.get_cluster(args.cluster)
@@ -98,7 +99,8 @@ def main(argv=None) -> int:
         )
 
     devices = list(mesh.devices.flat)
-    for label, (data, model, fsdp) in handwritten.configurations(n, cluster.gpus_per_node).items():
+    hand = {} if args.no_hand else handwritten.configurations(n, cluster.gpus_per_node)
+    for label, (data, model, fsdp) in hand.items():
         start = time.perf_counter()
         step, abstract = handwritten.megatron_step(spec, optimizer, devices, data, model, fsdp)
         compiled = step.lower(*abstract).compile()
@@ -118,7 +120,10 @@ def main(argv=None) -> int:
     if args.only:
         wanted = set(args.only.split(";"))
         plans = [p for p in plans if p.label in wanted]
-    result = layout_search.search_layouts(step, (state, batch), found, cluster, limit, plans, say=None)
+    print(f"{len(plans)} plans to compile (program time, peak, compile seconds as each is done):", flush=True)
+    result = layout_search.search_layouts(
+        step, (state, batch), found, cluster, limit, plans, say=lambda line: print("  " + line, flush=True)
+    )
     for c in result.candidates:
         if c.cost is not None:
             row(c.plan.label, c.iteration_us, c.peak_bytes, c.compile_s, "disco-jax")

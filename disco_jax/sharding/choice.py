@@ -35,7 +35,7 @@ import jax
 from disco_jax import _distributed, _plan, _profile_phase, _strategy, _validate, _warnings
 from disco_jax._compile import Captured
 from disco_jax.cost.allreduce import communication_bytes
-from disco_jax.sharding import rules, state_search, update
+from disco_jax.sharding import params, rules, state_search, update
 
 # Memory-analysis fields a program's per-device footprint adds up (aliased bytes counted once).
 FOOTPRINT = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")
@@ -263,7 +263,7 @@ def parameter_candidates(fn, step, layout, args, kwargs, backend, held: dict, li
     if out and not within(out[-1], limit):
         shardings = jax.tree.leaves(step.default_compiled.input_shardings)
         widest, _ = update.find_layout(fn, args, kwargs, step.args, step.kwargs, shardings, largest=True)
-        if widest is not None:
+        if widest is not None and not params.explicit_axes(widest.mesh):
             out.append(candidate(fn, step, widest, widest.all_leaves(), args, kwargs, backend, held, at_use=True))
     if out and not within(out[-1], limit):
         leaves = next(c.leaves for c in reversed(out) if not c.layout.at_use)
