@@ -82,13 +82,13 @@ class LayoutSearch:
 
 
 def dot_groups(found: mesh_step.Structure) -> list[str]:
-    """The layer groups whose parameters dots read (the groups a plan chooses for), in tree order."""
-    out = []
+    """The layer groups whose parameters dots read (the groups a plan chooses for), the group with
+    the most such parameters (the blocks) first."""
+    counts: dict[str, int] = {}
     for p in sorted(found.roles):
         g = operators.group_of(found.parameters[p])
-        if g not in out:
-            out.append(g)
-    return out
+        counts[g] = counts.get(g, 0) + 1
+    return sorted(counts, key=lambda g: -counts[g])
 
 
 def candidate_plans(found: mesh_step.Structure, devices_per_node: int) -> list[operators.OperatorPlan]:

@@ -83,3 +83,14 @@ def test_collectives_of_a_two_dimensional_program_are_costed_for_their_groups(se
     grouped = cost.cost_program(program, cluster.kernel_estimator(), cluster.grouped_collectives())
     whole = cost.cost_program(program, cluster.kernel_estimator(), cluster.allreduce_model())
     assert grouped.comm_us < whole.comm_us  # groups of 2 and 4 move less than all 8 would
+
+
+def test_candidate_plans_cover_every_mesh_shape_and_choose_for_the_blocks_first(searched):
+    found = searched[0]
+    assert layout_search.dot_groups(found) == ["blocks", "Embed"]
+    plans = layout_search.candidate_plans(found, 8)
+    assert {(p.data, p.model) for p in plans} == {(8, 1), (4, 2), (2, 4), (1, 8)}
+    labels = {p.label for p in plans}
+    assert "1x8 Embed: tp, blocks: tp_sp" in labels and "2x4 Embed: fsdp_tp, blocks: fsdp_tp_sp" in labels
+    assert not any(p.data == 1 and any(operators.uses_fsdp(c) for c in p.choices.values()) for p in plans)
+    assert len(labels) == len(plans) == 22
