@@ -31,7 +31,7 @@ from jax.extend import core as jex_core
 # body; nested jits are inlined (their boundary means nothing to the partitioner).
 SCAN, REMAT, INLINED = "scan", ("checkpoint", "remat2"), ("pjit", "jit", "closed_call", "core_call")
 # Operations a parameter passes through and stays itself (its dimensions renamed by a transpose).
-PASS_THROUGH = ("convert_element_type", "copy", "copy_p", "optimization_barrier")
+PASS_THROUGH = ("convert_element_type", "copy", "optimization_barrier")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ class ParameterDot:
     order: int
 
 
-# A rule: (dot, mesh) -> the spec of the dot's output, or None for no constraint.
+# A rule: a dot that reads a parameter -> the spec of its output, or None for no constraint.
 Rule = Callable[[ParameterDot], Any]
 
 
