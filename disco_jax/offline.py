@@ -40,7 +40,7 @@ from disco_jax._program import Program
 from disco_jax._ranking import RANKED_CANDIDATES, XLA_PROGRAM, ProgramCosts, rank_by_compiled_cost
 from disco_jax.cost import ChainEstimator, simulate
 from disco_jax.cost.compiled import CompiledCost
-from disco_jax.sharding import choice, update
+from disco_jax.sharding import choice, params, update
 
 
 def _devices_of(args: tuple, kwargs: dict) -> list:
@@ -70,37 +70,42 @@ REPLICATED = "replicated"
 STATE_SHARDED = "optimizer state sharded"  # ZeRO-1
 ALL_SHARDED = "parameters and state sharded"  # ZeRO-3 / FSDP: all-gathered before use
 REGATHERED = "parameters and state sharded, gathered again for each use"  # FSDP, reshard after forward
+AT_USE = "parameters and state sharded, gathered where used"  # FSDP as users write it (NamedSharding only)
 SPLIT = "parameters and state sharded, split over several dimensions"  # where no one dimension divides
 WHOLE_LAYERS = "parameters and state sharded, whole layers per device"  # stacked leaves split on the layer axis
 
 
 def _sharded_update(
-    parameters: bool, regather: bool = False, split: bool = False, whole_layers: bool = False
+    parameters: bool, regather: bool = False, split: bool = False, whole_layers: bool = False, at_use: bool = False
 ) -> Callable:
     """A builder of the step lowered again with every optimizer-state group sharded over the data
     axis (`sharding.update`), and with `parameters` their parameters too (`sharding.params`),
     gathered again for each use with `regather` (`sharding.regather`, applied at the hook), with
     `split` the leaves no dimension of which the axis divides split over several (only where
     there are such leaves: `find_layout(split=True)`), with `whole_layers` a scanned step's
-    stacked leaves split on their layer axis (only where there are such leaves)."""
+    stacked leaves split on their layer axis (only where there are such leaves), with `at_use`
+    the parameters left sharded inside the step (`Layout.at_use`: XLA gathers each where used),
+    each leaf split on its largest dimension the axis divides, as FSDP guides write it."""
 
     def build(step, args: tuple, kwargs: dict, replicated_compiled) -> tuple:
         """(lowered, layout, why) of the sharded step; (None, None, why not) where it does not apply."""
         shardings = jax.tree.leaves(replicated_compiled.input_shardings)
         layout, reason = update.find_layout(
-            step, args, kwargs, args, kwargs, shardings, split=split, whole_layers=whole_layers
+            step, args, kwargs, args, kwargs, shardings, split=split, whole_layers=whole_layers, largest=at_use
         )
         if layout is None:
             return None, None, reason
         if parameters and not layout.parameters:
             return None, None, "no parameter is updated from its own optimizer state only"
+        if at_use and params.explicit_axes(layout.mesh):
+            return None, None, "the mesh's axes are Explicit: parameters cannot enter the user's function sharded"
         if split and layout.step_mesh is layout.mesh:
             return (
                 None,
                 None,
                 "no leaf is split over several dimensions (none needs it, or the mesh's axes are Explicit)",
             )
-        layout = layout.subset(layout.all_leaves(parameters=parameters), regather)
+        layout = layout.subset(layout.all_leaves(parameters=parameters), regather, at_use)
         return update.relower(step, layout, args, kwargs, (args, kwargs), replicated_compiled)[0], layout, reason
 
     return build
@@ -112,6 +117,7 @@ SHARDED_UPDATES: dict[str, Callable] = {
     STATE_SHARDED: _sharded_update(parameters=False),
     ALL_SHARDED: _sharded_update(parameters=True),
     REGATHERED: _sharded_update(parameters=True, regather=True),
+    AT_USE: _sharded_update(parameters=True, at_use=True),
     SPLIT: _sharded_update(parameters=True, split=True),
     # A scanned step's stacks split on their layer axis: gathered whole around the loops, no
     # resharding of the loop bodies' activations (docs/sharded-update.md, "Stacked parameters").
@@ -264,6 +270,7 @@ def plan_for_target(
     memory_limit_bytes: int | None = None,
     ranked: int = RANKED_CANDIDATES,
     weight_updates: list[UpdateCandidate] | None = None,
+    layouts: bool = False,
     **kwargs,
 ) -> _plan.Plan:
     """Search, check and store a plan for the GPUs `args` are sharded over (see the module
@@ -273,7 +280,10 @@ def plan_for_target(
     `clusters.node_of`). `processes`: how many processes the real job runs (part of the plan's
     key). `memory_limit_bytes`: per device; the weight update is then chosen first
     (`choose_weight_update`) and the plan is the chosen program's. `ranked`: how many of the
-    search's best candidates are compiled and ranked (each is one compile of the step). Returns
+    search's best candidates are compiled and ranked (each is one compile of the step).
+    `layouts`: also search the mesh and per-layer layout (`layout_search`: every data x model
+    mesh and choice per layer group compiled and costed, within `memory_limit_bytes`) and record
+    it in the plan (`search["offline"]["layout"]`; the decorator does not enact it yet). Returns
     the stored plan."""
     from disco_jax.eval import clusters
 
@@ -317,6 +327,11 @@ def plan_for_target(
             info = {**plan.weight_update, "program": chosen.program.graph.fingerprint}
             _plan.save_plan(choice.decision_plan(replicated.captured().program.graph, machine, info), plan_dir)
             lap("replicated program captured (its fingerprint)")
+    if layouts:
+        from disco_jax import layout_search
+
+        plan.search["offline"]["layout"] = layout_search.offline_layout(step, args, cluster, memory_limit_bytes)
+        lap("mesh and layout searched")
     plan.search["offline"]["seconds"] = seconds
     _plan.save_plan(plan, plan_dir)
     return plan

@@ -80,6 +80,7 @@ class CompiledKernel:
       (``"while.3/body"``).
     repeat: how many times it runs per step: the trip counts of the loops around it multiplied
       (a branch's kernels: as often as their conditional runs, if that branch is taken).
+    group: a collective's first replica group, device ids (`sharding.slices.replica_groups_of`).
     """
 
     name: str
@@ -91,6 +92,9 @@ class CompiledKernel:
     tensor_bytes: tuple[int, ...] = ()
     scope: str = ""
     repeat: int = 1
+    # A collective's first replica group (device ids; empty where none is stated or readable):
+    # a collective over part of a mesh is costed for its group's size and links.
+    group: tuple[int, ...] = ()
 
     @property
     def is_collective(self) -> bool:
@@ -147,6 +151,18 @@ def _collective(module: _hlo.HloModuleText, inst: _hlo.Instruction, shapes: dict
     if name == "all-reduce":
         return name, tuple(inputs)
     return name, (max(sum(inputs), result),)
+
+
+def _first_group(module: _hlo.HloModuleText, inst: _hlo.Instruction) -> tuple[int, ...]:
+    """The device ids of a collective's first replica group (an async wrapper's: its collective's)."""
+    from disco_jax.sharding.slices import replica_groups_of
+
+    text = inst.attr("replica_groups")
+    if text is None and inst.opcode == "async-start":
+        wrapped = [i for i in _called_instructions(module, inst) if i.is_root]
+        text = wrapped[0].attr("replica_groups") if wrapped else None
+    groups = replica_groups_of(text)
+    return tuple(groups[0]) if groups else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,7 +370,10 @@ def read_kernels(text: str, scheduled: bool = True) -> KernelSchedule:
                     r'"is_sync":\s*true', inst.attr("backend_config") or ""
                 ):
                     starts[inst.name] = len(kernels)
-                kernels.append(CompiledKernel(inst.name, inst.opcode, "collective", pos, None, *found, scope, repeat))
+                group = _first_group(module, inst)
+                kernels.append(
+                    CompiledKernel(inst.name, inst.opcode, "collective", pos, None, *found, scope, repeat, group)
+                )
             elif inst.opcode == "fusion-start":
                 kind = _compute_kind(module, dataclasses.replace(inst, opcode="fusion"))
                 kernels.append(CompiledKernel(inst.name, inst.opcode, kind, pos, scope=scope, repeat=repeat))

@@ -21,7 +21,8 @@ instruction name (XLA:CPU's trace names the executable's instructions) enter as 
 kernel signature (`measured_table`), so they cost the same kernel in any other program too.
 
 **A collective** is costed by the collective model (`cost.allreduce.AllReduceCost`): an
-all-reduce by `params.bucket_us` of its operands' bytes, any other by `collective_time_us`.
+all-reduce by `params.bucket_us` of its operands' bytes, any other by `collective_time_us`; a
+model with `for_group(device ids)` costs each collective with the model of its replica group.
 
 **The schedule** (XLA:GPU's execution, and what XLA:CPU's text allows): one compute stream runs
 the compute kernels one after the other in schedule order. Collectives run on one communication
@@ -239,6 +240,11 @@ def _compute_times(program: CompiledProgram, estimator: Estimator) -> dict[str, 
 
 
 def _collective_us(k: CompiledKernel, allreduce: AllReduceCost, params: SimulatorParams) -> float:
+    # A cost that knows groups (`eval.clusters.GroupedCollectives`) costs a collective over part of
+    # the devices for that group's size and links.
+    for_group = getattr(allreduce, "for_group", None)
+    if for_group is not None and k.group:
+        allreduce = for_group(k.group)
     if k.collective == "all-reduce":
         return params.bucket_us(allreduce, list(k.tensor_bytes))
     return collective_time_us(allreduce, k.collective, sum(k.tensor_bytes))

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from disco_jax.cost import AllReduceCost, Estimator, SimulatorParams
+from disco_jax.cost.allreduce import bucket_time_us, collective_time_us
 from disco_jax.eval import gpus, nccl
 from disco_jax.eval.gpus import A100_SXM, GTX_1080_TI, H100_SXM, H200_SXM, DeviceSpec, Quantity, RooflineEstimator
 
@@ -169,6 +170,12 @@ class Cluster:
             return nccl.collective_model(self.gpus_per_node, self.nodes, self.collectives)
         return self.datasheet_allreduce()
 
+    def grouped_collectives(self) -> AllReduceCost:
+        """Its collectives' cost per replica group (`GroupedCollectives`): a collective over part of
+        the devices (a mesh axis) costed for its group's GPUs per node and nodes; the whole
+        cluster's model for one over every device."""
+        return GroupedCollectives(self)
+
     def datasheet_allreduce(self) -> ClusterAllReduce:
         """Ring / hierarchical all-reduce from the links' datasheet figures and NCCL's latency model."""
         steps_intra = 2 * (self.gpus_per_node - 1)
@@ -235,6 +242,50 @@ class Cluster:
             "allreduce": self.allreduce_model().to_json(),
             "sources": self.sources(),
         }
+
+
+class GroupedCollectives:
+    """A cluster's collectives per replica group (an `AllReduceCost` with `for_group`, which
+    `cost.compiled` asks for each collective of a compiled program). A group of g GPUs on each of
+    m nodes (device ids numbered node by node) costs what m x g GPUs cost over the cluster's
+    links: for a fitted cluster `nccl.collective_model(g, m, fabric)`, the nccl-tests fits scaled
+    to g GPUs per node by the ring's bus factor (the one-node tables are 8-GPU NVLink ones: a
+    tensor-parallel group of 2 or 4 is their fit scaled, not measured; one across nodes takes the
+    2-node fabric fits, scaled to m nodes); for a datasheet cluster the ring/hierarchical formula
+    for g x m. Without a group: the whole cluster's model."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self.whole = cluster.allreduce_model()
+        self._by_shape: dict[tuple[int, int], AllReduceCost] = {}
+
+    def for_group(self, group) -> AllReduceCost:
+        g_per_node = self.cluster.gpus_per_node
+        nodes = len({d // g_per_node for d in group})
+        per_node = max(1, len(group) // nodes)
+        if (per_node, nodes) == (g_per_node, self.cluster.nodes):
+            return self.whole
+        key = (per_node, nodes)
+        if key not in self._by_shape:
+            fabric = self.cluster.collectives
+            if fabric is not None:
+                self._by_shape[key] = nccl.collective_model(per_node, nodes, "nvlink" if nodes == 1 else fabric)
+            else:
+                part = dataclasses.replace(self.cluster, gpus_per_node=per_node, nodes=nodes)
+                self._by_shape[key] = part.datasheet_allreduce()
+        return self._by_shape[key]
+
+    def time_us(self, nbytes: int | float) -> float:
+        return self.whole.time_us(nbytes)
+
+    def collective_time_us(self, collective: str, nbytes: int | float) -> float:
+        return collective_time_us(self.whole, collective, nbytes)
+
+    def bucket_time_us(self, tensor_bytes) -> float:
+        return bucket_time_us(self.whole, tensor_bytes)
+
+    def to_json(self) -> dict:
+        return {"model": "per replica group", "whole": self.whole.to_json()}
 
 
 def _quantities(prefix: str, obj) -> dict:

@@ -35,7 +35,7 @@ import jax
 from disco_jax import _distributed, _plan, _profile_phase, _strategy, _validate, _warnings
 from disco_jax._compile import Captured
 from disco_jax.cost.allreduce import communication_bytes
-from disco_jax.sharding import rules, state_search, update
+from disco_jax.sharding import params, rules, state_search, update
 
 # Memory-analysis fields a program's per-device footprint adds up (aliased bytes counted once).
 FOOTPRINT = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")
@@ -79,6 +79,7 @@ class Candidate:
             return "replicated"
         if self.layout.gathered:
             again = ", gathered again for each use" if self.layout.regather else ""
+            again += ", gathered where used" if self.layout.at_use else ""
             again += ", some split over several dimensions" if self.layout.step_mesh is not self.layout.mesh else ""
             return (
                 f"parameters and state sharded ({len(self.layout.gathered)} parameters, "
@@ -96,6 +97,7 @@ class Candidate:
             "label": self.label,
             "leaves": [] if self.layout is None else sorted(self.layout.paths.values()),
             "regather": self.layout is not None and self.layout.regather,
+            "at_use": self.layout is not None and self.layout.at_use,
             "state_bytes_per_device": state,
             "choices": {} if self.layout is None else self.layout.choices(),
             "params_and_state_bytes_per_device": self.memory.get("params_and_state_bytes_per_device"),
@@ -160,8 +162,11 @@ def choose(
             wide = None if within(candidates[-1], memory_limit) else split_layout(fn, args, kwargs, step, layout)
             if wide is not None:  # the last resort: leaves no dimension of which N divides, split over several
                 ui.say("weight update: still over the limit; splitting leaves over several dimensions too")
-                regather = candidates[-1].layout.regather
-                candidates.append(candidate(fn, step, wide, wide.all_leaves(), args, kwargs, backend, held, regather))
+                last = candidates[-1].layout
+                leaves = wide.all_leaves()
+                candidates.append(
+                    candidate(fn, step, wide, leaves, args, kwargs, backend, held, last.regather, last.at_use)
+                )
                 layout = wide  # the records' account of the state: every leaf that can be sharded
     ui.say(f"weight update: simulating {len(candidates)} candidates (replicated, sharded over {layout.axis!r})")
     for c in candidates:
@@ -198,11 +203,20 @@ def choose(
 
 
 def candidate(
-    fn, step: Captured, layout: update.Layout, leaves, args, kwargs, backend, held: dict, regather: bool = False
+    fn,
+    step: Captured,
+    layout: update.Layout,
+    leaves,
+    args,
+    kwargs,
+    backend,
+    held: dict,
+    regather: bool = False,
+    at_use: bool = False,
 ) -> Candidate:
     """The step lowered again with `leaves` sharded (its parameters among them gathered again for
-    each use with `regather`), compiled, its memory read."""
-    sub = layout.subset(leaves, regather)
+    each use with `regather`, gathered only where used with `at_use`), compiled, its memory read."""
+    sub = layout.subset(leaves, regather, at_use)
     program = update.relowered(fn, step, sub, args, kwargs, backend)
     return Candidate(tuple(leaves), program, sub, update.memory(program.default_compiled, held))
 
@@ -232,8 +246,10 @@ def parameter_candidates(fn, step, layout, args, kwargs, backend, held: dict, li
     """Candidates with parameters and state sharded (ZeRO-3), for a limit that sharding every
     group's state does not meet: every group's state plus the parameters of the 1, 2, 4, ...
     largest layers (`layers_by_size`), each compiled and its footprint read, until one fits
-    (the last: every parameter sharded); when none fits, every parameter gathered again for each
-    use (`sharding.regather`: FSDP's memory, another all-gather per use)."""
+    (the last: every parameter sharded); when none fits, every parameter gathered only where it
+    is used (`Layout.at_use`: FSDP as users write it, each leaf split on its largest dimension,
+    XLA gathers per use and frees after), then
+    gathered again for each use (`sharding.regather`: another all-gather per use)."""
     layers = layers_by_size(layout, held)
     state = layout.all_leaves(parameters=False)
     out, k = [], 1
@@ -245,7 +261,13 @@ def parameter_candidates(fn, step, layout, args, kwargs, backend, held: dict, li
             break
         k *= 2
     if out and not within(out[-1], limit):
-        out.append(candidate(fn, step, layout, out[-1].leaves, args, kwargs, backend, held, regather=True))
+        shardings = jax.tree.leaves(step.default_compiled.input_shardings)
+        widest, _ = update.find_layout(fn, args, kwargs, step.args, step.kwargs, shardings, largest=True)
+        if widest is not None and not params.explicit_axes(widest.mesh):
+            out.append(candidate(fn, step, widest, widest.all_leaves(), args, kwargs, backend, held, at_use=True))
+    if out and not within(out[-1], limit):
+        leaves = next(c.leaves for c in reversed(out) if not c.layout.at_use)
+        out.append(candidate(fn, step, layout, leaves, args, kwargs, backend, held, regather=True))
     return out
 
 
@@ -388,7 +410,9 @@ def recall(
     if decided.get("mode") != "sharded":
         return step, None, {"mode": "replicated", "requested": "search", "reason": decided.get("reason")}
     input_shardings = jax.tree.leaves(step.default_compiled.input_shardings)
-    layout, reason = update.find_layout(fn, args, kwargs, step.args, step.kwargs, input_shardings)
+    layout, reason = update.find_layout(
+        fn, args, kwargs, step.args, step.kwargs, input_shardings, largest=bool(decided.get("at_use"))
+    )
     wanted = list(decided.get("leaves", {}))
     if layout is not None and not set(wanted) <= layout.all_paths().keys():  # leaves split over several dimensions
         layout = split_layout(fn, args, kwargs, step, layout) or layout
@@ -400,7 +424,9 @@ def recall(
             _plan.PlanWarning,
         )
         return step, None, {"mode": "replicated", "requested": "search", "reason": "stored decision does not fit"}
-    layout = layout.subset((by_path[path] for path in wanted), bool(decided.get("regather")))
+    layout = layout.subset(
+        (by_path[path] for path in wanted), bool(decided.get("regather")), bool(decided.get("at_use"))
+    )
     recalled = {**decided, **layout.to_json(), "rules": update.cited_rules(layout)}
     return update.relowered(fn, step, layout, args, kwargs, backend), layout, recalled
 
@@ -421,7 +447,9 @@ def rechoose(decided: dict, limit: int | None) -> dict:
         f"per device (the stored decision, {decided.get('mode')}, was made for {old}): {why}"
     )
     fits = limit is None or (chosen.get("footprint_bytes") or 0) <= limit
-    if chosen["leaves"] != stored or bool(chosen.get("regather")) != bool(decided.get("regather")) or not fits:
+    gathering = ("regather", "at_use")
+    moved = any(bool(chosen.get(k)) != bool(decided.get(k)) for k in gathering)
+    if chosen["leaves"] != stored or moved or not fits:
         _warnings.warn(
             f"disco-jax: {reason}; run once with ENABLE_SEARCH=1 to measure the candidates for this limit",
             _plan.PlanWarning,
@@ -431,6 +459,7 @@ def rechoose(decided: dict, limit: int | None) -> dict:
         "mode": "sharded" if leaves else "replicated",
         "leaves": leaves,
         **({"regather": True} if chosen.get("regather") else {}),
+        **({"at_use": True} if chosen.get("at_use") else {}),
         "forced": forced,
         "reason": reason,
         "candidates": candidates,

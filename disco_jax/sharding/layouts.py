@@ -53,6 +53,10 @@ class Layout:
     # parameter is not gathered before the step: it enters the loop split, and each iteration
     # gathers its own layer (XLA's partitioner puts the all-gathers in the loop bodies).
     stacked: frozenset[int] = frozenset()
+    # FSDP as users write it: the sharded parameters enter the user's function sharded, with no
+    # replicated constraint anywhere, so XLA's partitioner gathers each where a dot reads it (in a
+    # loop, per iteration) and frees it after; `regather` is then moot (no entry-level gather).
+    at_use: bool = False
 
     @functools.cached_property  # a frozen dataclass's own `__dict__` holds it; `replace` makes a new one
     def step_mesh(self) -> Any:
@@ -87,10 +91,10 @@ class Layout:
             return sharding
         return self.sharding(sharding.spec)
 
-    def subset(self, leaves, regather: bool = False) -> Layout:
+    def subset(self, leaves, regather: bool = False, at_use: bool = False) -> Layout:
         """This layout with only the input leaves `leaves` sharded: a union of `groups`, plus the
         parameters (`parameters`) of some of those groups for parameters and state sharded,
-        gathered again for each use with `regather`."""
+        gathered again for each use with `regather`, gathered only where used with `at_use`."""
         keep = set(leaves)
         for p in keep & self.parameters.keys():
             if not set(self.parameters[p].group) <= keep:
@@ -106,7 +110,8 @@ class Layout:
             outputs={j: spec for j, spec in outputs.items() if sources.get(j, frozenset()) <= keep},
             paths=pick(paths),
             groups=tuple(g for g in self.groups if set(g) <= keep),
-            regather=regather,
+            regather=regather and not at_use,
+            at_use=at_use,
         )
 
     def all_leaves(self, parameters: bool = True) -> tuple[int, ...]:
@@ -123,7 +128,10 @@ class Layout:
     @property
     def gathered_before_step(self) -> tuple[int, ...]:
         """The sharded parameters `params.gathering` all-gathers before the user's function runs:
-        all of them, but with `regather` not the stacked ones (gathered layer by layer in the loop)."""
+        all of them, but with `regather` not the stacked ones (gathered layer by layer in the loop),
+        and with `at_use` none (XLA gathers each where it is used)."""
+        if self.at_use:
+            return ()
         return tuple(i for i in self.gathered if not (self.regather and i in self.stacked))
 
     def all_paths(self) -> dict[str, int]:
@@ -194,6 +202,7 @@ class Layout:
             "choices": self.choices(),
             "kept_whole": dict(self.kept_whole),
             **({"regather": True} if self.regather and self.gathered else {}),
+            **({"at_use": True} if self.at_use and self.gathered else {}),
             **({"stacked": sorted(self.paths[i] for i in self.stacked if i in self.inputs)} if self.stacked else {}),
         }
 

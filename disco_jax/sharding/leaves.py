@@ -119,13 +119,20 @@ def stacked_leaves(origins: list[frozenset], scanned: set[int]) -> frozenset[int
     return frozenset(stacked)
 
 
-def split_dimension(shape: tuple[int, ...], num_shards: int, stacked: bool = False) -> int | None:
+def split_dimension(
+    shape: tuple[int, ...], num_shards: int, stacked: bool = False, largest: bool = False
+) -> int | None:
     """The first dimension `num_shards` divides (None: the leaf cannot be split on one dimension);
-    for a `stacked` leaf the first after its layer axis where one is, else the layer axis."""
+    for a `stacked` leaf the first after its layer axis where one is, else the layer axis. With
+    `largest`, the largest such dimension (the first of equals), as FSDP guides split a leaf:
+    a dot's kernel then splits on its wider side, which XLA's partitioner gathers per use
+    without resharding the activations it meets (smaller temporaries on XLA:GPU)."""
     divisible = [d for d, size in enumerate(shape) if size >= num_shards and size % num_shards == 0]
     if stacked and len(divisible) > 1 and divisible[0] == 0:
-        return divisible[1]
-    return divisible[0] if divisible else None
+        divisible = divisible[1:]
+    if not divisible:
+        return None
+    return max(divisible, key=lambda d: (shape[d], -d)) if largest else divisible[0]
 
 
 def prime_factors(n: int) -> list[int]:
@@ -163,12 +170,13 @@ def factor_axes(split_mesh: Mesh | None, mesh) -> tuple[tuple[str, int], ...]:
 
 
 def spec_for(
-    shape: tuple[int, ...], axis: str, num_shards: int, factors: tuple = (), stacked: bool = False
+    shape: tuple[int, ...], axis: str, num_shards: int, factors: tuple = (), stacked: bool = False, largest=False
 ) -> P | None:
     """The spec splitting `shape` over `axis` on its first divisible dimension (`stacked`: after
-    the layer axis, `split_dimension`); else, given the axis's prime `factors` (`factor_axes`),
-    each factor on the first dimension it still divides; None: the leaf cannot be split evenly."""
-    d = split_dimension(shape, num_shards, stacked)
+    the layer axis; `largest`: the largest: `split_dimension`); else, given the axis's prime
+    `factors` (`factor_axes`), each factor on the first dimension it still divides; None: the
+    leaf cannot be split evenly."""
+    d = split_dimension(shape, num_shards, stacked, largest)
     if d is not None:
         return P(*([None] * d), axis)
     if not factors:

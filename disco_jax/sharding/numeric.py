@@ -75,6 +75,12 @@ def _reduce_scatter(d, a, n):
     return tuple(sum(_blocks(dj, a, n)[i] for dj in _devices(d, n)) for i in range(n))
 
 
+def _dot(x, w):
+    if x.shape[1] != w.shape[0]:
+        raise Undefined(f"x @ w of shapes {x.shape} and {w.shape}")
+    return x @ w
+
+
 def _apply2(u, x, y):
     _same_shape(x, y)
     return u.call(x, y)
@@ -97,6 +103,8 @@ SEMANTICS: dict[str, Callable] = {
     "block": lambda x, a, n, i: _blocks(x, a, n)[i % n],
     "block_each": lambda d, a, n, i: tuple(_blocks(x, a, n)[i % n] for x in d),
     "own_block": lambda d, a, n: tuple(_blocks(x, a, n)[i] for i, x in enumerate(_devices(d, n))),
+    "dot": _dot,
+    "map_dot": lambda d, e: tuple(_dot(x, w) for x, w in zip(d, e, strict=True)),
     "shard": lambda d, i: d[i % len(d)],
     "shape": lambda x: x.shape,
     "size": lambda x, a: x.shape[a],
@@ -121,7 +129,7 @@ def _shape(value) -> tuple[int, ...]:
 def holds(cond: Term, env: dict) -> bool:
     """A side condition's truth in the numpy model."""
     pred, *args = cond
-    vals = [env[a] for a in args]
+    vals = [int(a) if a.isdigit() else env[a] for a in args]
     if pred == "elementwise":
         return vals[0].elementwise
     if pred == "divides":
@@ -134,6 +142,8 @@ def holds(cond: Term, env: dict) -> bool:
         return _shape(vals[0]) == _shape(vals[1])
     if pred == "distinct":
         return vals[0] != vals[1]
+    if pred == "contractible":
+        return _shape(vals[0])[1] == _shape(vals[1])[0]
     raise ValueError(f"unknown predicate {pred}")
 
 
@@ -183,6 +193,8 @@ def _instance(rule: Rule, n: int, draw: int, rng: np.random.Generator) -> dict:
             shapes[cond[2]] = shapes[cond[1]]
         elif cond[0] == "same_size":
             shapes[cond[2]][env[cond[3]]] = shapes[cond[1]][env[cond[3]]]
+        elif cond[0] == "contractible":
+            shapes[cond[2]] = [shapes[cond[1]][1], shapes[cond[2]][1]]
     for name, shape in shapes.items():
         if kinds[name] == "tensor":
             env[name] = rng.standard_normal(shape)

@@ -98,11 +98,17 @@ def find_parameters(origins, consumed, inputs, outputs, replicated, state, group
     return found, kept
 
 
+def explicit_axes(mesh) -> bool:
+    """Whether `mesh` has Explicit axes: shardings are then part of the types the user's function
+    sees, so its parameters cannot enter it sharded (`Layout.at_use`) without changing its ops."""
+    return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
 def replicated_value(x, mesh):
     """`x` all-gathered to every device of `mesh`, inside a traced step: `reshard` where the mesh
     has explicit axes (the sharding is part of the type there), a sharding constraint otherwise."""
     target = NamedSharding(mesh, P())
-    if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+    if explicit_axes(mesh):
         return jax.sharding.reshard(x, target)
     return jax.lax.with_sharding_constraint(x, target)
 

@@ -106,6 +106,10 @@ class _Signature:
             return self.shape_of(x, env, kind(x)) == self.shape_of(y, env, kind(y))
         if pred == "distinct":
             return self.term(args[0], env) != self.term(args[1], env)
+        if pred == "contractible":
+            x, w = args
+            one, zero = z3.IntVal(1, self.ctx), z3.IntVal(0, self.ctx)
+            return self.size(self.shape_of(x, env, kind(x)), one) == self.size(self.shape_of(w, env, kind(w)), zero)
         raise ValueError(f"unknown predicate {pred}")
 
     def variables(self, rule: Rule, prefix: str) -> tuple[dict[str, z3.ExprRef], list[z3.BoolRef]]:

@@ -163,6 +163,46 @@ RULES: tuple[Rule, ...] = (
     ),
 )
 
+# Tensor parallelism (Megatron-LM; `sharding.operators`): a dot split on its contracting dimension
+# (a row-parallel kernel) or on an output dimension (a column-parallel one).
+TENSOR_PARALLEL_RULES = ("row_parallel_dot", "column_parallel_dot")
+RULES += (
+    rule(
+        "column_blocks_of_dot",
+        "(map_dot (replicate x N) (partition w 1 N))",
+        "(partition (dot x w) 1 N)",
+        "x:tensor w:tensor N:count",
+        "(contractible x w)",
+        "(divides N w 1)",
+        doc="Each device multiplying the whole x by its column block of w holds its column block of x @ w.",
+    ),
+    rule(
+        "row_parallel_dot",
+        "(replicate (dot x w) N)",
+        "(all_reduce (map_dot (partition x 1 N) (partition w 0 N)) N)",
+        "x:tensor w:tensor N:count",
+        "(contractible x w)",
+        "(divides N x 1)",
+        doc="A dot split on its contracting dimension (each device holds a column block of the activation "
+        "and the matching row block of the kernel, Megatron's row-parallel layer) computes partial products "
+        "whose all-reduce is the dot; with sequence parallelism the all-reduce is a reduce-scatter then an "
+        "all-gather (all_reduce_as_reduce_scatter_all_gather).",
+    ),
+    rule(
+        "column_parallel_dot",
+        "(replicate (dot x w) N)",
+        "(all_gather (map_dot (replicate x N) (partition w 1 N)) 1 N)",
+        "x:tensor w:tensor N:count",
+        "(contractible x w)",
+        "(divides N w 1)",
+        doc="A dot split on an output dimension (each device holds the whole activation and a column block "
+        "of the kernel, Megatron's column-parallel layer: some heads, some MLP columns) gives each device a "
+        "column block of the dot; their all-gather is the dot (a row-parallel dot next consumes the blocks "
+        "as they are, so the all-gather is not run).",
+        lemmas=("column_blocks_of_dot",),
+    ),
+)
+
 _BY_NAME = {r.name: r for r in RULES}
 
 

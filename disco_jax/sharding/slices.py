@@ -65,6 +65,19 @@ def group_positions(replica_groups: str | None) -> tuple[int, list[int]] | None:
     """(devices per group, per device id its position in its group) for a collective's
     `replica_groups`: `mesh['data'=8] {'data'}` (jax 0.12), `{{0,1,..},{..}}`, or the iota form
     `[G,S]<=[dims]` with an optional `T(perm)`; None for any other form or unequal groups."""
+    groups = replica_groups_of(replica_groups)
+    if groups is None:
+        return None
+    positions = [0] * sum(len(g) for g in groups)
+    for g in groups:
+        for position, device in enumerate(g):
+            positions[device] = position
+    return len(groups[0]), positions
+
+
+def replica_groups_of(replica_groups: str | None) -> list[list[int]] | None:
+    """The device ids of each group of a collective's `replica_groups` (the forms `group_positions`
+    reads); None for any other form, unequal groups, or groups that do not cover 0..n-1 once."""
     text = (replica_groups or "").strip()
     groups = None
     m = re.fullmatch(r"mesh\[(.*)\]\s*\{(.*)\}", text)
@@ -98,11 +111,7 @@ def group_positions(replica_groups: str | None) -> tuple[int, list[int]] | None:
     members = sorted(d for g in groups for d in g)
     if members != list(range(len(members))):
         return None
-    positions = [0] * len(members)
-    for g in groups:
-        for position, device in enumerate(g):
-            positions[device] = position
-    return len(groups[0]), positions
+    return groups
 
 
 @dataclasses.dataclass

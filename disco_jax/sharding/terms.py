@@ -43,6 +43,9 @@ OPERATORS: dict[str, tuple[tuple[str, ...], str, str]] = {
         "sharded",
         "device i takes block i of its own array (a dynamic-slice at offset i * size / N, i its id)",
     ),
+    # Tensor parallelism: a matrix product (x's axis 1 contracted with w's axis 0), whole or per device.
+    "dot": (("tensor", "tensor"), "tensor", "x @ w: x's axis 1 contracted with w's axis 0"),
+    "map_dot": (("sharded", "sharded"), "sharded", "every device multiplies its own pair of arrays"),
     # Used by the axioms only: a tensor's blocks and a device's array.
     "block": (("tensor", "axis", "count", "device"), "tensor", "block i (mod N) of N equal blocks along the axis"),
     "block_each": (("sharded", "axis", "count", "device"), "sharded", "every device takes block i of its array"),
@@ -58,6 +61,7 @@ PREDICATES: dict[str, tuple[str, ...]] = {
     "same_size": ("any", "any", "axis"),  # x and y have the same size along the axis
     "same_shape": ("any", "any"),
     "distinct": ("axis", "axis"),
+    "contractible": ("any", "any"),  # x's size along axis 1 is w's along axis 0 (x @ w is defined)
 }
 
 _TOKEN = re.compile(r"\(|\)|[^\s()]+")
@@ -113,9 +117,14 @@ def kind_of(term: Term, variables: dict[str, str]) -> str:
     if len(args) != len(wanted):
         raise ValueError(f"{op} takes {len(wanted)} arguments, got {len(args)}: {show(term)}")
     for arg, kind in zip(args, wanted):
-        if kind_of(arg, variables) != kind:
+        if kind_of(arg, variables) != kind and not _literal_of(arg, kind):
             raise ValueError(f"{op}: {show(arg)} is {kind_of(arg, variables)}, not {kind}")
     return result
+
+
+def _literal_of(term: Term, kind: str) -> bool:
+    """An integer literal stands for an axis or a count as well as a device (`(partition x 1 N)`)."""
+    return isinstance(term, str) and term.isdigit() and kind in ("axis", "count", "device", "int")
 
 
 def check_condition(cond: Term, variables: dict[str, str]) -> None:
@@ -128,7 +137,7 @@ def check_condition(cond: Term, variables: dict[str, str]) -> None:
     for arg, kind in zip(args, wanted):
         got = kind_of(arg, variables)
         ok = {"any": ("tensor", "sharded"), "function": ("fn", "fn2")}.get(kind, (kind,))
-        if got not in ok:
+        if got not in ok and not _literal_of(arg, kind):
             raise ValueError(f"{pred}: {show(arg)} is {got}, not {kind}")
 
 

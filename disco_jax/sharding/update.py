@@ -97,6 +97,7 @@ def find_layout(
     input_shardings: list,
     split=False,
     whole_layers=False,
+    largest=False,
 ) -> tuple[Layout | None, str]:
     """The sharded-update layout of one call of the jitted `fn`, or (None, why not).
     `input_shardings`: per dynamic leaf, its sharding in the unmodified step's executable; `split`:
@@ -105,7 +106,8 @@ def find_layout(
     such a leaf's gradient meets, so the step can get slower and its temporaries larger).
     Stacked `(layers, ...)` leaves (`leaves.stacked_leaves`) are split after their layer axis;
     with `whole_layers` on it as any other leaf (each device holds whole layers), and only for a
-    step that has such leaves (None otherwise)."""
+    step that has such leaves (None otherwise). `largest`: each leaf split on its largest
+    divisible dimension rather than its first (`leaves.split_dimension`; FSDP as users write it)."""
     if getattr(fn, "_jit_info", None) is None or not hasattr(fn, "__wrapped__"):
         return None, "the step is not a jax.jit function"
     traced = fn.trace(*args, **kwargs)
@@ -139,7 +141,7 @@ def find_layout(
         return None, "no replicated optimizer state updated elementwise that the data axis splits evenly"
     groups = leaf_groups(origins, state)
     path_of = lambda i: jax.tree_util.keystr(with_paths[i][0])  # noqa: E731
-    spec_of = functools.partial(spec_for, axis=axis, num_shards=num_shards, factors=factors)
+    spec_of = functools.partial(spec_for, axis=axis, num_shards=num_shards, factors=factors, largest=largest)
     reason = params.uneven_reason(num_shards, axis, mesh, split)
     parameters, kept_whole = params.find_parameters(
         origins,

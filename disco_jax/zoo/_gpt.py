@@ -22,7 +22,9 @@ Sizes:
 `scripts/gpu_memory_check.py`; shorter stacks for `scripts/offline_decoder_plan.py --layers`).
 ``scan_layers=True`` (`zoo.resized("gpt", scan_layers=True)`) runs the blocks under `nn.scan`, as
 MaxText's ``scan_layers`` does: one `while` loop per pass, the blocks' parameters stacked
-`(num_layers, ...)` under ``params["blocks"]["block"]`` (DESIGN.md point 22).
+`(num_layers, ...)` under ``params["blocks"]["block"]`` (DESIGN.md point 22). ``remat="dots"`` or
+``"full"`` rematerializes each block (`nn.remat` with a `jax.checkpoint_policies` policy, as
+MaxText's ``remat_policy``); the parameter tree is the same.
 """
 
 from __future__ import annotations
@@ -52,6 +54,28 @@ class GPTConfig:
     # The blocks under one `nn.scan` (a `while` loop over stacked `(num_layers, ...)` parameters),
     # as large models are written, rather than unrolled one after the other.
     scan_layers: bool = False
+    # Rematerialization of each block (`nn.remat`), as MaxText's `remat_policy`: "none" keeps every
+    # activation the backward pass reads; "dots" saves the dots' outputs (without batch dimensions)
+    # and recomputes the rest; "full" saves only the block's input and recomputes the block.
+    remat: str = "none"
+
+
+REMAT_POLICIES = {
+    "none": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def _rematerialized(module: type[nn.Module], remat: str) -> type[nn.Module]:
+    """`module` under `nn.remat` with the policy named `remat` (`REMAT_POLICIES`); itself for "none"."""
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
+    if remat == "none":
+        return module
+    # prevent_cse=False under scan, as Flax advises: the loop already keeps XLA from merging the
+    # recomputation with the forward pass.
+    return nn.remat(module, policy=REMAT_POLICIES[remat], prevent_cse=False)
 
 
 CONFIGS = {
@@ -112,15 +136,16 @@ class GPT(nn.Module):
         x = embed(tokens) + positions[: tokens.shape[1]]
         if cfg.scan_layers:
             blocks = nn.scan(
-                _ScannedBlock,
+                _rematerialized(_ScannedBlock, cfg.remat),
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
                 length=cfg.num_layers,
             )
             x, _ = blocks(cfg.num_heads, dtype, cfg.attention, name="blocks")(x, None)
         else:
-            for _ in range(cfg.num_layers):
-                x = Block(cfg.num_heads, dtype, cfg.attention)(x)
+            block = _rematerialized(Block, cfg.remat)
+            for i in range(cfg.num_layers):  # named as unwrapped `Block`s are: remat keeps the parameter tree
+                x = block(cfg.num_heads, dtype, cfg.attention, name=f"Block_{i}")(x)
         x = nn.LayerNorm(1e-5)(x)
         # Logits in the compute dtype, the loss in float32.
         return embed.attend(x.astype(dtype)).astype(jnp.float32)
@@ -154,6 +179,7 @@ def spec_of(cfg: GPTConfig, config: str = "custom") -> ModelSpec:
             f"vocab {cfg.vocab_size}, length {cfg.seq_len}, {cfg.compute_dtype} compute"
             + ("" if cfg.attention == "xla" else f", {cfg.attention} attention")
             + (", scanned layers" if cfg.scan_layers else "")
+            + ("" if cfg.remat == "none" else f", remat {cfg.remat}")
         ),
     )
 

@@ -1,0 +1,144 @@
+"""The sharded configurations a JAX user writes by hand, as baselines for disco-jax's plans.
+
+A user who wants FSDP writes no transformation: they put a `NamedSharding` on every parameter
+and optimizer-state leaf (the FSDP guides' rule: split the leaf's largest dimension the data axis
+divides, leave the rest whole), give the jit those shardings at input and output, and donate the
+state. XLA's partitioner then all-gathers each parameter where a dot reads it (in a scanned loop,
+per iteration) and reduce-scatters its gradient. `fsdp_shardings` is that rule, written here
+independently of disco-jax's own layouts (`sharding.leaves.spec_for`) so that the comparison is
+against what a user writes, not against disco-jax's choice.
+
+`lower_fsdp(spec, optimizer, mesh)` lowers the zoo model's step written that way, from shapes only
+(deviceless for a GPU target).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from disco_jax import zoo
+
+DATA_AXIS = "data"  # the zoo's batch axis
+
+
+def fsdp_spec(shape: tuple[int, ...], axis: str, num_shards: int, stacked: bool = False) -> P:
+    """The FSDP guides' spec of one leaf: `axis` on its largest dimension that `num_shards`
+    divides (after the leading layer axis where `stacked`), replicated where none does."""
+    first = 1 if stacked and len(shape) > 1 else 0
+    dims = [d for d in range(first, len(shape)) if shape[d] % num_shards == 0 and shape[d] >= num_shards]
+    if not dims:
+        return P()
+    d = max(dims, key=lambda d: (shape[d], -d))
+    return P(*([None] * d), axis)
+
+
+def fsdp_shardings(tree, mesh, axis: str = DATA_AXIS, stacked_under: str = "['blocks']"):
+    """Per leaf of `tree` (shapes), its FSDP `NamedSharding` on `mesh` (`fsdp_spec`); leaves whose
+    path contains `stacked_under` (the zoo GPT's `nn.scan` stack) carry a leading layer axis."""
+    num_shards = mesh.shape[axis]
+
+    def spec(path, leaf):
+        shape = tuple(getattr(leaf, "shape", ()))
+        stacked = stacked_under in jax.tree_util.keystr(path)
+        return NamedSharding(mesh, fsdp_spec(shape, axis, num_shards, stacked))
+
+    return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def fsdp_step(spec: zoo.ModelSpec, optimizer, mesh, donate: bool = True):
+    """(jitted step, abstract (state, batch)) of `spec`'s train step written as FSDP by hand:
+    parameters and optimizer state under `fsdp_shardings` at input and output, the batch split
+    over the data axis, the state donated."""
+    state, batch = zoo.abstract_state_and_batch(spec, optimizer, mesh)
+    mesh = jax.tree.leaves(state)[0].sharding.mesh  # the mesh with Auto axes the zoo built
+    shardings = fsdp_shardings(state, mesh)
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings)
+    replicated = NamedSharding(mesh, P())
+    step = zoo.build_train_step(spec, optimizer, mesh, "jit", donate=donate)
+    jitted = jax.jit(
+        step.__wrapped__,
+        in_shardings=(shardings, NamedSharding(mesh, P(DATA_AXIS))),
+        out_shardings=(shardings, replicated),
+        donate_argnums=(0,) if donate else (),
+    )
+    return jitted, (state, batch)
+
+
+# Megatron-LM's layout of the zoo GPT as a user writes it by parameter name: the first dot of each
+# pair split on its output (column), the second on its input (row), the tied embedding on the
+# vocabulary; the stacked leaves of `nn.scan` carry a leading layer axis.
+MEGATRON = (
+    ("['qkv']['kernel']", "column"),
+    ("['Dense_0']['kernel']", "column"),
+    ("['qkv']['bias']", "column"),
+    ("['Dense_0']['bias']", "column"),
+    ("['out']['kernel']", "row"),
+    ("['Dense_1']['kernel']", "row"),
+    ("['embedding']", "vocabulary"),
+)
+
+
+# The configurations of issue 44 by (data, model) shape for n devices of nodes of g, and whether
+# FSDP shards over the data axis: data parallel, FSDP, TP over a node (8), data x TP, FSDP x TP.
+def configurations(num_devices: int, devices_per_node: int) -> dict[str, tuple[int, int, bool]]:
+    tp = min(devices_per_node, num_devices)
+    half = max(1, tp // 2)
+    return {
+        "data parallel": (num_devices, 1, False),
+        "FSDP": (num_devices, 1, True),
+        f"TP over {tp}": (num_devices // tp, tp, False),
+        f"data x TP ({num_devices // half}x{half})": (num_devices // half, half, False),
+        f"FSDP x TP ({num_devices // half}x{half})": (num_devices // half, half, True),
+    }
+
+
+def megatron_spec(path: str, shape: tuple[int, ...], data: int, model: int, fsdp: bool) -> P:
+    """A user's spec of one leaf (see `MEGATRON`), FSDP over "data" on the largest dimension left."""
+    stacked = "['blocks']" in path and len(shape) > 1
+    entries = [None] * len(shape)
+    for suffix, role in MEGATRON:
+        if model > 1 and path.endswith(suffix):
+            d = len(shape) - 1 if role == "column" else (len(shape) - 2 if role == "row" else (1 if stacked else 0))
+            if shape[d] % model == 0:
+                entries[d] = "model"
+            break
+    if fsdp and data > 1:
+        free = [d for d in range(1 if stacked else 0, len(shape)) if entries[d] is None and shape[d] % data == 0]
+        if free:
+            entries[max(free, key=lambda d: (shape[d], -d))] = DATA_AXIS
+    return P(*entries)
+
+
+def megatron_step(spec: zoo.ModelSpec, optimizer, devices, data: int, model: int, fsdp: bool, donate=True):
+    """(jitted step, abstract (state, batch)) of `spec`'s step as a user writes it on a (data, model)
+    mesh over `devices`: `megatron_spec` on parameters and optimizer state, the batch over "data",
+    no activation constraint (XLA's partitioner propagates the parameters' shardings)."""
+    from disco_jax.sharding import operators
+
+    mesh = operators.build_mesh(devices, data, model)
+    state, batch = zoo.abstract_state_and_batch(spec, optimizer, _one_axis(devices))
+
+    def sharding(path, leaf):
+        return NamedSharding(mesh, megatron_spec(jax.tree_util.keystr(path), tuple(leaf.shape), data, model, fsdp))
+
+    shardings = jax.tree_util.tree_map_with_path(sharding, state)
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings)
+    batch_sharding = NamedSharding(mesh, P(DATA_AXIS))
+    batch = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=batch_sharding), batch)
+    step = zoo.build_train_step(spec, optimizer, _one_axis(devices), "jit")
+    jitted = jax.jit(
+        step.__wrapped__,
+        in_shardings=(shardings, batch_sharding),
+        out_shardings=(shardings, NamedSharding(mesh, P())),
+        donate_argnums=(0,) if donate else (),
+    )
+    return jitted, (state, batch)
+
+
+def _one_axis(devices):
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    return Mesh(np.asarray(list(devices), dtype=object), (DATA_AXIS,), axis_types=(AxisType.Auto,))

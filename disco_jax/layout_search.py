@@ -1,0 +1,183 @@
+"""The mesh and per-layer layout of a step, searched on compiled programs (deviceless for a GPU
+cluster): every candidate (`operators.OperatorPlan`: a data x model mesh shape and a choice per
+layer group) is lowered again (`sharding.mesh_step`), compiled by XLA:GPU for the target, costed by
+the compiled-program model (`cost.cost_program`, collectives per replica group:
+`eval.clusters.GroupedCollectives`) and its per-device peak read from XLA's memory analysis. The
+cheapest candidate within `memory_limit_bytes` is chosen; candidates that compile to the same
+program (the same module text) are costed once and named together.
+
+Search by layer groups, not by layer: the groups are the parameter tree's first keys without their
+number (every `Block_i` is one group, a scan's stack one, the embedding another), so a 32-layer
+decoder has the same handful of groups as a 2-layer one and the candidates are (mesh shapes) x
+(choices per group that reads parameters through dots): at most 4 x 6 x 2 programs, each one
+compile. Layers of one group are alike in a decoder, and a per-layer choice inside a scanned stack
+cannot differ between iterations anyway; a decoder whose layers differ would need groups split
+further (not done).
+
+    found = mesh_step.structure(step, args)
+    result = search_layouts(step, args, found, cluster, memory_limit_bytes=80e9)
+    result.chosen.plan, result.chosen.iteration_us, result.chosen.peak_bytes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+import time
+from typing import Any
+
+from disco_jax import backends, cost
+from disco_jax.sharding import choice, mesh_step, operators, update
+
+
+@dataclasses.dataclass
+class LayoutCandidate:
+    """One plan compiled for the target: its peak (XLA's memory analysis, bytes per device), its
+    compiled cost, the program's fingerprint, and the other plans that compiled to the same program."""
+
+    plan: operators.OperatorPlan
+    peak_bytes: int | None = None
+    cost: Any = None
+    fingerprint: str | None = None
+    compile_s: float = 0.0
+    same_program: list[str] = dataclasses.field(default_factory=list)
+    enacted: Any = None
+    program: Any = None  # the compiled program as costed (`cost.CompiledProgram`)
+    why_not: str | None = None
+
+    @property
+    def iteration_us(self) -> float | None:
+        return None if self.cost is None else self.cost.iteration_us
+
+    def to_json(self, found=None) -> dict:
+        return {
+            "plan": self.plan.label,
+            **self.plan.to_json(),
+            "iteration_us": self.iteration_us,
+            "compute_us": None if self.cost is None else self.cost.compute_us,
+            "comm_us": None if self.cost is None else self.cost.comm_us,
+            "peak_bytes": self.peak_bytes,
+            "compile_s": round(self.compile_s, 1),
+            "same_program_as": list(self.same_program),
+            "why_not": self.why_not,
+            **({"layout": self.enacted.to_json(found)} if found is not None and self.enacted is not None else {}),
+        }
+
+
+@dataclasses.dataclass
+class LayoutSearch:
+    chosen: LayoutCandidate | None
+    candidates: list[LayoutCandidate]
+    reason: str
+    seconds: float
+
+    def to_json(self, found=None) -> dict:
+        return {
+            "chosen": None if self.chosen is None else self.chosen.to_json(found),
+            "reason": self.reason,
+            "seconds": round(self.seconds, 1),
+            "candidates": [c.to_json() for c in self.candidates],
+        }
+
+
+def dot_groups(found: mesh_step.Structure) -> list[str]:
+    """The layer groups whose parameters dots read (the groups a plan chooses for), the group with
+    the most such parameters (the blocks) first."""
+    counts: dict[str, int] = {}
+    for p in sorted(found.roles):
+        g = operators.group_of(found.parameters[p])
+        counts[g] = counts.get(g, 0) + 1
+    return sorted(counts, key=lambda g: -counts[g])
+
+
+def candidate_plans(found: mesh_step.Structure, devices_per_node: int) -> list[operators.OperatorPlan]:
+    """Every mesh shape (`operators.mesh_shapes`) with every choice for the blocks' group and the
+    choices that fit it for the other groups read by dots (the embedding: replicated, FSDP, or
+    split on the vocabulary, with FSDP where the blocks have it)."""
+    groups = dot_groups(found)
+    plans = []
+    for data, model in operators.mesh_shapes(len(found.devices), devices_per_node):
+        choices = [c for c in operators.CHOICES if (model > 1) == operators.uses_tp(c)]
+        if data == 1:
+            choices = [c for c in choices if not operators.uses_fsdp(c)] or ["replicated"]
+        for block in choices:
+            fsdp = operators.uses_fsdp(block)
+            for other in {("fsdp_tp" if fsdp else "tp") if model > 1 else block, "fsdp" if fsdp else "replicated"}:
+                plans.append(
+                    operators.OperatorPlan(data, model, {g: block if i == 0 else other for i, g in enumerate(groups)})
+                )
+    unique = {p.label: p for p in plans}
+    return list(unique.values())
+
+
+def _fingerprint(text: str) -> str:
+    body = re.sub(r"^HloModule \S+", "HloModule m", text, count=1)
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def compile_candidate(step, args, found, plan, cluster, costs=None) -> LayoutCandidate:
+    """`plan` lowered, compiled for the target and costed (`why_not` where it does not compile)."""
+    c = LayoutCandidate(plan)
+    start = time.perf_counter()
+    try:
+        lowered, _, c.enacted = mesh_step.relower(step, args, found, plan)
+        compiled = lowered.compile()
+    except Exception as e:  # a plan XLA refuses is a candidate that does not apply
+        c.why_not, c.compile_s = f"{type(e).__name__}: {e}"[:300], time.perf_counter() - start
+        return c
+    c.compile_s = time.perf_counter() - start
+    text = compiled.as_text()
+    c.fingerprint = _fingerprint(text)
+    c.peak_bytes = choice.footprint(update.memory(compiled, {}))
+    estimator, collectives, params = costs or (
+        cluster.kernel_estimator(),
+        cluster.grouped_collectives(),
+        cluster.simulator_params(),
+    )
+    c.program = cost.compiled_program(text, backends.GPU)
+    c.cost = cost.cost_program(c.program, estimator, collectives, params)
+    return c
+
+
+def search_layouts(
+    step, args: tuple, found: mesh_step.Structure, cluster, memory_limit_bytes: int | None = None, plans=None, say=print
+) -> LayoutSearch:
+    """Compile and cost every plan (default `candidate_plans`), choose the cheapest within the limit."""
+    start = time.perf_counter()
+    plans = plans if plans is not None else candidate_plans(found, cluster.gpus_per_node)
+    costs = (cluster.kernel_estimator(), cluster.grouped_collectives(), cluster.simulator_params())
+    done: list[LayoutCandidate] = []
+    by_program: dict[str, LayoutCandidate] = {}
+    for plan in plans:
+        c = compile_candidate(step, args, found, plan, cluster, costs)
+        if c.fingerprint is not None and c.fingerprint in by_program:
+            by_program[c.fingerprint].same_program.append(plan.label)
+        elif c.fingerprint is not None:
+            by_program[c.fingerprint] = c
+        done.append(c)
+        if say is not None:
+            us = "-" if c.iteration_us is None else f"{c.iteration_us / 1e3:.2f} ms"
+            gb = "-" if c.peak_bytes is None else f"{c.peak_bytes / 1e9:.2f} GB"
+            say(f"{plan.label:60s} {us:>10s} {gb:>10s} ({c.compile_s:.0f} s){' ' + c.why_not if c.why_not else ''}")
+    distinct = list(by_program.values())
+    fits = [c for c in distinct if memory_limit_bytes is None or (c.peak_bytes or 0) <= memory_limit_bytes]
+    if not fits:
+        smallest = min(distinct, key=lambda c: c.peak_bytes or 0, default=None)
+        reason = f"no plan fits {memory_limit_bytes} bytes per device" + (
+            f" (smallest: {smallest.plan.label}, {smallest.peak_bytes})" if smallest else ""
+        )
+        return LayoutSearch(None, done, reason, time.perf_counter() - start)
+    chosen = min(fits, key=lambda c: c.iteration_us)
+    over = len(distinct) - len(fits)
+    reason = f"{chosen.plan.label}: the cheapest compiled of {len(distinct)} distinct programs ({len(done)} plans)" + (
+        f" within {memory_limit_bytes} bytes per device ({over} over it)" if memory_limit_bytes else ""
+    )
+    return LayoutSearch(chosen, done, reason, time.perf_counter() - start)
+
+
+def offline_layout(step, args: tuple, cluster, memory_limit_bytes: int | None) -> dict:
+    """What `offline.plan_for_target(layouts=True)` records: the search over every candidate plan
+    of the step (`candidate_plans`) for `cluster`, as JSON (the chosen mesh and layout first)."""
+    found = mesh_step.structure(step, args)
+    return search_layouts(step, args, found, cluster, memory_limit_bytes, say=None).to_json(found)

@@ -1,0 +1,151 @@
+"""Hand-written sharded configurations of a decoder against disco-jax's searched mesh and layout,
+compiled deviceless for a GPU cluster and costed the same way: every program by the compiled-
+program model (`cost.cost_program`, collectives per replica group), its per-device peak from
+XLA's memory analysis, its model FLOP utilization from the model's FLOPs per step.
+
+The configurations a user writes (`eval.handwritten`): data parallel, FSDP (NamedSharding on
+parameters and state), TP over a node (Megatron column/row by parameter name, vocabulary-parallel
+embedding), data x TP, FSDP x TP. disco-jax's candidates: `layout_search.candidate_plans` (every
+mesh shape x choice per layer group), found from the step's own dots, enacted with activation
+constraints; the plan is the cheapest within `--memory-gb`.
+
+    python scripts/large_model_layouts.py [--layers 2] [--width 2048] [--heads 16] [--seq 2048]
+        [--batch 8] [--vocab 50304] [--cluster 8xH100-NVLink] [--memory-gb 80] [--scan] [--remat none]
+        [--json out.json]
+
+Compile time is minutes per program on 2 busy cores: run a few layers (scanned, `--scan`) and
+say so; the step time of L layers is then not extrapolated here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
+
+import optax  # noqa: E402
+
+from disco_jax import backends, cost, layout_search, targets, zoo  # noqa: E402
+from disco_jax.eval import clusters, handwritten  # noqa: E402
+from disco_jax.sharding import choice, mesh_step, update  # noqa: E402
+
+
+def model_flops(spec_cfg: dict, params: int) -> float:
+    """Model FLOPs of one training step (forward and backward, no recomputation): 6 per parameter
+    per token plus attention's 12 x layers x width x sequence per token (PaLM's appendix B)."""
+    tokens = spec_cfg["batch"] * spec_cfg["seq"]
+    return tokens * (6 * params + 12 * spec_cfg["layers"] * spec_cfg["width"] * spec_cfg["seq"])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--scan", action="store_true")
+    parser.add_argument("--remat", default="none")
+    parser.add_argument("--cluster", default="8xH100-NVLink")
+    parser.add_argument("--memory-gb", type=float, default=80.0)
+    parser.add_argument("--only", default=None, help="comma-separated plan labels to compile (default: all)")
+    parser.add_argument("--no-hand", action="store_true", help="skip the hand-written configurations")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    cluster = clusters.get_cluster(args.cluster)
+    n = cluster.num_devices
+    mesh = targets.mesh(cluster.target, n)
+    spec = zoo.resized(
+        "gpt",
+        "paper",
+        num_layers=args.layers,
+        d_model=args.width,
+        num_heads=args.heads,
+        seq_len=args.seq,
+        vocab_size=args.vocab,
+        global_batch=args.batch,
+        scan_layers=args.scan,
+        remat=args.remat,
+    )
+    optimizer = optax.adamw(1e-4)
+    params = spec.param_count()
+    flops = model_flops({"batch": args.batch, "seq": args.seq, "layers": args.layers, "width": args.width}, params)
+    peak_flops = (cluster.device.dot16_flops or cluster.device.dot_flops).value
+    limit = int(args.memory_gb * 1e9)
+    print(f"{spec.description}; {params / 1e9:.2f}B parameters; {cluster.name}; limit {args.memory_gb} GB", flush=True)
+    costs = (cluster.kernel_estimator(), cluster.grouped_collectives(), cluster.simulator_params())
+    rows = {}
+
+    def row(label, iteration_us, peak, compile_s, kind):
+        mfu = None if not iteration_us else flops / (n * peak_flops * iteration_us * 1e-6)
+        rows[label] = {
+            "kind": kind,
+            "iteration_us": iteration_us,
+            "peak_bytes": peak,
+            "mfu": mfu,
+            "compile_s": compile_s,
+        }
+        fits = "" if peak is None or peak <= limit else "  (over the limit)"
+        print(
+            f"{kind:10s} {label:60s} step {iteration_us / 1e3 if iteration_us else float('nan'):8.2f} ms  "
+            f"peak {peak / 1e9 if peak else float('nan'):6.2f} GB  MFU {100 * mfu if mfu else float('nan'):5.1f}%"
+            f"  ({compile_s:.0f} s){fits}",
+            flush=True,
+        )
+
+    devices = list(mesh.devices.flat)
+    hand = {} if args.no_hand else handwritten.configurations(n, cluster.gpus_per_node)
+    for label, (data, model, fsdp) in hand.items():
+        start = time.perf_counter()
+        step, abstract = handwritten.megatron_step(spec, optimizer, devices, data, model, fsdp)
+        compiled = step.lower(*abstract).compile()
+        text = compiled.as_text()
+        costed = cost.cost_program(cost.compiled_program(text, backends.GPU), *costs)
+        row(
+            label,
+            costed.iteration_us,
+            choice.footprint(update.memory(compiled, {})),
+            time.perf_counter() - start,
+            "by hand",
+        )
+    step = zoo.build_train_step(spec, optimizer, mesh, "jit", donate=True)
+    state, batch = zoo.abstract_state_and_batch(spec, optimizer, mesh)
+    found = mesh_step.structure(step, (state, batch))
+    plans = layout_search.candidate_plans(found, cluster.gpus_per_node)
+    if args.only:
+        wanted = set(args.only.split(";"))
+        plans = [p for p in plans if p.label in wanted]
+    print(f"{len(plans)} plans to compile (program time, peak, compile seconds as each is done):", flush=True)
+    result = layout_search.search_layouts(
+        step, (state, batch), found, cluster, limit, plans, say=lambda line: print("  " + line, flush=True)
+    )
+    for c in result.candidates:
+        if c.cost is not None:
+            row(c.plan.label, c.iteration_us, c.peak_bytes, c.compile_s, "disco-jax")
+        else:
+            print(f"disco-jax  {c.plan.label}: {c.why_not}")
+    print(f"chosen: {result.reason}")
+    best_hand = min(
+        (r for r in rows.values() if r["kind"] == "by hand" and r["peak_bytes"] <= limit),
+        key=lambda r: r["iteration_us"],
+        default=None,
+    )
+    if result.chosen is not None and best_hand is not None:
+        print(f"plan / best hand-written that fits: {result.chosen.iteration_us / best_hand['iteration_us']:.3f}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(
+                {"args": vars(args), "model": spec.description, "rows": rows, "search": result.to_json(found)},
+                out,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

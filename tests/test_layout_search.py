@@ -1,0 +1,96 @@
+"""The mesh and layout search on compiled programs (`layout_search`), deviceless for 8 H100s: a
+tiny scanned GPT's plans lowered on their meshes, compiled by XLA:GPU, costed by the compiled-
+program model with collectives per replica group (`eval.clusters.GroupedCollectives`), their
+peaks from XLA's memory analysis; plans that compile to one program are costed once; the choice
+respects the memory limit."""
+
+import optax
+import pytest
+
+from disco_jax import cost, layout_search, targets, zoo
+from disco_jax.eval import clusters
+from disco_jax.sharding import mesh_step, operators
+
+GPT = {
+    "d_model": 128,
+    "num_heads": 8,
+    "num_layers": 2,
+    "seq_len": 64,
+    "vocab_size": 256,
+    "compute_dtype": "bfloat16",
+    "scan_layers": True,
+}
+
+
+def test_a_collective_over_part_of_the_cluster_costs_its_group():
+    node = clusters.get_cluster("8xH100-NVLink").grouped_collectives()
+    nbytes = 64 << 20
+    whole, four = node.for_group(range(8)), node.for_group((0, 1, 2, 3))
+    assert whole is node.whole
+    assert four.collective_time_us("all-reduce", nbytes) < whole.collective_time_us("all-reduce", nbytes)
+    four_nodes = clusters.get_cluster("4x8xH100-IB400").grouped_collectives()
+    across, inside = four_nodes.for_group((0, 8, 16, 24)), four_nodes.for_group((0, 1, 2, 3))
+    # The same 4 GPUs, over InfiniBand rather than NVLink: slower.
+    assert across.collective_time_us("all-reduce", nbytes) > inside.collective_time_us("all-reduce", nbytes)
+
+
+@pytest.fixture(scope="module")
+def searched():
+    spec, optimizer = zoo.resized("gpt", "paper", **GPT), optax.adamw(1e-3)
+    mesh = targets.mesh("h100-sxm", 8)
+    step = zoo.build_train_step(spec, optimizer, mesh, "jit", donate=True)
+    args = zoo.abstract_state_and_batch(spec, optimizer, mesh)
+    found = mesh_step.structure(step, args)
+    plans = [
+        operators.OperatorPlan(8, 1, {"blocks": "replicated", "Embed": "replicated"}),
+        operators.OperatorPlan(8, 1, {"blocks": "tp", "Embed": "tp"}),  # no model axis: the same program
+        operators.OperatorPlan(2, 4, {"blocks": "fsdp_tp_sp", "Embed": "fsdp_tp"}),
+    ]
+    cluster = clusters.node_of("h100-sxm", 8)
+    free = layout_search.search_layouts(step, args, found, cluster, None, plans, say=None)
+    smallest = min(c.peak_bytes for c in free.candidates)
+    tight = layout_search.search_layouts(step, args, found, cluster, smallest, plans, say=None)
+    return found, plans, free, tight, smallest
+
+
+def test_candidates_are_compiled_costed_deduplicated_and_the_limit_respected(searched):
+    found, plans, free, tight, smallest = searched
+    replicated, no_model_axis, two_d = free.candidates
+    assert all(c.cost is not None and c.peak_bytes > 0 for c in free.candidates)
+    assert replicated.fingerprint == no_model_axis.fingerprint != two_d.fingerprint
+    assert no_model_axis.plan.label in replicated.same_program
+    assert two_d.peak_bytes < replicated.peak_bytes  # FSDP x TP holds 1/8 of parameters and state
+    assert free.chosen is not None and free.chosen.iteration_us == min(
+        c.iteration_us for c in free.candidates if not c.same_program or c is replicated
+    )
+    assert tight.chosen is not None and tight.chosen.peak_bytes <= smallest
+    assert tight.chosen.plan == plans[2]
+    record = tight.to_json(found)
+    assert (
+        record["chosen"]["mesh"] == {"data": 2, "model": 4}
+        and "row_parallel_dot" in record["chosen"]["layout"]["rules"]
+    )
+    assert "distinct programs" in tight.reason
+
+
+def test_collectives_of_a_two_dimensional_program_are_costed_for_their_groups(searched):
+    _, _, free, _, _ = searched
+    program = free.candidates[2].program
+    # The program's collectives carry their groups: 4 (the model axis) and 2 (the data axis).
+    sizes = {len(k.group) for k in program.collectives if k.group}
+    assert {2, 4} <= sizes, sizes
+    cluster = clusters.node_of("h100-sxm", 8)
+    grouped = cost.cost_program(program, cluster.kernel_estimator(), cluster.grouped_collectives())
+    whole = cost.cost_program(program, cluster.kernel_estimator(), cluster.allreduce_model())
+    assert grouped.comm_us < whole.comm_us  # groups of 2 and 4 move less than all 8 would
+
+
+def test_candidate_plans_cover_every_mesh_shape_and_choose_for_the_blocks_first(searched):
+    found = searched[0]
+    assert layout_search.dot_groups(found) == ["blocks", "Embed"]
+    plans = layout_search.candidate_plans(found, 8)
+    assert {(p.data, p.model) for p in plans} == {(8, 1), (4, 2), (2, 4), (1, 8)}
+    labels = {p.label for p in plans}
+    assert "1x8 Embed: tp, blocks: tp_sp" in labels and "2x4 Embed: fsdp_tp, blocks: fsdp_tp_sp" in labels
+    assert not any(p.data == 1 and any(operators.uses_fsdp(c) for c in p.choices.values()) for p in plans)
+    assert len(labels) == len(plans) == 22
