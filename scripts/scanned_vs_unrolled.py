@@ -13,7 +13,8 @@ activations stored into one for the backward), loop fusions that only broadcast 
 buffers), and the other fusions.
 
     python scripts/scanned_vs_unrolled.py [--layers 2] [--width 4096] [--seq 2048] [--vocab 50257]
-        [--batch 8] [--dtype bfloat16] [--cluster 8xH100-NVLink] [--json out.json] [--timeline DIR]
+        [--batch 8] [--dtype bfloat16] [--cluster 8xH100-NVLink] [--remat none|dots|full]
+        [--json out.json] [--timeline DIR]
 
 `--timeline DIR` also draws both forms' steps as the model runs them (every kernel run on the
 compute and communication streams, a loop body's once per layer, labelled with its iteration):
@@ -100,6 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--cluster", default="8xH100-NVLink")
+    parser.add_argument("--remat", default="none", help="each block's rematerialization: none, dots, full")
     parser.add_argument("--json", default=None)
     parser.add_argument("--timeline", default=None, help="directory for the timeline picture and trace")
     args = parser.parse_args(argv)
@@ -118,6 +120,7 @@ def main(argv=None) -> int:
             global_batch=args.batch,
             compute_dtype=args.dtype,
             scan_layers=scan,
+            remat=args.remat,
         )
         start = time.perf_counter()
         compiled = zoo.lower_abstract(spec, optax.adamw(1e-4), mesh, "jit").compile()

@@ -173,3 +173,17 @@ def test_scanned_layers_compute_the_unrolled_model_on_stacked_parameters(name):
     jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6 * scale), scanned_grads, expected)
     text = loss_and_grads(scanned).lower(stacked).compile().as_text()
     assert text.count(" while(") == 2 * len(SCANNED_LAYERS[name])
+
+
+def test_remat_recomputes_the_blocks_scanned_and_unrolled(mesh):
+    """`remat="full"` rematerializes each block in both forms: the compiled step runs more dots than
+    the step without remat. Unrolled, the recomputation needs `prevent_cse` (without it XLA's CSE
+    merges it into the forward pass and the step compiles to the one without remat)."""
+    for scan in (False, True):
+        dots = {}
+        for remat in ("none", "full"):
+            spec = zoo.resized("gpt", scan_layers=scan, remat=remat)
+            step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), mesh, "jit")
+            text = step.lower(state, batch).compile().as_text()
+            dots[remat] = text.count(" dot(")
+        assert dots["full"] > dots["none"] > 0, (scan, dots)

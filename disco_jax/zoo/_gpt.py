@@ -67,15 +67,16 @@ REMAT_POLICIES = {
 }
 
 
-def _rematerialized(module: type[nn.Module], remat: str) -> type[nn.Module]:
+def _rematerialized(module: type[nn.Module], remat: str, scanned: bool) -> type[nn.Module]:
     """`module` under `nn.remat` with the policy named `remat` (`REMAT_POLICIES`); itself for "none"."""
     if remat not in REMAT_POLICIES:
         raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
     if remat == "none":
         return module
-    # prevent_cse=False under scan, as Flax advises: the loop already keeps XLA from merging the
-    # recomputation with the forward pass.
-    return nn.remat(module, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    # prevent_cse=False under scan only, as Flax advises: the loop already keeps XLA from merging
+    # the recomputation with the forward pass. Unrolled, without the barrier XLA's CSE merges them
+    # and nothing is rematerialized (the compiled step equals the one without remat).
+    return nn.remat(module, policy=REMAT_POLICIES[remat], prevent_cse=not scanned)
 
 
 CONFIGS = {
@@ -136,14 +137,14 @@ class GPT(nn.Module):
         x = embed(tokens) + positions[: tokens.shape[1]]
         if cfg.scan_layers:
             blocks = nn.scan(
-                _rematerialized(_ScannedBlock, cfg.remat),
+                _rematerialized(_ScannedBlock, cfg.remat, scanned=True),
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
                 length=cfg.num_layers,
             )
             x, _ = blocks(cfg.num_heads, dtype, cfg.attention, name="blocks")(x, None)
         else:
-            block = _rematerialized(Block, cfg.remat)
+            block = _rematerialized(Block, cfg.remat, scanned=False)
             for i in range(cfg.num_layers):  # named as unwrapped `Block`s are: remat keeps the parameter tree
                 x = block(cfg.num_heads, dtype, cfg.attention, name=f"Block_{i}")(x)
         x = nn.LayerNorm(1e-5)(x)
