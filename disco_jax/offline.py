@@ -37,7 +37,7 @@ from disco_jax import _plan, _search, _strategy, backends
 from disco_jax._compile import CompiledProgram, Programs, capture_program, compile_program
 from disco_jax._profile_db import device_kind_key
 from disco_jax._program import Program
-from disco_jax._ranking import RANKED_CANDIDATES, XLA_PROGRAM, ProgramCosts, rank_by_compiled_cost
+from disco_jax._ranking import RANKED_CANDIDATES, XLA_PROGRAM, ProgramCosts, rank_by_compiled_cost, rewrite_floor_us
 from disco_jax.cost import ChainEstimator, simulate
 from disco_jax.cost.compiled import CompiledCost
 from disco_jax.sharding import choice, update
@@ -346,6 +346,7 @@ def _fusion_plan(candidate, cluster, machine, costs: ProgramCosts, config, ranke
         lambda label, s: programs.compile(label, s, None),
         costs,
         default_graph_us=default_us,
+        floor_us=lambda s: rewrite_floor_us(graph, s, costs),
     )
     # A plan whose compiled program lost its planned all-reduces is one the decorator rejects.
     kept = lambda r: r.strategy is None or r.program.stats["all-reduce"] == len(r.strategy.buckets)  # noqa: E731

@@ -46,7 +46,7 @@ from disco_jax import (
     zoo,
 )
 from disco_jax._compile import CompiledProgram, Programs, capture, capture_program, compile_program
-from disco_jax._ranking import RANKED_CANDIDATES, ProgramCosts, rank_by_compiled_cost
+from disco_jax._ranking import RANKED_CANDIDATES, ProgramCosts, rank_by_compiled_cost, rewrite_floor_us
 from disco_jax._strategy import sharding_all, with_sharding, xla_default
 from disco_jax._validate import median_interval
 from disco_jax.cost import sharded
@@ -420,6 +420,7 @@ def ranked_plan(
         compile_candidate,
         costs,
         default_graph_us=strategies["JAX_default"]["graph_simulated"]["iteration_us"],
+        floor_us=lambda s: rewrite_floor_us(programs.program.graph, s, costs),  # None for a relowered one
     )
     first = ranked[0]
     plan = first.strategy
