@@ -40,6 +40,7 @@ from disco_jax import (
     Strategy,
     backends,
     backtracking_search,
+    schedule_options,
     simulate,
     start_candidates,
     targets,
@@ -274,6 +275,7 @@ def simulated_row(
     lowered: jax.stages.Lowered | None = None,
     relower: Callable[[frozenset[int]], CompiledProgram | None] | None = None,
     programs: Programs | None = None,
+    schedule: bool | list = True,
 ) -> dict:
     """One cluster row for a captured program: baselines costed, disco-jax searched, jointly over
     fusion, all-reduce buckets and which gradients' weight updates are sharded
@@ -293,6 +295,13 @@ def simulated_row(
     `relower(gradients)`: the step lowered again with their state sharded, as XLA compiles it.
     `programs`: the compiled programs of `lowered` (`_compile.Programs`), shared by the rows of
     one target; a fresh one when None.
+    `schedule`: also search XLA:GPU's collective options on XLA's program
+    (`schedule_options.search_options`; a list: the dimensions to search, False: none); the row
+    records the search (`schedule_options`), disco-jax's figure is the options' program where it
+    compiles cheaper than the ranked plan, and `parts` gives each part's own gain over XLA's
+    program: the weight update (a relowered sharded update ranked first), the rewrite (a rewritten
+    plan ranked first) and the collective options (None where not searched). Every compiled
+    strategy records its program's collectives (`collectives`: count, bytes, async per kind).
 
     Without `lowered` (XLA:CPU's module), every strategy is costed by the graph simulator, XLA's
     all-reduce combining is XLA:GPU's combiner emulated on the graph, and the row says why
@@ -357,9 +366,14 @@ def simulated_row(
         "valid": True,
     }
     chosen = result.best.sharded
+    parts = None
     if programs is not None:
         xla = compiled["JAX_default"]
         disco, chosen = ranked_plan(programs, result, xla, strategies, relower, costs)
+        disco, parts, searched = collective_parts(disco, xla, strategies, lowered, costs, schedule)
+        for name, enacted in compiled.items():
+            if enacted.text is not None:
+                strategies[name]["collectives"] = schedule_options.collective_summary(enacted.text)
     strategies[DISCO] = disco
     state = sum(regions.state_bytes)
     times = {k: (v["simulated"] or {}).get("iteration_us") for k, v in strategies.items()}
@@ -370,6 +384,7 @@ def simulated_row(
         "time_kind": "simulated",
         "cost_model": cost_model,
         **({} if programs is not None else {"not_compiled": NOT_COMPILED}),
+        **({} if parts is None else {"parts": parts, "schedule_options": searched}),
         **summarize(times, fo),
         # No schedule of the plan's kernels beats this (`cost.bound`; FO ignores dependencies): a
         # graph simulator figure, so only where the row's figures are the graph simulator's.
@@ -437,10 +452,52 @@ def ranked_plan(
         "sharded_gradients": 0 if plan is None else len(plan.sharded),
         "valid": True,
         "program": first.program.to_json(),
+        # What the program runs, as compiled (not the plan's buckets).
+        "collectives": None if first.program.text is None else schedule_options.collective_summary(first.program.text),
         "ranked": [r.to_json() for r in ranked],
         "searched_best_graph_us": result.best_cost,
     }
     return disco, frozenset() if plan is None else plan.sharded
+
+
+def ranked_parts(xla_us: float, disco: dict) -> dict:
+    """The gain over XLA's program (`xla_us`) of the part of a plan disco-jax's ranked program
+    (`disco`, its row entry) is: a relowered sharded update's or a rewrite's; 1.0 for the other
+    parts, and for both where XLA's program ranked first. `collective_options`: None (not
+    searched; `collective_parts` fills it)."""
+    ranked_us = disco["simulated"]["iteration_us"] if disco.get("simulated") else None
+    enacted_by = (disco.get("program") or {}).get("enacted_by", "")
+    gain = None if not ranked_us else xla_us / ranked_us
+    return {
+        "weight_update": gain if enacted_by.startswith("relowered") else 1.0,
+        "rewrite": gain if enacted_by == "rewrite" else 1.0,
+        "collective_options": None,
+    }
+
+
+def collective_parts(
+    disco: dict, xla: CompiledProgram, strategies: dict, lowered, costs: ProgramCosts, schedule: bool | list
+) -> tuple[dict, dict, dict | None]:
+    """disco-jax's entry after the collective options search (`schedule`, see `simulated_row`),
+    each part's own gain over XLA's program (XLA's compiled cost over the part's), and the search's
+    record (None where not searched)."""
+    ranked_us = disco["simulated"]["iteration_us"] if disco["simulated"] else None
+    parts = ranked_parts(strategies["JAX_default"]["simulated"]["iteration_us"], disco)
+    if schedule is False:
+        return disco, parts, None
+    found = schedule_options.search_options(lowered, costs, dims=None if schedule is True else schedule, default=xla)
+    parts["collective_options"] = found.gain
+    if found.options and found.chosen.cost is not None and (not ranked_us or found.chosen.compiled_us < ranked_us):
+        disco = {
+            **disco,
+            "simulated": found.chosen.cost.to_json(),
+            "description": f"{disco['description']}; XLA's program under searched compile options cheaper",
+            "chosen": f"XLA's program under {found.chosen.label}",
+            "program": found.chosen.program.to_json(),
+            "sharded_gradients": 0,
+            "collectives": schedule_options.collective_summary(found.chosen.program.text),
+        }
+    return disco, parts, found.to_json()
 
 
 @functools.lru_cache(maxsize=2)
