@@ -19,6 +19,7 @@ from disco_jax.backends import CPU, GPU, Backend
 from disco_jax.eval import baselines, clusters, gpus, headroom, report_measured
 from disco_jax.eval import report_text as fmt
 from disco_jax.eval.figures import write_figures
+from disco_jax.eval.ranked import ranked_parts
 from disco_jax.eval.rows import (
     BASELINE_ORDER,
     COMPILED_MODEL,
@@ -27,7 +28,6 @@ from disco_jax.eval.rows import (
     load_rows,
     model_order,
     platform_order,
-    ranked_parts,
 )
 
 SHORT_NAMES = {
