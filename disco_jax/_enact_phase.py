@@ -14,11 +14,12 @@ from typing import Any
 import jax
 
 from disco_jax import _plan, _warnings
-from disco_jax._compile import Captured, compile_strategy, compiled_stats, keeps_plan, rules_applied
+from disco_jax._compile import Captured, compile_program, compile_strategy, compiled_stats, keeps_plan, rules_applied
 from disco_jax._console import Ui
 from disco_jax._options import Options, StepReport
 from disco_jax._search_phase import store_stage, validate
 from disco_jax._strategy import Strategy
+from disco_jax.sharding import choice
 
 
 def enact_phase(step: Captured, options: Options, report: StepReport, ui: Ui) -> Any:
@@ -38,7 +39,52 @@ def enact_phase(step: Captured, options: Options, report: StepReport, ui: Ui) ->
         )
         report.reason = "the plan's weight update differs"
         return step.default_compiled
+    if plan.strategy is None and plan.compile_options:
+        return apply_options(step, plan, options, report, ui)
     return apply(step, plan, options, report, ui)
+
+
+def apply_options(step: Captured, plan: _plan.Plan, options: Options, report: StepReport, ui: Ui) -> Any:
+    """A plan that is XLA's own program under compile options (`disco_jax.schedule_options`):
+    the step compiled with them (and its hook rules), XLA's executable (with a warning) where it
+    does not compile or its peak exceeds `memory_limit_bytes`; measured first where the plan was
+    searched offline and never measured (`first_run`)."""
+    program = compile_program(step.lowered, step.program, "plan", None, dict(plan.compile_options))
+    if not program.enacted:
+        _warnings.warn(
+            f"disco-jax: plan {report.plan_path}'s compile options do not compile here ({program.reason}); "
+            "running the unmodified step",
+            _plan.PlanWarning,
+        )
+        report.reason = f"plan not applicable: {program.reason}"
+        return step.default_compiled
+    compiled = program.compiled
+    report.compile_status, report.plan_counts = program.status, program.stats
+    if not within_limit(compiled, options.memory_limit_bytes, report):
+        return step.default_compiled
+    if "offline" in plan.search and not plan.measured:
+        return first_run(step, plan, None, compiled, options, report, ui)
+    report.applied, report.reason = True, plan.reason
+    ui.say(f"{step.graph.module.name}: applied plan {os.path.basename(report.plan_path)} (compile options)")
+    return compiled
+
+
+def within_limit(compiled: Any, limit: int | None, report: StepReport) -> bool:
+    """Whether the executable about to run fits `limit` bytes per device (XLA's memory analysis:
+    arguments, outputs, temporaries less aliased); a warning and the reason on the report where
+    it does not (the plan's executable is then not run). True without a limit or an analysis."""
+    if limit is None:
+        return True
+    peak = choice.executable_peak(compiled)
+    if peak is None or peak <= limit:
+        return True
+    _warnings.warn(
+        f"disco-jax: the plan's executable needs {peak} bytes per device, over memory_limit_bytes={limit}; "
+        "running the unmodified step",
+        _plan.PlanWarning,
+    )
+    report.reason = f"the plan's executable exceeds the memory limit ({peak} > {limit} bytes per device)"
+    return False
 
 
 def load(step: Captured, plan_dir: str | None, report: StepReport) -> _plan.Plan | None:
@@ -89,6 +135,8 @@ def apply(step: Captured, plan: _plan.Plan, options: Options, report: StepReport
         )
         report.reason = "plan not enacted by XLA"
         return step.default_compiled
+    if not within_limit(compiled, options.memory_limit_bytes, report):
+        return step.default_compiled
     if "offline" in plan.search and not plan.measured:
         return first_run(step, plan, strategy, compiled, options, report, ui)
     report.applied, report.reason, report.rules_applied = True, plan.reason, rules_applied(step.program, strategy)
@@ -100,15 +148,22 @@ def apply(step: Captured, plan: _plan.Plan, options: Options, report: StepReport
 
 
 def first_run(
-    step: Captured, plan: _plan.Plan, strategy: Strategy, compiled: Any, options: Options, report: StepReport, ui: Ui
+    step: Captured,
+    plan: _plan.Plan,
+    strategy: Strategy | None,
+    compiled: Any,
+    options: Options,
+    report: StepReport,
+    ui: Ui,
 ) -> Any:
     """Validate a stored plan searched offline and never measured, as the search phase validates its own
     (outputs, then the acceptance rule), and store the verdict in the plan: applied only when
     measured faster; later runs read the verdict."""
     ui.say(f"{step.graph.module.name}: plan {os.path.basename(report.plan_path)} was never measured; measuring it")
     simulated = plan.simulated or {}
+    figure = "iteration_us" if strategy is not None else "compiled_us"  # options plans: compiled figures only
     try:
-        ratio = simulated["plan"]["iteration_us"] / simulated["default"]["iteration_us"]
+        ratio = simulated["plan"][figure] / simulated["default"][figure]
     except (KeyError, TypeError, ZeroDivisionError):
         ratio = float("nan")
     verdict = validate(step, strategy, compiled, options.validation_pairs, ratio)

@@ -66,6 +66,10 @@ class Plan:
     # The sharding rules applied at the hook to the program the plan runs (`sharding.apply`): per
     # application its rule, the instructions it matched and the one it made; [] in older plans.
     rules_applied: list = dataclasses.field(default_factory=list)
+    # XLA compile options the plan's program is compiled with, by name (`disco_jax.schedule_options`:
+    # combine thresholds, the latency-hiding scheduler...); with no strategy, the plan is XLA's own
+    # program under them. {} in plans that keep XLA's options.
+    compile_options: dict = dataclasses.field(default_factory=dict)
     created: float = dataclasses.field(default_factory=time.time)
     format_version: int = PLAN_FORMAT_VERSION
 
@@ -163,7 +167,11 @@ def shared_plan(scope: str, plan: Plan | None) -> Plan | None:
     """Multi-process enactment: process 0's plan (or None) on every process. A process whose own
     plan directory holds a different plan for this program makes every process fail."""
     decisions = None if plan is None else {k: v for k, v in (plan.strategy or {}).items() if k != "origin"}
-    mine = None if plan is None else _distributed.digest([plan.fingerprint, plan.use_default, decisions])
+    mine = (
+        None
+        if plan is None
+        else _distributed.digest([plan.fingerprint, plan.use_default, decisions, plan.compile_options])
+    )
     digests = _distributed.gather_json(f"{scope}/plan-digest", mine)
     differing = [i for i, d in enumerate(digests) if d is not None and d != digests[0]]
     if differing:

@@ -5,6 +5,12 @@ compiled-program model (`cost.compiled`) costs what it compiled. `rank_by_compil
 one ranking every caller uses: the simulated rows (`eval.rows`), offline plans (`offline`) and
 the measured search on a GPU (`CompiledRanking`, through `_tuning`). XLA's own program is always
 among the ranked, so a plan ranks first only when its compiled cost beats XLA's.
+
+A candidate the GPU rewriter would compile is not compiled where it cannot win
+(`rewrite_floor_us`): the rewriter compiles with XLA's all-reduce reassociation off, so it
+all-reduces every gradient the graph holds, and where XLA's reassociation sums many of them before
+one all-reduce (an unrolled RNN's per-time-step weight gradients) that traffic alone can cost more
+than XLA's whole program (docs/collectives.md, "Why rewritten GPU candidates lost").
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import dataclasses
 from typing import Any
 
 from disco_jax._compile import Captured, CompiledProgram, compile_program
+from disco_jax._graph import Graph
 from disco_jax._strategy import Strategy
 from disco_jax.backends import Backend
 from disco_jax.cost.compiled import CompiledCost, compiled_cost
@@ -66,6 +73,23 @@ class ProgramCosts:
         return self._by_text[text]
 
 
+def rewrite_floor_us(graph: Graph, strategy: Strategy, costed: ProgramCosts) -> float | None:
+    """No program the GPU rewriter compiles for `strategy` (of `graph`) costs less than this, by the
+    compiled-program model: the rewriter all-reduces every gradient of the graph (reassociation
+    off, `backends.gpu.REWRITE_OPTIONS`; XLA must keep the plan's all-reduces or the plan is not
+    enacted), the model runs collectives one after another on one stream, and its collective
+    costs are subadditive (latency plus bytes over bandwidth, or the lowest of such lines: one
+    collective of all the bytes costs no more than any split of them), so the step takes at least
+    one all-reduce of all their bytes. None for a strategy that shards updates (compiled by
+    relowering, with XLA's own options) or with no gradients."""
+    if strategy.sharded:
+        return None
+    total = sum(g.nbytes for g in graph.gradients)
+    if not total:
+        return None
+    return float(costed.allreduce.time_us(total))
+
+
 def rank_by_compiled_cost(
     default: CompiledProgram,
     candidates: list[tuple[Strategy, float | None]],
@@ -73,6 +97,7 @@ def rank_by_compiled_cost(
     costed: ProgramCosts,
     *,
     default_graph_us: float | None = None,
+    floor_us: Any = None,
 ) -> list[Ranked]:
     """XLA's own program (`default`, compiled) and each candidate (a strategy with the graph
     simulator's figure; `compile(label, strategy)` -> `CompiledProgram`) costed by the
@@ -81,11 +106,28 @@ def rank_by_compiled_cost(
     that were not enacted come last. XLA's program is always among them, so a plan ranks first
     only when its compiled cost beats XLA's. Candidates are the search's best distinct ones
     (`SearchResult.top`); one equal to XLA's program compiles to it and ties with it (the stable
-    sort keeps XLA's first)."""
+    sort keeps XLA's first). `floor_us(strategy)`: a lower bound on the candidate's compiled cost
+    (`rewrite_floor_us` for one the GPU rewriter enacts; None: none known); a candidate whose
+    floor is not below XLA's compiled cost is not compiled (it is ranked as not enacted, with the
+    floor as the reason)."""
 
     ranked = [Ranked(XLA_PROGRAM, None, default_graph_us, default, costed(default))]
+    xla_us = ranked[0].compiled_us
     for i, (strategy, graph_us) in enumerate(candidates):
-        program = compile(f"candidate {i + 1} ({strategy.origin})", strategy)
+        label = f"candidate {i + 1} ({strategy.origin})"
+        floor = None if floor_us is None else floor_us(strategy)
+        if floor is not None and xla_us is not None and floor >= xla_us:
+            reason = (
+                f"not compiled: cannot win, at least {floor:.1f} us (the rewriter all-reduces every gradient, "
+                f"reassociation off) against XLA's whole program's {xla_us:.1f} us"
+            )
+            ranked.append(
+                Ranked(
+                    label, strategy, graph_us, CompiledProgram(label, "rewrite", {}, "not enacted", reason=reason), None
+                )
+            )
+            continue
+        program = compile(label, strategy)
         ranked.append(Ranked(program.name, strategy, graph_us, program, costed(program)))
     return sorted(ranked, key=lambda r: (r.compiled_us is None, r.compiled_us or 0.0))
 
@@ -114,7 +156,8 @@ class CompiledRanking:
             self.xla,
             candidates,
             lambda label, s: compile_program(step.lowered, step.program, label, s, None),
-            ProgramCosts(step.backend, model.estimator, model.allreduce, model.params),
+            costs := ProgramCosts(step.backend, model.estimator, model.allreduce, model.params),
+            floor_us=lambda s: rewrite_floor_us(step.graph, s, costs),
         )
         self.rounds.append([r.to_json() for r in ranked])
         xla_us = self.xla_us = next(r.compiled_us for r in ranked if r.strategy is None)

@@ -25,6 +25,7 @@ from disco_jax._strategy import Strategy
 from disco_jax._tuning import Tuned
 from disco_jax._tuning_devices import tune
 from disco_jax.cost import CostModel
+from disco_jax.sharding import choice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +172,10 @@ def validate_stage(step: Captured, profiled: Profiled, searched: Searched, optio
         verdict = Verdict(True, tuned.reason or reason, tuned.evidence) if tuned else Verdict(True, reason, {})
         return Validated(verdict, None, simulated, timelines)
     compiled, _ = compile_strategy(step.lowered, step.program, best)
+    limit, peak = options.memory_limit_bytes, choice.executable_peak(compiled)
+    if limit is not None and peak is not None and peak > limit:  # the executable that would run
+        reason = f"rejected: the plan's executable needs {peak} bytes per device, over memory_limit_bytes={limit}"
+        return Validated(Verdict(True, reason, {"peak_bytes": peak}), None, simulated, timelines)
     ratio = sim_best.iteration_us / sim_default.iteration_us
     verdict = validate(step, best, compiled, options.validation_pairs, ratio)
     return Validated(verdict, compiled, simulated, timelines)
@@ -201,15 +206,18 @@ def plan_of(step: Captured, searched: Searched, validated: Validated, report: St
     return plan
 
 
-def validate(step: Captured, best: Strategy, compiled: Any, pairs: int, simulated_ratio: float) -> Verdict:
+def validate(step: Captured, best: Strategy | None, compiled: Any, pairs: int, simulated_ratio: float) -> Verdict:
     """Compare the candidate's outputs with XLA's (bitwise when only all-reduces were regrouped:
     every element is then reduced in the same order; else `step.output_check`'s float64 reference
     or ulp tolerance), time both interleaved, and check that XLA kept the planned all-reduces. With
-    several processes each compares its own output shards."""
+    several processes each compares its own output shards. `best` None: XLA's own program under
+    other compile options (`Plan.compile_options`): no planned all-reduces to check, and not
+    bitwise (another combining changes the collectives' buffers, and NCCL's order of summation with
+    them)."""
     graph = step.graph
     counts = compiled_stats(compiled.as_text())
     default_runner, plan_runner = step.runner(step.default_compiled), step.runner(compiled)
-    bitwise = _strategy.regroups_only(graph, best)
+    bitwise = best is not None and _strategy.regroups_only(graph, best)
     merge_key = None if step.scope is None else f"{step.scope}/validation"
     comparison = step.output_check.compare(plan_runner(), bitwise=bitwise, merge_key=merge_key, rerun=plan_runner.on)
     timing = _validate.time_until_decided(
@@ -240,7 +248,7 @@ def validate(step: Captured, best: Strategy, compiled: Any, pairs: int, simulate
             measured,
             counts,
         )
-    if not keeps_plan(counts, step.program, best):
+    if best is not None and not keeps_plan(counts, step.program, best):
         return Verdict(True, "rejected: XLA did not keep the planned collectives", measured, counts)
     low, high = timing.ratio_ci95
     return Verdict(

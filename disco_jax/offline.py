@@ -33,11 +33,11 @@ from typing import Any
 
 import jax
 
-from disco_jax import _plan, _search, _strategy, backends
+from disco_jax import _plan, _search, _strategy, backends, schedule_options
 from disco_jax._compile import CompiledProgram, Programs, capture_program, compile_program
 from disco_jax._profile_db import device_kind_key
 from disco_jax._program import Program
-from disco_jax._ranking import RANKED_CANDIDATES, XLA_PROGRAM, ProgramCosts, rank_by_compiled_cost
+from disco_jax._ranking import RANKED_CANDIDATES, XLA_PROGRAM, ProgramCosts, rank_by_compiled_cost, rewrite_floor_us
 from disco_jax.cost import ChainEstimator, simulate
 from disco_jax.cost.compiled import CompiledCost
 from disco_jax.sharding import choice, params, update
@@ -271,6 +271,8 @@ def plan_for_target(
     ranked: int = RANKED_CANDIDATES,
     weight_updates: list[UpdateCandidate] | None = None,
     layouts: bool = False,
+    schedule: bool = True,
+    schedule_dims: list | None = None,
     **kwargs,
 ) -> _plan.Plan:
     """Search, check and store a plan for the GPUs `args` are sharded over (see the module
@@ -283,8 +285,11 @@ def plan_for_target(
     search's best candidates are compiled and ranked (each is one compile of the step).
     `layouts`: also search the mesh and per-layer layout (`layout_search`: every data x model
     mesh and choice per layer group compiled and costed, within `memory_limit_bytes`) and record
-    it in the plan (`search["offline"]["layout"]`; the decorator does not enact it yet). Returns
-    the stored plan."""
+    it in the plan (`search["offline"]["layout"]`; the decorator does not enact it yet).
+    `schedule`: also search XLA:GPU's collective options on the chosen program
+    (`schedule_options.search_options`, `schedule_dims` or its default dimensions: about a dozen
+    compiles) and take them where they compile cheaper, or fit the limit where the plan does not
+    (`schedule_options.apply_to_plan`). Returns the stored plan."""
     from disco_jax.eval import clusters
 
     if not hasattr(step, "lower"):
@@ -313,13 +318,32 @@ def plan_for_target(
     else:
         candidates = weight_updates or weight_update_candidates(step, args, kwargs, costs)
         lap("weight updates compiled and costed")
-        decision = choose_weight_update(candidates, memory_limit_bytes)
+        try:
+            decision = choose_weight_update(candidates, memory_limit_bytes)
+        except NothingFits:
+            if not schedule:
+                raise
+            # Another schedule of the smallest may fit where XLA's default one does not.
+            decision = schedule_options.smallest_update(candidates, memory_limit_bytes)
         chosen = next(c for c in candidates if c.label == decision["chosen"])
     chosen.captured()
     lap("capture")
     config = config or _search.SearchConfig()
     plan = _fusion_plan(chosen, cluster, machine, costs, config, ranked, memory_limit_bytes)
     lap("search and ranking")
+    if schedule:
+        options = schedule_options.search_options(
+            chosen.lowered,
+            costs,
+            memory_limit_bytes=memory_limit_bytes,
+            hook_rules_of=update.hook_backend(backends.GPU, chosen.layout),
+            dims=schedule_dims,
+            default=chosen.xla,
+        )
+        schedule_options.apply_to_plan(plan, options)
+        lap("collective options compiled and costed")
+        if memory_limit_bytes is not None and not options.chosen.fits(memory_limit_bytes):
+            raise NothingFits(f"{decision['reason']}; and {options.reason}")
     if decision is not None:
         plan.weight_update = {**decision, **chosen.layout_json()}
         replicated = candidates[0]
@@ -361,6 +385,7 @@ def _fusion_plan(candidate, cluster, machine, costs: ProgramCosts, config, ranke
         lambda label, s: programs.compile(label, s, None),
         costs,
         default_graph_us=default_us,
+        floor_us=lambda s: rewrite_floor_us(graph, s, costs),
     )
     # A plan whose compiled program lost its planned all-reduces is one the decorator rejects.
     kept = lambda r: r.strategy is None or r.program.stats["all-reduce"] == len(r.strategy.buckets)  # noqa: E731
@@ -381,7 +406,7 @@ def _fusion_plan(candidate, cluster, machine, costs: ProgramCosts, config, ranke
             f"searched deviceless for {cluster.name}: {chosen.label} compiles to {chosen.compiled_us:.1f} us "
             f"against XLA's {xla.compiled_us:.1f} us; not measured yet: measured against XLA's step on its first run"
         )
-    figures = lambda r: {"iteration_us": r.graph_us, "compiled_us": r.compiled_us}  # noqa: E731
+    figures = lambda r: {"iteration_us": r.graph_us, "compiled_us": r.compiled_us, "peak_bytes": peak[id(r)]}  # noqa: E731
     return _plan.Plan(
         fingerprint=graph.fingerprint,
         module_name=graph.module.name,

@@ -260,6 +260,39 @@ def test_per_gradient_buckets_survive_reassociation(xla_gpu_zoo):
     assert _compile.compiled_stats(text)["all-reduce"] == len(graph.gradients)
 
 
+def test_rewrite_floor_bounds_the_rewriters_programs_and_stops_what_cannot_win(xla_gpu_zoo):
+    """The rewriter all-reduces every gradient of the graph (reassociation off), so one all-reduce
+    of all their bytes bounds its programs' compiled cost from below. On the RNNLM XLA's own
+    program reassociates the sums over time steps and all-reduces fewer bytes: under a collective
+    model where bytes dominate, the floor exceeds XLA's whole program and no candidate is compiled."""
+    from disco_jax import _ranking, offline
+    from disco_jax.cost.allreduce import AllReduceCostModel
+    from disco_jax.eval import clusters
+
+    rnnlm = xla_gpu_zoo("rnnlm")
+    lowered, program, _ = rnnlm
+    graph = program.graph
+    node = offline.program_costs(clusters.node_of("h100-sxm", 8))
+    xla_plan = _strategy.xla_default(graph)
+    rewritten = _compile.compile_program(lowered, program, "xla plan, rewritten", xla_plan, None)
+    assert rewritten.status == "rewritten"
+    assert _ranking.rewrite_floor_us(graph, xla_plan, node) <= node(rewritten).iteration_us
+
+    by_bytes = _ranking.ProgramCosts(backends.GPU, node.estimator, AllReduceCostModel(0.05, 0.0), node.params)
+    xla = _compile.compile_program(lowered, program, "XLA", None, {})
+    floor = _ranking.rewrite_floor_us(graph, xla_plan, by_bytes)
+    assert floor > by_bytes(xla).iteration_us  # XLA all-reduces the sums: fewer bytes
+
+    def never(label, strategy):
+        raise AssertionError("a candidate that cannot win was compiled")
+
+    ranked = _ranking.rank_by_compiled_cost(
+        xla, [(xla_plan, 1.0)], never, by_bytes, floor_us=lambda s: _ranking.rewrite_floor_us(graph, s, by_bytes)
+    )
+    assert [r.label for r in ranked][0] == _ranking.XLA_PROGRAM
+    assert ranked[1].cost is None and "cannot win" in ranked[1].program.reason
+
+
 # --------------------------------------------------------------------------- DisCo's baselines on XLA:GPU
 
 

@@ -26,6 +26,7 @@ from disco_jax import (
     _validate,
     backends,
     optimize_distributed,
+    schedule_options,
     zoo,
 )
 from disco_jax._files import write_json_atomic
@@ -340,7 +341,8 @@ def test_gpu_cluster_row_costs_every_strategy_on_the_program_xla_gpu_compiled(gp
     graph = program.graph
     cluster = clusters.get_cluster("8xH100-NVLink")
     assert cluster.target == "h100-sxm" and clusters.get_cluster("clusterA-12x1080Ti").target is None
-    row = rows.simulated_row(program, cluster, budget_s=1.0, lowered=lowered, programs=programs)
+    no_combining = [("all-reduce combine threshold", [{schedule_options.THRESHOLDS["all-reduce"]: "0"}])]
+    row = rows.simulated_row(program, cluster, budget_s=1.0, lowered=lowered, programs=programs, schedule=no_combining)
     assert row["cost_model"] == rows.COMPILED_MODEL and "not_compiled" not in row
     xla_allreduces = _compile.compiled_stats(text)["all-reduce"]
     assert row["strategies"]["JAX_default"]["buckets"] == len(graph.xla_buckets) == xla_allreduces
@@ -372,6 +374,17 @@ def test_gpu_cluster_row_costs_every_strategy_on_the_program_xla_gpu_compiled(gp
     assert compiled_us == sorted(compiled_us) and row["time_us"][rows.DISCO] == compiled_us[0]
     assert row["time_us"][rows.DISCO] <= row["time_us"]["JAX_default"]
     assert all(r["graph_simulated_us"] is not None for r in ranked)
+    # The compiled programs' collectives, not the plans' buckets: JAX_no_fusion's one per gradient.
+    assert row["strategies"]["JAX_default"]["collectives"]["all-reduce"]["count"] == xla_allreduces
+    assert row["strategies"]["JAX_no_fusion"]["collectives"]["all-reduce"]["count"] == len(graph.gradients)
+    assert disco["collectives"]["all-reduce"]["count"] >= 1
+    # Each part's own gain: the options search ran (XLA's defaults and combining off), and its
+    # gain is XLA's program's cost over the cheapest of the two (1.0: XLA's own kept).
+    searched = row["schedule_options"]
+    assert [c["label"] for c in searched["candidates"]][0] == schedule_options.DEFAULTS
+    assert len(searched["candidates"]) == 2
+    assert row["parts"]["collective_options"] == searched["gain"] >= 1.0
+    assert set(row["parts"]) == {"weight_update", "rewrite", "collective_options"}
     # FO: the baselines' compiled bounds only.
     assert row["fo_us"] == min(row["strategies"][b]["simulated"]["full_overlap_us"] for b in rows.BASELINE_ORDER)
     json.dumps(row)
@@ -434,6 +447,7 @@ def test_a_gpu_row_ranks_a_sharded_update_by_lowering_the_step_again(gpu_mlp):
         lowered=lowered,
         relower=relower,
         programs=programs,
+        schedule=False,
     )
     disco, update = row["strategies"][rows.DISCO], row["weight_update"]
     assert update["shardable_gradients"] == len(shardable) > 0

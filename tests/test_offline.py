@@ -37,7 +37,14 @@ def h100_step():
 
 def test_plan_for_8_h100s_is_stored_under_the_real_machines_key(h100_step, tmp_path):
     step, args = h100_step
-    plan = offline.plan_for_target(step, *args, plan_dir=tmp_path, config=SearchConfig(budget_s=2.0))
+    threshold = offline.schedule_options.THRESHOLDS["all-reduce"]
+    plan = offline.plan_for_target(
+        step,
+        *args,
+        plan_dir=tmp_path,
+        config=SearchConfig(budget_s=2.0),
+        schedule_dims=[("all-reduce combine threshold", [{threshold: "0"}])],  # one more compile
+    )
     # What `MachineKey.current` gives on a real 8 x H100 SXM machine (jax.default_backend() is
     # "gpu" there; device_kind as CUDA reports it).
     real = _plan.MachineKey("gpu", sanitize_device_kind("NVIDIA H100 80GB HBM3"), 8, 1)
@@ -52,8 +59,14 @@ def test_plan_for_8_h100s_is_stored_under_the_real_machines_key(h100_step, tmp_p
     assert _ranking.XLA_PROGRAM in [r["label"] for r in ranked] and len(ranked) >= 2
     assert plan.search["offline"]["chosen"] == ranked[0]["label"] or plan.use_default
     assert plan.simulated["plan"]["compiled_us"] <= plan.simulated["default"]["compiled_us"]
-    assert plan.use_default == (plan.search["offline"]["chosen"] == _ranking.XLA_PROGRAM)
+    assert plan.use_default == (plan.search["offline"]["chosen"] == _ranking.XLA_PROGRAM and not plan.compile_options)
     assert all(r["graph_simulated_us"] is not None for r in ranked)
+    # XLA's collective options searched on the compiled program: taken only where cheaper.
+    searched = plan.search["schedule_options"]
+    assert [c["label"] for c in searched["candidates"]][0] == offline.schedule_options.DEFAULTS
+    assert len(searched["candidates"]) == 2 and searched["default"]["collectives"]["all-reduce"]["count"] >= 1
+    if plan.compile_options:
+        assert plan.strategy is None and searched["chosen"]["compiled_us"] < searched["default"]["compiled_us"]
     if not plan.use_default:  # the plan XLA:GPU compiles keeps the plan's all-reduces
         lowered = step.lower(*args)
         program, _ = _compile.capture_program(lowered, backends.GPU)

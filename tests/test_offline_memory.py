@@ -129,6 +129,7 @@ def test_a_limit_between_the_replicated_and_the_sharded_peak_gives_a_plan_that_f
         config=SearchConfig(budget_s=1.0),
         ranked=1,
         weight_updates=list(candidates.values()),  # compiled once, by the fixture
+        schedule=False,  # the weight update's choice alone (tests/test_schedule_options.py: the schedule's)
     )
     decided = plan.weight_update
     chosen = candidates[decided["chosen"]]

@@ -19,8 +19,10 @@ from disco_jax.backends import CPU, GPU, Backend
 from disco_jax.eval import baselines, clusters, gpus, headroom, report_measured
 from disco_jax.eval import report_text as fmt
 from disco_jax.eval.figures import write_figures
+from disco_jax.eval.ranked import ranked_parts
 from disco_jax.eval.rows import (
     BASELINE_ORDER,
+    COMPILED_MODEL,
     DISCO,
     STRATEGY_ORDER,
     load_rows,
@@ -114,6 +116,7 @@ def report_markdown(rows: list[dict], figures: dict[str, str], run_info: dict) -
     blocks.append(fmt.fill("tables"))
     for prow in by_platform.values():
         blocks += _platform_tables(prow)
+    blocks += _parts(rows)
     blocks.append(fmt.fill("figures"))
     if "fig6" in figures:
         blocks.append(fmt.fill("fig6", file=figures["fig6"]))
@@ -205,6 +208,39 @@ def _headline(by_platform: dict[str, list[dict]]) -> list[str]:
         fmt.fill("losses"),
         "\n".join(loss_items) if loss_items else fmt.fill("no_losses"),
     ]
+
+
+def _parts(rows: list[dict]) -> list[str]:
+    """Each part's own gain over XLA's program per compiled row (model and cluster): the weight
+    update, the rewrite, XLA's collective options; and the collectives disco-jax's program runs,
+    as compiled. Rows made before the parts were recorded say so."""
+    compiled = [r for r in rows if r.get("cost_model") == COMPILED_MODEL]
+    if not compiled:
+        return []
+    gain = lambda g: "not searched" if g is None else f"{g:.3f}x"  # noqa: E731
+    lines = [
+        "| model | cluster | XLA (ms) | disco-jax (ms) | weight update | rewrite | collective options "
+        "| disco-jax's collectives |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in compiled:
+        disco = r["strategies"][DISCO]
+        # Rows made before the parts were recorded: the ranked program's part, options not searched.
+        parts = r.get("parts") or ranked_parts(r["time_us"]["JAX_default"], disco)
+        ran = disco.get("collectives")
+        ran = (
+            "not recorded"
+            if ran is None
+            else ", ".join(
+                f"{k} {v['count']} ({v['bytes'] / 2**20:.0f} MiB, {v['async']} async)" for k, v in ran.items()
+            )
+        )
+        cells = [gain(parts["weight_update"]), gain(parts["rewrite"]), gain(parts["collective_options"])]
+        lines.append(
+            f"| {r['model']} | {r['platform']} | {r['time_us']['JAX_default'] / 1e3:.2f} | "
+            f"{r['time_us'][DISCO] / 1e3:.2f} | {' | '.join(cells)} | {ran} |"
+        )
+    return [fmt.fill("parts", table="\n".join(lines))]
 
 
 def _bound_headline(prow: list[dict]) -> str:

@@ -19,7 +19,6 @@ Rows live under ``<out>/rows/`` (`row_path`, `load_rows`); `disco_jax.eval.bench
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -41,17 +40,19 @@ from disco_jax import (
     Strategy,
     backends,
     backtracking_search,
+    schedule_options,
     simulate,
     start_candidates,
     targets,
     zoo,
 )
 from disco_jax._compile import CompiledProgram, Programs, capture, capture_program, compile_program
-from disco_jax._ranking import RANKED_CANDIDATES, ProgramCosts, rank_by_compiled_cost
+from disco_jax._ranking import ProgramCosts
 from disco_jax._strategy import sharding_all, with_sharding, xla_default
 from disco_jax._validate import median_interval
 from disco_jax.cost import sharded
 from disco_jax.eval import baselines, clusters
+from disco_jax.eval.ranked import COMPILED_MODEL, collective_parts, ranked_plan
 from disco_jax.sharding import state_search, update
 
 CPU_PLATFORM = "cpu-8dev"
@@ -251,7 +252,6 @@ def outputs_json(comparison) -> dict:
 
 
 GRAPH_MODEL = "graph simulator"  # a row's figure costed on the captured graph (the search's model)
-COMPILED_MODEL = "compiled program"  # ... costed on the program XLA compiled (`cost.compiled`)
 # Why a row captured on XLA:CPU is not costed by the compiled-program model.
 NOT_COMPILED = (
     "captured on XLA:CPU: no XLA:GPU target description of this cluster's GPU is shipped "
@@ -271,6 +271,7 @@ def simulated_row(
     lowered: jax.stages.Lowered | None = None,
     relower: Callable[[frozenset[int]], CompiledProgram | None] | None = None,
     programs: Programs | None = None,
+    schedule: bool | list = True,
 ) -> dict:
     """One cluster row for a captured program: baselines costed, disco-jax searched, jointly over
     fusion, all-reduce buckets and which gradients' weight updates are sharded
@@ -290,6 +291,13 @@ def simulated_row(
     `relower(gradients)`: the step lowered again with their state sharded, as XLA compiles it.
     `programs`: the compiled programs of `lowered` (`_compile.Programs`), shared by the rows of
     one target; a fresh one when None.
+    `schedule`: also search XLA:GPU's collective options on XLA's program
+    (`schedule_options.search_options`; a list: the dimensions to search, False: none); the row
+    records the search (`schedule_options`), disco-jax's figure is the options' program where it
+    compiles cheaper than the ranked plan, and `parts` gives each part's own gain over XLA's
+    program: the weight update (a relowered sharded update ranked first), the rewrite (a rewritten
+    plan ranked first) and the collective options (None where not searched). Every compiled
+    strategy records its program's collectives (`collectives`: count, bytes, async per kind).
 
     Without `lowered` (XLA:CPU's module), every strategy is costed by the graph simulator, XLA's
     all-reduce combining is XLA:GPU's combiner emulated on the graph, and the row says why
@@ -354,9 +362,14 @@ def simulated_row(
         "valid": True,
     }
     chosen = result.best.sharded
+    parts = None
     if programs is not None:
         xla = compiled["JAX_default"]
         disco, chosen = ranked_plan(programs, result, xla, strategies, relower, costs)
+        disco, parts, searched = collective_parts(disco, xla, strategies, lowered, costs, schedule)
+        for name, enacted in compiled.items():
+            if enacted.text is not None:
+                strategies[name]["collectives"] = schedule_options.collective_summary(enacted.text)
     strategies[DISCO] = disco
     state = sum(regions.state_bytes)
     times = {k: (v["simulated"] or {}).get("iteration_us") for k, v in strategies.items()}
@@ -367,6 +380,7 @@ def simulated_row(
         "time_kind": "simulated",
         "cost_model": cost_model,
         **({} if programs is not None else {"not_compiled": NOT_COMPILED}),
+        **({} if parts is None else {"parts": parts, "schedule_options": searched}),
         **summarize(times, fo),
         # No schedule of the plan's kernels beats this (`cost.bound`; FO ignores dependencies): a
         # graph simulator figure, so only where the row's figures are the graph simulator's.
@@ -382,61 +396,6 @@ def simulated_row(
         "cluster": cluster.to_json(),
         "estimator": cluster.kernel_estimator().to_json(),
     }
-
-
-def ranked_plan(
-    programs: Programs,
-    result,
-    xla: CompiledProgram,
-    strategies: dict[str, dict],
-    relower: Callable | None,
-    costs: ProgramCosts,
-) -> tuple[dict, frozenset[int]]:
-    """disco-jax's entry of a compiled row and the gradients whose updates it shards: the
-    search's best distinct candidates (besides XLA's plan) compiled (by the rewriter, or by
-    `relower` for one that shards updates) and ranked with XLA's own program (`xla`, JAX_default's)
-    by compiled cost (`costs`, the row's: programs its baselines compiled to are not costed again);
-    the cheapest is disco-jax's figure, every ranked one is recorded."""
-
-    relowered: dict[frozenset[int], CompiledProgram | None] = {}  # one program per sharded set
-
-    def compile_candidate(label: str, s: Strategy) -> CompiledProgram:
-        if not s.sharded:
-            return programs.compile(label, s, None)
-        if s.sharded not in relowered:  # XLA's plan of the relowered step: fusions and buckets are XLA's
-            relowered[s.sharded] = relower(s.sharded) if relower is not None else None
-        program = relowered[s.sharded]
-        if program is None:
-            return CompiledProgram(label, "relowered", {}, "not enacted", reason="the step could not be lowered again")
-        return dataclasses.replace(program, name=label, enacted_by="relowered (sharded update, XLA's plan)")
-
-    default = xla_default(programs.program.graph)
-    ranked = rank_by_compiled_cost(
-        xla,
-        result.top(RANKED_CANDIDATES, exclude={default.key()}),
-        compile_candidate,
-        costs,
-        default_graph_us=strategies["JAX_default"]["graph_simulated"]["iteration_us"],
-    )
-    first = ranked[0]
-    plan = first.strategy
-    graph_figure = strategies["JAX_default"]["graph_simulated"] if plan is None else None
-    if plan is not None:
-        graph_figure = sim_json(simulate(programs.program, plan, costs.estimator, costs.allreduce))
-    disco = {
-        "simulated": None if first.cost is None else first.cost.to_json(),
-        "cost_model": COMPILED_MODEL,
-        "graph_simulated": graph_figure,
-        "description": f"search from {result.best.origin}; chosen by compiled cost: {first.label}",
-        "chosen": first.label,
-        "buckets": strategies["JAX_default"]["buckets"] if plan is None else len(plan.buckets),
-        "sharded_gradients": 0 if plan is None else len(plan.sharded),
-        "valid": True,
-        "program": first.program.to_json(),
-        "ranked": [r.to_json() for r in ranked],
-        "searched_best_graph_us": result.best_cost,
-    }
-    return disco, frozenset() if plan is None else plan.sharded
 
 
 @functools.lru_cache(maxsize=2)

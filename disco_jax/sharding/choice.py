@@ -49,6 +49,12 @@ def footprint(figures: dict) -> int | None:
     return sum(figures[f] for f in FOOTPRINT) - figures.get("alias_size_in_bytes", 0)
 
 
+def executable_peak(compiled: Any) -> int | None:
+    """Per-device bytes of a compiled executable (`footprint` of its memory analysis); None where
+    there is none."""
+    return None if compiled is None else footprint(update.memory(compiled, {}))
+
+
 def leaf_sets(layout: update.Layout, held: dict, memory_limit: int | None, replicated_bytes: int | None) -> list:
     """The candidates' sharded leaves: none, all and, under a limit the replicated program
     exceeds, the largest groups (by state bytes) until the bytes they save would bring it within."""

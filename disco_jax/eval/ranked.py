@@ -1,0 +1,118 @@
+"""disco-jax's entry of a compiled simulated row (`rows.simulated_row`): the search's best
+candidates compiled and ranked with XLA's own program by the compiled-program model
+(`ranked_plan`), XLA:GPU's collective options searched on XLA's program (`collective_parts`), and
+each part's own gain over XLA's program (`ranked_parts`: the weight update, the rewrite, the
+collective options). Every figure is a compiled program's cost; disco-jax's is the cheapest of
+them, so never above XLA's own."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from disco_jax import schedule_options
+from disco_jax._compile import CompiledProgram, Programs
+from disco_jax._ranking import RANKED_CANDIDATES, ProgramCosts, rank_by_compiled_cost, rewrite_floor_us
+from disco_jax._strategy import Strategy, xla_default
+from disco_jax.cost import simulate
+
+COMPILED_MODEL = "compiled program"  # a row's figure costed on the program XLA compiled (`cost.compiled`)
+
+
+def ranked_plan(
+    programs: Programs,
+    result,
+    xla: CompiledProgram,
+    strategies: dict[str, dict],
+    relower: Callable | None,
+    costs: ProgramCosts,
+) -> tuple[dict, frozenset[int]]:
+    """disco-jax's entry of a compiled row and the gradients whose updates it shards: the
+    search's best distinct candidates (besides XLA's plan) compiled (by the rewriter, or by
+    `relower` for one that shards updates) and ranked with XLA's own program (`xla`, JAX_default's)
+    by compiled cost (`costs`, the row's: programs its baselines compiled to are not costed again);
+    the cheapest is disco-jax's figure, every ranked one is recorded."""
+
+    relowered: dict[frozenset[int], CompiledProgram | None] = {}  # one program per sharded set
+
+    def compile_candidate(label: str, s: Strategy) -> CompiledProgram:
+        if not s.sharded:
+            return programs.compile(label, s, None)
+        if s.sharded not in relowered:  # XLA's plan of the relowered step: fusions and buckets are XLA's
+            relowered[s.sharded] = relower(s.sharded) if relower is not None else None
+        program = relowered[s.sharded]
+        if program is None:
+            return CompiledProgram(label, "relowered", {}, "not enacted", reason="the step could not be lowered again")
+        return dataclasses.replace(program, name=label, enacted_by="relowered (sharded update, XLA's plan)")
+
+    default = xla_default(programs.program.graph)
+    ranked = rank_by_compiled_cost(
+        xla,
+        result.top(RANKED_CANDIDATES, exclude={default.key()}),
+        compile_candidate,
+        costs,
+        default_graph_us=strategies["JAX_default"]["graph_simulated"]["iteration_us"],
+        floor_us=lambda s: rewrite_floor_us(programs.program.graph, s, costs),  # None for a relowered one
+    )
+    first = ranked[0]
+    plan = first.strategy
+    graph_figure = strategies["JAX_default"]["graph_simulated"] if plan is None else None
+    if plan is not None:
+        graph_figure = simulate(programs.program, plan, costs.estimator, costs.allreduce)
+        graph_figure = None if graph_figure is None else graph_figure.to_json()
+    disco = {
+        "simulated": None if first.cost is None else first.cost.to_json(),
+        "cost_model": COMPILED_MODEL,
+        "graph_simulated": graph_figure,
+        "description": f"search from {result.best.origin}; chosen by compiled cost: {first.label}",
+        "chosen": first.label,
+        "buckets": strategies["JAX_default"]["buckets"] if plan is None else len(plan.buckets),
+        "sharded_gradients": 0 if plan is None else len(plan.sharded),
+        "valid": True,
+        "program": first.program.to_json(),
+        # What the program runs, as compiled (not the plan's buckets).
+        "collectives": None if first.program.text is None else schedule_options.collective_summary(first.program.text),
+        "ranked": [r.to_json() for r in ranked],
+        "searched_best_graph_us": result.best_cost,
+    }
+    return disco, frozenset() if plan is None else plan.sharded
+
+
+def ranked_parts(xla_us: float, disco: dict) -> dict:
+    """The gain over XLA's program (`xla_us`) of the part of a plan disco-jax's ranked program
+    (`disco`, its row entry) is: a relowered sharded update's or a rewrite's; 1.0 for the other
+    parts, and for both where XLA's program ranked first. `collective_options`: None (not
+    searched; `collective_parts` fills it)."""
+    ranked_us = disco["simulated"]["iteration_us"] if disco.get("simulated") else None
+    enacted_by = (disco.get("program") or {}).get("enacted_by", "")
+    gain = None if not ranked_us else xla_us / ranked_us
+    return {
+        "weight_update": gain if enacted_by.startswith("relowered") else 1.0,
+        "rewrite": gain if enacted_by == "rewrite" else 1.0,
+        "collective_options": None,
+    }
+
+
+def collective_parts(
+    disco: dict, xla: CompiledProgram, strategies: dict, lowered, costs: ProgramCosts, schedule: bool | list
+) -> tuple[dict, dict, dict | None]:
+    """disco-jax's entry after the collective options search (`schedule`, see `simulated_row`),
+    each part's own gain over XLA's program (XLA's compiled cost over the part's), and the search's
+    record (None where not searched)."""
+    ranked_us = disco["simulated"]["iteration_us"] if disco["simulated"] else None
+    parts = ranked_parts(strategies["JAX_default"]["simulated"]["iteration_us"], disco)
+    if schedule is False:
+        return disco, parts, None
+    found = schedule_options.search_options(lowered, costs, dims=None if schedule is True else schedule, default=xla)
+    parts["collective_options"] = found.gain
+    if found.options and found.chosen.cost is not None and (not ranked_us or found.chosen.compiled_us < ranked_us):
+        disco = {
+            **disco,
+            "simulated": found.chosen.cost.to_json(),
+            "description": f"{disco['description']}; XLA's program under searched compile options cheaper",
+            "chosen": f"XLA's program under {found.chosen.label}",
+            "program": found.chosen.program.to_json(),
+            "sharded_gradients": 0,
+            "collectives": schedule_options.collective_summary(found.chosen.program.text),
+        }
+    return disco, parts, found.to_json()
