@@ -246,7 +246,13 @@ class OutputCheck:
                         outputs = jax.block_until_ready(self.run_on(args, self.kwargs))
                     args = fed_back(args, outputs, carried)
                 exact = None if self.exact is None else self.exact.on(args, self.kwargs)
-                self._moved = OutputCheck(self.run_on, args, self.kwargs, exact, state_steps=0)
+                moved = OutputCheck(self.run_on, args, self.kwargs, exact, state_steps=0)
+                if _finite((self.args, self.default())) and not _finite((args, moved.default())):
+                    # An output shaped like an argument need not be its state: fed back, it can
+                    # overflow, and infinities judge nothing (inf <= inf passes any candidate).
+                    self._moved_reason = f"the step from the state after {self.state_steps} unmodified steps overflows"
+                else:
+                    self._moved = moved
         return self._moved
 
     @property
@@ -304,6 +310,15 @@ class OutputCheck:
         if merge_key is None or not _distributed.is_multiprocess():
             return comparison
         return _validate.Comparison.merge(_distributed.gather_json(merge_key, dataclasses.asdict(comparison)))
+
+
+def _finite(tree: Any) -> bool:
+    """Every floating leaf of `tree` holds only finite values: one reduction over the global
+    arrays, so every process of a job reads the same answer."""
+    leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not leaves:
+        return True
+    return bool(jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]).all())(leaves))
 
 
 def _signature(tree: Any) -> tuple:

@@ -275,7 +275,7 @@ def test_rewrite_floor_bounds_the_rewriters_programs_and_stops_what_cannot_win(x
     node = offline.program_costs(clusters.node_of("h100-sxm", 8))
     xla_plan = _strategy.xla_default(graph)
     rewritten = _compile.compile_program(lowered, program, "xla plan, rewritten", xla_plan, None)
-    assert rewritten.status == "rewritten"
+    assert rewritten.status in ("rewritten", "cached")  # cached: the same plan compiled earlier in the process
     assert _ranking.rewrite_floor_us(graph, xla_plan, node) <= node(rewritten).iteration_us
 
     by_bytes = _ranking.ProgramCosts(backends.GPU, node.estimator, AllReduceCostModel(0.05, 0.0), node.params)
