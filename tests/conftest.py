@@ -30,12 +30,15 @@ import pytest  # noqa: E402
 # worker that ran the shorter of the first two (test_backends_gpu) usually takes it next and finds
 # its transformer and RNNLM captured (`xla_gpu_zoo`).
 LONGEST_FILES = (
+    "test_layout_search.py",
     "test_bench.py",
     "test_backends_gpu.py",
     "test_compiled_cost.py",
     "test_tuning.py",
     "test_multihost.py",
     "test_offline_memory.py",
+    "test_gpu_records.py",
+    "test_fsdp_at_use.py",
     "test_faults.py",
     "test_zoo.py",
     "test_scanned_layers.py",
