@@ -316,9 +316,12 @@ def _finite(tree: Any) -> bool:
     """Every floating leaf of `tree` holds only finite values: one reduction over the global
     arrays, so every process of a job reads the same answer."""
     leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
-    if not leaves:
-        return True
-    return bool(jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]).all())(leaves))
+    return bool(_all_finite(leaves)) if leaves else True
+
+
+@jax.jit
+def _all_finite(leaves: list) -> jax.Array:  # one jitted function: compiled once per set of shapes
+    return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
 
 
 def _signature(tree: Any) -> tuple:
