@@ -302,3 +302,22 @@ def test_a_step_that_carries_no_state_is_judged_from_its_inputs_and_says_so():
     comparison = OutputCheck.for_call(f, (x,)).compare(f(x), rerun=lambda a, k: f(*a))
     assert comparison.within_tolerance and comparison.state_steps == 0
     assert comparison.state_reason == "no output carries an argument's state to the next step"
+
+
+def test_an_output_shaped_like_its_input_that_overflows_when_fed_back_gives_no_moved_verdict():
+    """An output shaped like an argument need not be its state: fed back, `x * 1e30` overflows
+    float32 on the second step, and a check from infinities would pass any candidate (inf <= inf).
+    The step is judged from its inputs alone and says why."""
+
+    @jax.jit
+    def f(x):
+        return x * 1e30
+
+    x = jnp.arange(1.0, 9.0)
+    wrong = jax.jit(lambda x: x * 2e30)  # rejected from the call's inputs all the same
+    check = OutputCheck.for_call(f, (x,))
+    comparison = check.compare(f(x), rerun=lambda a, k: f(*a))
+    assert comparison.within_tolerance and comparison.state_steps == 0
+    assert comparison.state_reason == f"the step from the state after {STATE_STEPS} unmodified steps overflows"
+    assert check.moved() is None
+    assert not check.compare(wrong(x), rerun=lambda a, k: wrong(*a)).within_tolerance
