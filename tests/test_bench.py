@@ -458,6 +458,17 @@ def test_a_gpu_row_ranks_a_sharded_update_by_lowering_the_step_again(gpu_mlp):
     else:
         assert state[rows.DISCO] == state["replicated"] and update["sharded_gradients"] == 0
     assert row["time_us"][rows.DISCO] == disco["ranked"][0]["compiled_us"]
+    # Which updates to shard is chosen on compiled programs: every shardable gradient's update
+    # sharded is compiled whatever the graph simulator preferred, each distinct program once
+    # with both figures, and none of them compiles cheaper than what disco-jax took.
+    choice = disco["weight_update_choice"]
+    assert len({c["program"] for c in choice}) == len(choice) >= 2
+    cluster = clusters.get_cluster("8xH100-NVLink")
+    estimator = ChainEstimator([cluster.kernel_estimator()])
+    costs = _ranking.ProgramCosts(backends.GPU, estimator, cluster.allreduce_model(), cluster.simulator_params())
+    every = [c for c in choice if c["sharded_gradients"] == len(shardable)]
+    assert len(every) == 1 and every[0]["compiled_us"] == pytest.approx(costs(relowered).iteration_us)
+    assert all(c["graph_simulated_us"] is not None and c["compiled_us"] >= row["time_us"][rows.DISCO] for c in choice)
     json.dumps(row)
 
 
