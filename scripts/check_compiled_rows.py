@@ -19,6 +19,8 @@ from pathlib import Path
 from disco_jax.eval.ranked import COMPILED_MODEL
 from disco_jax.eval.rows import ALL_MODELS, DISCO
 
+PARTS = ("weight_update", "rewrite", "collective_options")  # the order the header names them
+
 
 def gain(g: float | None) -> str:
     return "not searched" if g is None else f"{g:.3f}x"
@@ -44,7 +46,7 @@ def main() -> int:
                 continue
             xla, disco = row["time_us"]["JAX_default"], row["time_us"][DISCO]
             parts = row.get("parts")
-            cells = "parts not recorded" if parts is None else " / ".join(gain(parts[k]) for k in parts)
+            cells = "parts not recorded" if parts is None else " / ".join(gain(parts[k]) for k in PARTS)
             print(f"{model:12} {platform:16} {xla / 1e3:8.2f} {disco / 1e3:9.2f} {xla / disco:6.3f}  {cells}")
             entry = row["strategies"][DISCO]
             choices = entry.get("weight_update_choice")
