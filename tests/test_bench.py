@@ -384,6 +384,8 @@ def test_gpu_cluster_row_costs_every_strategy_on_the_program_xla_gpu_compiled(gp
     assert [c["label"] for c in searched["candidates"]][0] == schedule_options.DEFAULTS
     assert len(searched["candidates"]) == 2
     assert row["parts"]["collective_options"] == searched["gain"] >= 1.0
+    # The weight-update record is of the program disco-jax took (none sharded under options).
+    assert row["weight_update"]["sharded_gradients"] == disco["sharded_gradients"]
     assert set(row["parts"]) == {"weight_update", "rewrite", "collective_options"}
     # FO: the baselines' compiled bounds only.
     assert row["fo_us"] == min(row["strategies"][b]["simulated"]["full_overlap_us"] for b in rows.BASELINE_ORDER)
