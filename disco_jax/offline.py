@@ -170,6 +170,7 @@ class UpdateCandidate:
             "compiled_us": None if self.cost is None else self.cost.iteration_us,
             "compiled_cost": None if self.cost is None else self.cost.to_json(),
             "collectives": None if self.xla is None else update.collectives(self.xla.text),
+            "program": None if self.xla is None else schedule_options.program_fingerprint(self.xla.text),
             "compile_s": None if self.xla is None else round(self.xla.compile_s, 2),
             "why_not": self.why_not,
         }
@@ -231,11 +232,13 @@ class NothingFits(ValueError):
     """No weight update of the step fits the memory limit (the message names the smallest)."""
 
 
-def choose_weight_update(candidates: list[UpdateCandidate], limit: int) -> dict:
-    """The cheapest candidate (compiled-program cost) whose per-device peak is within `limit`,
-    as the record the plan keeps (`weight_update`); `NothingFits` when none is."""
+def choose_weight_update(candidates: list[UpdateCandidate], limit: int | None) -> dict:
+    """The cheapest candidate (compiled-program cost) whose per-device peak is within `limit`
+    (None: every one fits), as the record the plan keeps (`weight_update`; a candidate that
+    compiled to the program of one before it says so, `same_program_as`); `NothingFits` when
+    none is within the limit."""
     built = [c for c in candidates if c.xla is not None]
-    fits = [c for c in built if c.peak_bytes is not None and c.peak_bytes <= limit]
+    fits = [c for c in built if limit is None or (c.peak_bytes is not None and c.peak_bytes <= limit)]
     if not fits:
         smallest = min(built, key=lambda c: c.peak_bytes or 0)
         raise NothingFits(
@@ -245,7 +248,8 @@ def choose_weight_update(candidates: list[UpdateCandidate], limit: int) -> dict:
     chosen = min(fits, key=lambda c: (c.cost is None, c.cost.iteration_us if c.cost else 0.0))
     others = [c.label for c in built if c not in fits]
     reason = (
-        f"{chosen.label}: peak {chosen.peak_bytes} bytes per device within {limit}"
+        f"{chosen.label}: peak {chosen.peak_bytes} bytes per device"
+        + (" (no memory limit)" if limit is None else f" within {limit}")
         + (f", the cheapest compiled that fits ({chosen.cost.iteration_us:.0f} us)" if chosen.cost else "")
         + (f"; over the limit: {', '.join(others)}" if others else "")
     )
@@ -256,8 +260,19 @@ def choose_weight_update(candidates: list[UpdateCandidate], limit: int) -> dict:
         "forced": chosen.layout is not None and not any(c.layout is None for c in fits),
         "reason": f"chosen deviceless, by XLA's memory analysis and the compiled-program model: {reason}",
         "memory_limit_bytes": limit,
-        "candidates": [c.to_json(limit) for c in candidates],
+        "candidates": _same_programs([c.to_json(limit) for c in candidates]),
     }
+
+
+def _same_programs(records: list[dict]) -> list[dict]:
+    """`records` with `same_program_as`: the label of the first record whose compiled program is
+    this one's (None where it is the first), so that two updates compiled alike read as one."""
+    first: dict[str, str] = {}
+    for r in records:
+        r["same_program_as"] = None if r["program"] is None else first.setdefault(r["program"], r["label"])
+        if r["same_program_as"] == r["label"]:
+            r["same_program_as"] = None
+    return records
 
 
 def plan_for_target(
@@ -273,6 +288,7 @@ def plan_for_target(
     layouts: bool = False,
     schedule: bool = True,
     schedule_dims: list | None = None,
+    weight_update: bool = False,
     **kwargs,
 ) -> _plan.Plan:
     """Search, check and store a plan for the GPUs `args` are sharded over (see the module
@@ -281,7 +297,8 @@ def plan_for_target(
     `disco_jax.eval.clusters.Cluster` (default: one node of those GPUs over NVLink,
     `clusters.node_of`). `processes`: how many processes the real job runs (part of the plan's
     key). `memory_limit_bytes`: per device; the weight update is then chosen first
-    (`choose_weight_update`) and the plan is the chosen program's. `ranked`: how many of the
+    (`choose_weight_update`) and the plan is the chosen program's. `weight_update`: choose it
+    also without a limit (the cheapest update as compiled; a limit always chooses it). `ranked`: how many of the
     search's best candidates are compiled and ranked (each is one compile of the step).
     `layouts`: also search the mesh and per-layer layout (`layout_search`: every data x model
     mesh and choice per layer group compiled and costed, within `memory_limit_bytes`) and record
@@ -312,7 +329,7 @@ def plan_for_target(
         seconds[phase] = round(time.perf_counter() - clock, 2)
         clock = time.perf_counter()
 
-    if memory_limit_bytes is None:
+    if memory_limit_bytes is None and not weight_update:
         chosen = UpdateCandidate(REPLICATED, step.lower(*args, **kwargs), None)
         decision = None
     else:

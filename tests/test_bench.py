@@ -384,6 +384,8 @@ def test_gpu_cluster_row_costs_every_strategy_on_the_program_xla_gpu_compiled(gp
     assert [c["label"] for c in searched["candidates"]][0] == schedule_options.DEFAULTS
     assert len(searched["candidates"]) == 2
     assert row["parts"]["collective_options"] == searched["gain"] >= 1.0
+    # The weight-update record is of the program disco-jax took (none sharded under options).
+    assert row["weight_update"]["sharded_gradients"] == disco["sharded_gradients"]
     assert set(row["parts"]) == {"weight_update", "rewrite", "collective_options"}
     # FO: the baselines' compiled bounds only.
     assert row["fo_us"] == min(row["strategies"][b]["simulated"]["full_overlap_us"] for b in rows.BASELINE_ORDER)
@@ -458,6 +460,17 @@ def test_a_gpu_row_ranks_a_sharded_update_by_lowering_the_step_again(gpu_mlp):
     else:
         assert state[rows.DISCO] == state["replicated"] and update["sharded_gradients"] == 0
     assert row["time_us"][rows.DISCO] == disco["ranked"][0]["compiled_us"]
+    # Which updates to shard is chosen on compiled programs: every shardable gradient's update
+    # sharded is compiled whatever the graph simulator preferred, each distinct program once
+    # with both figures, and none of them compiles cheaper than what disco-jax took.
+    choice = disco["weight_update_choice"]
+    assert len({c["program"] for c in choice}) == len(choice) >= 2
+    cluster = clusters.get_cluster("8xH100-NVLink")
+    estimator = ChainEstimator([cluster.kernel_estimator()])
+    costs = _ranking.ProgramCosts(backends.GPU, estimator, cluster.allreduce_model(), cluster.simulator_params())
+    every = [c for c in choice if c["sharded_gradients"] == len(shardable)]
+    assert len(every) == 1 and every[0]["compiled_us"] == pytest.approx(costs(relowered).iteration_us)
+    assert all(c["graph_simulated_us"] is not None and c["compiled_us"] >= row["time_us"][rows.DISCO] for c in choice)
     json.dumps(row)
 
 

@@ -5,6 +5,8 @@ is compiled by XLA:GPU for the target, with the hook rules its program gets, and
 from the executable's memory analysis; the plan is the chosen update's program, and a limit
 between the replicated and the sharded peaks gives a plan that fits."""
 
+import dataclasses
+
 import optax
 import pytest
 
@@ -172,3 +174,30 @@ def test_no_plan_when_nothing_fits_and_the_smallest_peak_is_named(candidates):
     decided = offline.choose_weight_update(list(candidates.values()), 1 << 40)
     cheapest = min(candidates.values(), key=lambda c: c.cost.iteration_us)
     assert decided["chosen"] == cheapest.label and not decided["forced"]
+
+
+def test_without_a_limit_the_weight_update_is_the_cheapest_as_compiled(gpt_step, candidates, tmp_path):
+    """`weight_update=True` chooses the update without a memory limit too: every candidate fits,
+    the cheapest compiled program is the plan's, and two updates compiled alike read as one
+    program (`same_program_as`)."""
+    step, args = gpt_step
+    twin = dataclasses.replace(candidates[offline.STATE_SHARDED], label="the same update again")
+    decided = offline.choose_weight_update([*candidates.values(), twin], None)
+    cheapest = min(candidates.values(), key=lambda c: c.cost.iteration_us)
+    assert decided["chosen"] == cheapest.label and decided["memory_limit_bytes"] is None
+    records = {r["label"]: r for r in decided["candidates"]}
+    assert all(r["within_limit"] is None for r in records.values())
+    assert records[twin.label]["same_program_as"] == offline.STATE_SHARDED
+    assert [r["label"] for r in records.values() if r["same_program_as"] is None] == list(candidates)
+    plan = offline.plan_for_target(
+        step,
+        *args,
+        plan_dir=tmp_path,
+        config=SearchConfig(budget_s=1.0),
+        ranked=1,
+        weight_updates=list(candidates.values()),
+        schedule=False,
+        weight_update=True,
+    )
+    assert plan.weight_update["chosen"] == cheapest.label
+    assert plan.fingerprint == cheapest.captured().program.graph.fingerprint

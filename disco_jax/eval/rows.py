@@ -367,6 +367,8 @@ def simulated_row(
         xla = compiled["JAX_default"]
         disco, chosen = ranked_plan(programs, result, xla, strategies, relower, costs)
         disco, parts, searched = collective_parts(disco, xla, strategies, lowered, costs, schedule)
+        if not disco["sharded_gradients"]:  # XLA's program under searched options: nothing sharded
+            chosen = frozenset()
         for name, enacted in compiled.items():
             if enacted.text is not None:
                 strategies[name]["collectives"] = schedule_options.collective_summary(enacted.text)

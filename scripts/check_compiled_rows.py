@@ -1,0 +1,72 @@
+"""Issue 45's row checks over the stored simulated rows costed on the compiled program
+(`report/rows/*.paper.*.json` whose cost model is the compiled program's): no disco-jax program
+costs more than XLA's own (JAX_default's compiled cost), and each part's own gain over XLA's
+program per model and cluster (the weight update, the rewrite, XLA:GPU's collective options),
+with the weight-update choice as it was made (how many gradients' updates each compiled program
+shards, the graph simulator's figure that proposed it and the compiled figure that decided).
+Reads the rows only; exits 1 when a check fails.
+
+    python scripts/check_compiled_rows.py [--rows report/rows] [--platforms 8xH100-NVLink 4x8xH100-IB400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from disco_jax.eval.ranked import COMPILED_MODEL
+from disco_jax.eval.rows import ALL_MODELS, DISCO
+
+PARTS = ("weight_update", "rewrite", "collective_options")  # the order the header names them
+
+
+def gain(g: float | None) -> str:
+    return "not searched" if g is None else f"{g:.3f}x"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default=str(Path(__file__).resolve().parent.parent / "report" / "rows"))
+    p.add_argument("--platforms", nargs="+", default=["8xH100-NVLink", "4x8xH100-IB400"])
+    a = p.parse_args()
+    failures = []
+    print(f"{'model':12} {'cluster':16} {'XLA ms':>8} {'disco ms':>9} {'ratio':>6}  weight update / rewrite / options")
+    for platform in a.platforms:
+        for model in ALL_MODELS:
+            path = Path(a.rows) / f"{model}.paper.jit.{platform}.json"
+            if not path.exists():
+                print(f"{model:12} {platform:16} no row")
+                failures.append(f"{model} {platform}: no row")
+                continue
+            row = json.loads(path.read_text())
+            if row.get("cost_model") != COMPILED_MODEL:
+                failures.append(f"{model} {platform}: not costed on the compiled program")
+                continue
+            xla, disco = row["time_us"]["JAX_default"], row["time_us"][DISCO]
+            parts = row.get("parts")
+            cells = "parts not recorded" if parts is None else " / ".join(gain(parts[k]) for k in PARTS)
+            print(f"{model:12} {platform:16} {xla / 1e3:8.2f} {disco / 1e3:9.2f} {xla / disco:6.3f}  {cells}")
+            entry = row["strategies"][DISCO]
+            choices = entry.get("weight_update_choice")
+            if choices:
+                shardable = row["weight_update"]["shardable_gradients"]
+                told = "; ".join(
+                    f"{c['sharded_gradients']}/{shardable} sharded: graph "
+                    + ("n/a" if c["graph_simulated_us"] is None else f"{c['graph_simulated_us'] / 1e3:.2f}")
+                    + f" ms, compiled {c['compiled_us'] / 1e3:.2f} ms"
+                    for c in sorted(choices, key=lambda c: c["compiled_us"] or float("inf"))
+                    if c["compiled_us"] is not None
+                )
+                print(f"{'':30} weight-update choice by compiled program: {told}")
+            if disco > xla:
+                failures.append(f"{model} {platform}: disco-jax {disco:.1f} us > XLA's {xla:.1f} us")
+            if parts is None:
+                failures.append(f"{model} {platform}: each part's gain not recorded")
+    print("\n" + ("every check holds" if not failures else "FAILED:\n  " + "\n  ".join(failures)))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
