@@ -426,6 +426,34 @@ def captured_program(graph: Graph, backend: Backend) -> CompiledProgram | None:
     return graph.derived[key]
 
 
+def packed_loop_savings_us(graph: Graph, backend: Backend, allreduce: AllReduceCost) -> dict[int, float]:
+    """Per `while` op of the graph (op id), what packing its bodies' all-reduces into flat buffers
+    (`Strategy.packed_loops`, `Graph.loop_allreduces`) takes off the loop's time per step as
+    `LoopEstimator` costs it: per run of such an all-reduce, the variadic all-reduce's time less
+    the packed one's (`SimulatorParams.packed_bucket_us`), times its runs per step. Subtracting is
+    exact where a body's collectives block its compute, as XLA:CPU's do, the one backend that packs
+    (`Backend.packs_buckets`). Loops the capture's program cannot cost save nothing."""
+    key = ("packed_loop_savings", backend.platform, repr(allreduce))
+    if key in graph.derived:
+        return graph.derived[key]
+    program, packed = captured_program(graph, backend), {name for _, name in graph.loop_allreduces}
+    saved: dict[int, float] = {}
+    if program is not None and packed:
+        params, ops = SimulatorParams(), {op.name: op.id for op in graph.ops}
+        for flow in program.control_flow:
+            if flow.scope or flow.name not in ops:
+                continue
+            for k in loop_program(program, flow.name).kernels:
+                if k.name in packed and k.collective == "all-reduce":
+                    runs = program.repeats[k.name]
+                    variadic = params.bucket_us(allreduce, list(k.tensor_bytes))
+                    saved[ops[flow.name]] = saved.get(ops[flow.name], 0.0) + runs * (
+                        variadic - params.packed_bucket_us(allreduce, list(k.tensor_bytes))
+                    )
+    graph.derived[key] = saved
+    return saved
+
+
 class LoopEstimator:
     """Costs a kernel that is one `while` op of a graph (the graph simulator's opaque loop) as the
     compiled-program model costs that loop: its body's kernels once per iteration, in the body's
