@@ -17,7 +17,13 @@ A CPU figure: XLA:GPU combines a body's all-reduces into one NCCL call already (
 DESIGN point 22), so nothing here says anything about GPUs. On a shared machine the ratios are
 noisy: read the intervals.
 
-    python scripts/bench_loop_packing.py [--layers 8] [--pairs 30] [--budget 10] [--no-search] [--json out.json]
+    python scripts/bench_loop_packing.py [--layers 8] [--pairs 30] [--budget 10] [--no-search]
+        [--json out.json] [--timeline DIR]
+
+`--timeline DIR` traces one step of each program (XLA:CPU's profiler: every run of a loop body's
+ops is an event of its own) and draws device 0's ops as they ran, the body's once per iteration
+(labels `op[i]`), all-reduces on the comm lane: DIR/loop_packing.png and a Perfetto trace beside
+it (`disco_jax._timeline`); the median all-reduce run inside the loop of each is printed.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=10.0, help="search budget in seconds")
     parser.add_argument("--no-search", action="store_true", help="the A/B part only")
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--timeline", help="directory for the traced timelines of one step of each")
     args = parser.parse_args()
 
     import dataclasses
@@ -89,6 +96,21 @@ def main() -> None:
         f"packed / XLA {timing.ratio:.3f} [IQR {timing.ratio_low:.3f}-{timing.ratio_high:.3f}], "
         f"95% interval {timing.ratio_ci95[0]:.3f}-{timing.ratio_ci95[1]:.3f}"
     )
+    if args.timeline:
+        from disco_jax._timeline import write_timelines
+
+        timelines, body_ops = {}, {name for _, name in graph.loop_allreduces}
+        for label, executable, run in (
+            ("XLA", captured.default_compiled, default_run),
+            ("packed", compiled, packed_run),
+        ):
+            timelines[label], reduce_us = traced_step(executable, run)
+            body = [t for op, t in reduce_us if op in body_ops or op.startswith("disco_all-reduce.loop")]
+            out.setdefault("loop_allreduce_us", {})[label] = sorted(body)[len(body) // 2] if body else None
+        print(f"  traced, device 0: the loop body's all-reduce per iteration, median {out['loop_allreduce_us']} us")
+        title = f"GPT tiny, {args.layers} scanned blocks, 8 CPU devices: one traced step, device 0"
+        for path in write_timelines(timelines, args.timeline, "loop_packing", title, "traced"):
+            print(f"  wrote {path}")
     if not args.no_search:
         with tempfile.TemporaryDirectory() as plan_dir:
             decorated = optimize_distributed(
@@ -116,6 +138,39 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
+
+
+def traced_step(executable, run) -> tuple[list, list[tuple[str, float]]]:
+    """One step of `executable` (called by `run`) under XLA:CPU's profiler: device 0's op events
+    as `_timeline` lanes (`[lane, op[i], start_us, end_us]`, the i-th run of the op in the step,
+    times from the step's first op; the loops' own events left out, their bodies' ops drawn) and
+    every all-reduce run as (op, microseconds)."""
+    import tempfile
+    from collections import Counter
+    from pathlib import Path
+
+    import jax
+
+    from disco_jax import _device_timing
+
+    jax.block_until_ready(run())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(run())
+        traces = [jax.profiler.ProfileData.from_file(str(p)) for p in Path(trace_dir).rglob("*.xplane.pb")]
+    events = _device_timing.module_op_events(traces, _device_timing.hlo_module_name(executable.as_text()))
+    first = min(e.device for e in events)
+    mine = sorted((e for e in events if e.device == first and not e.op.startswith("while")), key=lambda e: e.start_ns)
+    t0, seen, lanes, reduces = mine[0].start_ns, Counter(), [], []
+    for e in mine:
+        comm = "all-reduce" in e.op
+        lanes.append(
+            ["comm" if comm else "compute", f"{e.op}[{seen[e.op]}]", (e.start_ns - t0) / 1e3, (e.end_ns - t0) / 1e3]
+        )
+        seen[e.op] += 1
+        if comm:
+            reduces.append((e.op, (e.end_ns - e.start_ns) / 1e3))
+    return lanes, reduces
 
 
 if __name__ == "__main__":

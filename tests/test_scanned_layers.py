@@ -225,7 +225,8 @@ def test_the_simulator_charges_a_packed_loop_body_one_flat_allreduce_per_iterati
     """The graph simulator costs the opaque backward loop with its all-reduce packed: per
     iteration, the variadic all-reduce's per-tensor latency gone, the copies in and out added
     (`SimulatorParams.packed_bucket_us`); so the packed plan is cheaper exactly where per-tensor
-    latency outweighs the copies, as for the entry's buckets."""
+    latency outweighs the copies, as for the entry's buckets. Where the profile traced the
+    all-reduce, the saving is that share of its traced time."""
     step, args = three_blocks
     captured = capture(step.lower(*args), backends.CPU, args, {})
     graph = captured.graph
@@ -251,3 +252,10 @@ def test_the_simulator_charges_a_packed_loop_body_one_flat_allreduce_per_iterati
         saved = 3 * (one.bucket_us(allreduce, tensors) - one.packed_bucket_us(allreduce, tensors))
         assert variadic_us - packed_us == pytest.approx(saved)
         assert (packed_us < variadic_us) is packing_wins
+    # A loop costed by its traced time: packing saves that share of the traced all-reduce, never
+    # more than the trace holds (the collective model alone may charge more than the loop took).
+    allreduce = cost.AllReduceCostModel(1e-3, 60.0, per_tensor_us=100.0)
+    cost.record_loop_allreduce_times(graph, backends.CPU, {kernel.name: 3 * 400.0})
+    share = 1.0 - one.packed_bucket_us(allreduce, tensors) / one.bucket_us(allreduce, tensors)
+    [(o, saved_us)] = cost.packed_loop_savings_us(graph, backends.CPU, allreduce).items()
+    assert graph.ops[o].name == backward.name and 0 < saved_us == pytest.approx(3 * 400.0 * share)
