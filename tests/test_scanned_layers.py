@@ -49,6 +49,13 @@ def three_blocks():
     return step, (state, batch)
 
 
+@pytest.fixture(scope="module")
+def three_blocks_captured(three_blocks):
+    """The 3-block step captured for XLA:CPU (the loop-packing tests share it)."""
+    step, args = three_blocks
+    return capture(step.lower(*args), backends.CPU, args, {})
+
+
 def _bodies(text: str) -> dict[str, list[str]]:
     """Instruction lines per computation of a module's text (the ENTRY's under "ENTRY")."""
     found, name = {}, None
@@ -184,13 +191,12 @@ def test_the_decorator_searches_stores_and_reuses_a_plan_for_a_scanned_adamw_ste
         assert _validate.compare_outputs(reference, found, bitwise=not searched.last_report.applied).within_tolerance
 
 
-def test_a_loop_bodys_allreduce_is_packed_per_iteration_and_the_step_computes_the_same(three_blocks):
+def test_a_loop_bodys_allreduce_is_packed_per_iteration_and_the_step_computes_the_same(three_blocks_captured):
     """`Strategy.packed_loops` on XLA:CPU: the backward body's variadic all-reduce of one layer's
     gradients (one rendezvous per operand) becomes one all-reduce of a flat buffer inside the same
     `while` body, run once per iteration; the outputs are XLA's bit for bit; the move proposes
     it, the search starts from it, and a plan keeps it through JSON."""
-    step, args = three_blocks
-    captured = capture(step.lower(*args), backends.CPU, args, {})
+    captured = three_blocks_captured
     program, graph = captured.program, captured.graph
     [(body, name)] = graph.loop_allreduces  # the backward body's, of 12 tensors
     xla = _strategy.xla_default(graph)
@@ -222,14 +228,13 @@ def test_a_loop_bodys_allreduce_is_packed_per_iteration_and_the_step_computes_th
     assert check.bitwise_equal, check
 
 
-def test_the_simulator_charges_a_packed_loop_body_one_flat_allreduce_per_iteration(three_blocks):
+def test_the_simulator_charges_a_packed_loop_body_one_flat_allreduce_per_iteration(three_blocks_captured):
     """The graph simulator costs the opaque backward loop with its all-reduce packed: per
     iteration, the variadic all-reduce's per-tensor latency gone, the copies in and out added
     (`SimulatorParams.packed_bucket_us`); so the packed plan is cheaper exactly where per-tensor
     latency outweighs the copies, as for the entry's buckets. Where the profile traced the
     all-reduce, the saving is that share of its traced time."""
-    step, args = three_blocks
-    captured = capture(step.lower(*args), backends.CPU, args, {})
+    captured = three_blocks_captured
     graph = captured.graph
     xla = _strategy.xla_default(graph)
     packed = dataclasses.replace(xla, packed_loops=True)
