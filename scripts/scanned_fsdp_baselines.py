@@ -74,6 +74,27 @@ def fsdp_lowered(spec, mesh, at_use: bool = False):
     return lowered, fsdp, reason
 
 
+def exposed_by_collective(costed) -> dict[str, dict[str, float]]:
+    """Per collective kind and place (entry or loop body), its simulated time and the part of it
+    no compute kernel runs under (microseconds per step): where the exposed communication is."""
+    busy = sorted((k.start_us, k.end_us) for k in costed.kernels if k.lane == "compute")
+    merged: list[list[float]] = []
+    for start, end in busy:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    out: dict[str, dict[str, float]] = {}
+    for k in costed.kernels:
+        if k.lane != "comm":
+            continue
+        covered = sum(max(0.0, min(k.end_us, e) - max(k.start_us, s)) for s, e in merged)
+        entry = out.setdefault(f"{k.kind} ({'loop' if k.scope else 'entry'})", {"us": 0.0, "exposed_us": 0.0})
+        entry["us"] += k.end_us - k.start_us
+        entry["exposed_us"] += k.end_us - k.start_us - covered
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -83,6 +104,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--cluster", default="8xH100-NVLink")
     parser.add_argument("--at-use", action="store_true", help="at-use FSDP (Layout.at_use) instead of regathered")
+    parser.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS), help="option sets")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     cluster = clusters.get_cluster(args.cluster)
@@ -103,7 +125,8 @@ def main(argv=None) -> int:
     print(f"{spec.description}; {form}; {reason}; stacked leaves split after the layer axis: {len(layout.stacked)}")
     estimator, collectives = cluster.kernel_estimator(), cluster.allreduce_model()
     found = {}
-    for label, options in OPTIONS.items():
+    for label in args.options:
+        options = OPTIONS[label]
         start = time.perf_counter()
         compiled = lowered.compile(compiler_options=dict(options))
         compile_s = time.perf_counter() - start
@@ -126,6 +149,7 @@ def main(argv=None) -> int:
             "comm_us": record["comm_us"],
             "exposed_comm_us": record["iteration_us"] - record["compute_us"],
             "collectives_by_kind": {f"{c} ({where})": n for (c, where), n in sorted(by_kind.items())},
+            "exposed_by_collective": exposed_by_collective(costed),
             "peak_bytes": peak,
         }
         f = found[label]
@@ -137,6 +161,11 @@ def main(argv=None) -> int:
             flush=True,
         )
         print(f"{'':45s} collective instructions: {f['collectives_by_kind']}", flush=True)
+        exposed = ", ".join(
+            f"{kind} {v['us'] / 1e3:.2f} ms ({v['exposed_us'] / 1e3:.2f} exposed)"
+            for kind, v in sorted(f["exposed_by_collective"].items(), key=lambda x: -x[1]["exposed_us"])
+        )
+        print(f"{'':45s} per collective: {exposed}", flush=True)
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"args": vars(args), "model": spec.description, **found}, out, indent=1)
