@@ -94,7 +94,8 @@ def compiled_stats(text: str) -> dict[str, int]:
     than one compute instruction (op fusion proper: with the `fusion` pass off, XLA:CPU still
     wraps single ops in one-instruction kLoop fusions), library-call custom fusions, and custom
     fusions that compute more than their one op (XLA:GPU: a gemm with a fused elementwise
-    prologue or epilogue, a Triton softmax fusion)."""
+    prologue or epilogue, a Triton softmax fusion); and, inside the `while` bodies, the
+    all-reduces of more than one tensor (what `Strategy.packed_loops` packs)."""
     module = _hlo.parse_module(text)
     stats = {
         "all-reduce": 0,
@@ -106,7 +107,16 @@ def compiled_stats(text: str) -> dict[str, int]:
         "multi_op_loop_fusions": 0,
         "custom_fusions": 0,
         "multi_op_custom_fusions": 0,
+        "loop_variadic_all-reduces": 0,
     }
+    bodies = {
+        i.attr("body", "").lstrip("%") for c in module.computations for i in c.instructions if i.opcode == "while"
+    }
+    for comp in module.computations:
+        if comp.name in bodies:
+            stats["loop_variadic_all-reduces"] += sum(
+                1 for i in comp.instructions if i.opcode in ("all-reduce", "all-reduce-start") and len(i.operands) > 1
+            )
     for inst in module.entry.instructions:
         if inst.opcode in ("all-reduce", "all-reduce-start"):
             stats["all-reduce"] += 1
@@ -186,11 +196,14 @@ def rules_applied(program: Program, strategy: Strategy) -> list[dict]:
 
 def keeps_plan(counts: dict[str, int], program: Program, strategy: Strategy) -> bool:
     """Whether a compiled strategy (`compiled_stats` of it) holds the all-reduces the hook
-    returned (one per bucket, less those the hook rules turned into reduce-scatters) and, where
+    returned (one per bucket, less those the hook rules turned into reduce-scatters; its loop
+    bodies' all-reduces each one flat buffer where it packs them) and, where
     the pipeline makes reduce-scatters itself (`apply.REDUCE_SCATTER_RULE` a hook rule), its
     reduce-scatters; a compiler that forms them after the hook (XLA:GPU) may add more."""
     planned = _hook_result(program, strategy)[1]
     if counts["all-reduce"] != planned["all-reduce"]:
+        return False
+    if strategy.packed_loops and counts.get("loop_variadic_all-reduces", 0):
         return False
     scatters = apply.REDUCE_SCATTER_RULE in program.backend.hook_rules
     return not scatters or counts.get("reduce-scatter", 0) == planned["reduce-scatter"]

@@ -97,6 +97,7 @@ def profile(
             table[graph.kernel_signature(members)] = t
             measured[members] = t
     table.update(loop_body_times(captured, times))
+    cost.record_loop_allreduce_times(graph, captured.backend, times)
     stored = database.load(machine.device_kind, machine.backend, machine.num_devices, process_count(devices))
     allreduce = shared_allreduce_fit(stored, captured.scope)
     fit_from = "profile"

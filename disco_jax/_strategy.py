@@ -61,6 +61,10 @@ class Strategy:
     # split), as PyTorch DDP and Horovod run theirs; else one variadic all-reduce. Where the
     # backend packs (`Backend.packs_buckets`); a sharded bucket's reduce-scatter is never packed.
     packed: bool = False
+    # The all-reduces inside the step's loop bodies (a scanned step's backward body reduces each
+    # layer's gradients) packed the same way, one flat buffer per all-reduce and iteration. The
+    # graph sees a loop as one opaque op, so this is the plan's one decision inside the loop.
+    packed_loops: bool = False
 
     def group_index(self) -> tuple[tuple[int, ...], ...]:
         return self.index if self.index is not None else group_index(self.groups, len(self.homes))
@@ -71,7 +75,7 @@ class Strategy:
     def key(self) -> tuple:
         """Identity of the decisions (group order and origin do not matter)."""
         if not self._key:
-            self._key.append((self.fusion_key(), frozenset(self.buckets), self.sharded, self.packed))
+            self._key.append((self.fusion_key(), frozenset(self.buckets), self.sharded, self.packed, self.packed_loops))
         return self._key[0]
 
     def fusion_key(self) -> tuple:
@@ -97,6 +101,7 @@ class Strategy:
             "buckets": [[graph.gradients[gid].result_name for gid in b] for b in self.buckets],
             "sharded": sorted(graph.gradients[gid].result_name for gid in self.sharded),
             "packed": self.packed,
+            "packed_loops": self.packed_loops,
             "origin": self.origin,
         }
 
@@ -125,7 +130,13 @@ class Strategy:
                 homes[o] = len(groups)
                 groups.append(frozenset([o]))
         return cls(
-            tuple(groups), tuple(homes), buckets, data.get("origin", "plan"), sharded, packed=bool(data.get("packed"))
+            tuple(groups),
+            tuple(homes),
+            buckets,
+            data.get("origin", "plan"),
+            sharded,
+            packed=bool(data.get("packed")),
+            packed_loops=bool(data.get("packed_loops")),
         )
 
 
@@ -171,6 +182,8 @@ def start_candidates(graph: Graph, packs: bool = False) -> list[Strategy]:
     ]
     if packs and any(len(b) > 1 for b in xla.buckets):
         starts.append(dataclasses.replace(xla, packed=True, origin="xla+packed-allreduce"))
+    if packs and graph.loop_allreduces:
+        starts.append(dataclasses.replace(xla, packed_loops=True, origin="xla+packed-loop-allreduce"))
     return starts
 
 
@@ -278,7 +291,9 @@ def _finish(s: Strategy, edit: StrategyEdit) -> Strategy | None:
         return None  # the compiler could not emit a group the move changed
     rehomed = None if s.rehomed is None else s.rehomed | edit.rehomed
     index = tuple(edit.index)
-    return Strategy(tuple(edit.groups), tuple(edit.homes), s.buckets, s.origin, s.sharded, index, rehomed, s.packed)
+    return Strategy(
+        tuple(edit.groups), tuple(edit.homes), s.buckets, s.origin, s.sharded, index, rehomed, s.packed, s.packed_loops
+    )
 
 
 def fuse_producer(program: Program, s: Strategy, rng: random.Random, duplicate: bool) -> Strategy | None:
@@ -427,6 +442,16 @@ def pack_buckets(program: Program, s: Strategy, rng: random.Random) -> Strategy 
     return dataclasses.replace(s, packed=not s.packed)
 
 
+def pack_loop_buckets(program: Program, s: Strategy, rng: random.Random) -> Strategy | None:
+    """Pack the all-reduces of several tensors inside the step's loop bodies (a scanned step's
+    per-layer gradients) into one flat buffer each, or unpack them again: the loop-body twin of
+    `pack_buckets`. Only where the backend packs and the graph has such an all-reduce
+    (`Graph.loop_allreduces`)."""
+    if not getattr(program.backend, "packs_buckets", False) or not program.graph.loop_allreduces:
+        return None
+    return dataclasses.replace(s, packed_loops=not s.packed_loops)
+
+
 def shard_update(program: Program, s: Strategy, rng: random.Random, shardable: frozenset[int]) -> Strategy | None:
     """Shard the weight update of a random bucket's gradients, or make a sharded one replicated
     again (the bucket's gradients must all be in `shardable`: `cost.sharded.UpdateRegions`)."""
@@ -465,6 +490,7 @@ MOVES: dict[str, Move] = {
     "merge_allreduce": merge_buckets,
     "split": split,
     "pack_allreduce": pack_buckets,
+    "pack_loop_allreduce": pack_loop_buckets,
 }
 
 

@@ -13,11 +13,11 @@ from pathlib import Path
 LANES = ("compute", "comm")
 
 
-def chrome_trace(timelines: dict[str, list]) -> dict:
+def chrome_trace(timelines: dict[str, list], kind: str = "simulated") -> dict:
     """Trace Event Format: one process per schedule, one thread per lane (open in Perfetto)."""
     events = []
     for pid, (name, schedule) in enumerate(timelines.items(), start=1):
-        events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"{name} (simulated)"}})
+        events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"{name} ({kind})"}})
         for tid, lane in enumerate(LANES):
             events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": lane}})
         for lane, label, start, end in schedule:
@@ -34,8 +34,9 @@ def chrome_trace(timelines: dict[str, list]) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def timeline_png(timelines: dict[str, list], path: str | Path, title: str = "") -> None:
-    """One panel per schedule, compute and comm lanes, on a shared time axis."""
+def timeline_png(timelines: dict[str, list], path: str | Path, title: str = "", kind: str = "simulated") -> None:
+    """One panel per schedule, compute and comm lanes, on a shared time axis; `kind` says where
+    the times come from ('simulated', or 'traced' for a profiler's events)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -54,7 +55,7 @@ def timeline_png(timelines: dict[str, list], path: str | Path, title: str = "") 
         ax.axvline(finish, color="black", linewidth=0.8, linestyle="--")
         ax.set_yticks(range(len(LANES)), LANES)
         ax.set_ylim(-0.6, len(LANES) - 0.4)
-        ax.set_title(f"{name}: {finish / 1e3:.2f} ms simulated", loc="left", fontsize=10)
+        ax.set_title(f"{name}: {finish / 1e3:.2f} ms {kind}", loc="left", fontsize=10)
     axes[-1, 0].set_xlabel("time (us)")
     if title:
         fig.suptitle(title, fontsize=11)
@@ -63,10 +64,12 @@ def timeline_png(timelines: dict[str, list], path: str | Path, title: str = "") 
     plt.close(fig)
 
 
-def write_timelines(timelines: dict[str, list], out_dir: str | Path, stem: str, title: str = "") -> tuple[Path, Path]:
+def write_timelines(
+    timelines: dict[str, list], out_dir: str | Path, stem: str, title: str = "", kind: str = "simulated"
+) -> tuple[Path, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     png, trace = out / f"{stem}.timeline.png", out / f"{stem}.trace.json"
-    timeline_png(timelines, png, title)
-    trace.write_text(json.dumps(chrome_trace(timelines)))
+    timeline_png(timelines, png, title, kind)
+    trace.write_text(json.dumps(chrome_trace(timelines, kind)))
     return png, trace

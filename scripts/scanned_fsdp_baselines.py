@@ -16,7 +16,10 @@ analysis. Prints, per option set: compile seconds, kernel and collective runs, w
 collectives sit, simulated step, exposed communication (step minus compute), peak.
 
     python scripts/scanned_fsdp_baselines.py [--layers 8] [--width 4096] [--seq 2048] [--batch 8]
-        [--cluster 8xH100-NVLink] [--json out.json]
+        [--cluster 8xH100-NVLink] [--at-use] [--json out.json]
+
+`--at-use`: the parameters laid out as FSDP users write it (`Layout.at_use`, issue 44), gathered
+by XLA where they are used, in place of gathered again for each use.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import json
 import os
 import time
+from collections import Counter
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
@@ -54,18 +58,41 @@ OPTIONS = {
 }
 
 
-def fsdp_lowered(spec, mesh):
-    """The step lowered with every parameter and its state sharded, gathered again for each use."""
+def fsdp_lowered(spec, mesh, at_use: bool = False):
+    """The step lowered with every parameter and its state sharded, gathered again for each use;
+    with `at_use`, FSDP as users write it (`Layout.at_use`: each leaf split on its largest
+    dimension, XLA gathers it where it is used, inside the loop bodies for the stacked layers)."""
     optimizer = optax.adamw(1e-4)
     state, batch = zoo.abstract_state_and_batch(spec, optimizer, mesh)
     step = zoo.build_train_step(spec, optimizer, mesh, "jit", donate=True)
     args = (state, batch)
     default = step.lower(*args).compile()
     shardings = jax.tree.leaves(default.input_shardings)
-    layout, reason = update.find_layout(step, args, {}, args, {}, shardings)
-    fsdp = layout.subset(layout.all_leaves(), regather=True)
+    layout, reason = update.find_layout(step, args, {}, args, {}, shardings, largest=at_use)
+    fsdp = layout.subset(layout.all_leaves(), regather=not at_use, at_use=at_use)
     lowered, _ = update.relower(step, fsdp, args, {}, (args, {}), default)
     return lowered, fsdp, reason
+
+
+def exposed_by_collective(costed) -> dict[str, dict[str, float]]:
+    """Per collective kind and place (entry or loop body), its simulated time and the part of it
+    no compute kernel runs under (microseconds per step): where the exposed communication is."""
+    busy = sorted((k.start_us, k.end_us) for k in costed.kernels if k.lane == "compute")
+    merged: list[list[float]] = []
+    for start, end in busy:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    out: dict[str, dict[str, float]] = {}
+    for k in costed.kernels:
+        if k.lane != "comm":
+            continue
+        covered = sum(max(0.0, min(k.end_us, e) - max(k.start_us, s)) for s, e in merged)
+        entry = out.setdefault(f"{k.kind} ({'loop' if k.scope else 'entry'})", {"us": 0.0, "exposed_us": 0.0})
+        entry["us"] += k.end_us - k.start_us
+        entry["exposed_us"] += k.end_us - k.start_us - covered
+    return out
 
 
 def main(argv=None) -> int:
@@ -76,6 +103,8 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--cluster", default="8xH100-NVLink")
+    parser.add_argument("--at-use", action="store_true", help="at-use FSDP (Layout.at_use) instead of regathered")
+    parser.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS), help="option sets")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     cluster = clusters.get_cluster(args.cluster)
@@ -91,11 +120,13 @@ def main(argv=None) -> int:
         global_batch=args.batch,
         scan_layers=True,
     )
-    lowered, layout, reason = fsdp_lowered(spec, mesh)
-    print(f"{spec.description}; {reason}; stacked leaves split after the layer axis: {len(layout.stacked)}")
+    lowered, layout, reason = fsdp_lowered(spec, mesh, args.at_use)
+    form = "at-use FSDP (gathered where used)" if args.at_use else "FSDP gathered again for each use"
+    print(f"{spec.description}; {form}; {reason}; stacked leaves split after the layer axis: {len(layout.stacked)}")
     estimator, collectives = cluster.kernel_estimator(), cluster.allreduce_model()
     found = {}
-    for label, options in OPTIONS.items():
+    for label in args.options:
+        options = OPTIONS[label]
         start = time.perf_counter()
         compiled = lowered.compile(compiler_options=dict(options))
         compile_s = time.perf_counter() - start
@@ -104,6 +135,7 @@ def main(argv=None) -> int:
         costed = cost.cost_program(program, estimator, collectives, cluster.simulator_params())
         record = costed.to_json()
         in_loops = sum(1 for k in program.collectives if k.scope)
+        by_kind = Counter((k.collective, "loop" if k.scope else "entry") for k in program.collectives)
         peak = choice.footprint(update.memory(compiled, {}))
         found[label] = {
             "options": {k: str(v) for k, v in options.items()},
@@ -116,6 +148,8 @@ def main(argv=None) -> int:
             "compute_us": record["compute_us"],
             "comm_us": record["comm_us"],
             "exposed_comm_us": record["iteration_us"] - record["compute_us"],
+            "collectives_by_kind": {f"{c} ({where})": n for (c, where), n in sorted(by_kind.items())},
+            "exposed_by_collective": exposed_by_collective(costed),
             "peak_bytes": peak,
         }
         f = found[label]
@@ -126,6 +160,12 @@ def main(argv=None) -> int:
             f"{f['comm_us'] / 1e3:.2f}, exposed {f['exposed_comm_us'] / 1e3:.2f}); peak {peak / 1e9:.2f} GB/device",
             flush=True,
         )
+        print(f"{'':45s} collective instructions: {f['collectives_by_kind']}", flush=True)
+        exposed = ", ".join(
+            f"{kind} {v['us'] / 1e3:.2f} ms ({v['exposed_us'] / 1e3:.2f} exposed)"
+            for kind, v in sorted(f["exposed_by_collective"].items(), key=lambda x: -x[1]["exposed_us"])
+        )
+        print(f"{'':45s} per collective: {exposed}", flush=True)
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"args": vars(args), "model": spec.description, **found}, out, indent=1)

@@ -194,6 +194,26 @@ def test_report_is_written_from_rows(simulated_rows, tmp_path):
     assert json.loads((tmp_path / "run.json").read_text())["failures"] == []
 
 
+def test_a_variant_has_rows_of_its_own_shown_beside_its_models(tmp_path):
+    """`disco-jax bench --models transformer:scan_layers=True` writes the variant's rows under a
+    name of their own; the report orders it right after its model and puts the two side by side
+    (JAX default's and disco-jax's times and their ratios) on every platform both ran."""
+    variant = "transformer:scan_layers=True"
+    path = rows.row_path(tmp_path, variant, "8xH100-NVLink", "jit")
+    assert path.name == "transformer+scan_layers=True.paper.jit.8xH100-NVLink.json"
+    assert path != rows.row_path(tmp_path, "transformer", "8xH100-NVLink", "jit")
+    listed = [{"model": m} for m in ("mlp", variant, "vgg19", "transformer")]
+    assert rows.model_order(listed) == ["vgg19", "transformer", variant, "mlp"]
+    by_key = {
+        ("8xH100-NVLink", m): {"time_us": {"JAX_default": base, rows.DISCO: disco}, "capture_s": capture}
+        for m, base, disco, capture in (("transformer", 2000.0, 1800.0, 160.0), (variant, 3000.0, 2700.0, 60.0))
+    }
+    [block] = report._variants(by_key, ["8xH100-NVLink", "cpu-8dev"], ["transformer", variant])
+    [line] = [ln for ln in block.splitlines() if ln.startswith("| 8xH100-NVLink")]
+    assert line == f"| 8xH100-NVLink | transformer | {variant} | 2.00 / 3.00 | 1.500 | 1.80 / 2.70 | 1.500 | 160 / 60 |"
+    assert report._variants(by_key, ["cpu-8dev"], ["transformer", variant]) == []
+
+
 def test_template_sections_are_all_used_and_filled():
     """Every section of the report template is used by the report writer, and no section asks for
     a value the writer does not give (string.Template would raise)."""

@@ -4,6 +4,8 @@ the stacked `(layers, ...)` parameters and their state after the layer axis, and
 gathered again for each use each loop body gathers its own layer (FSDP per layer) and the step
 computes what the replicated one does."""
 
+import dataclasses
+import random
 import re
 import tempfile
 from collections import Counter
@@ -13,8 +15,19 @@ import jax
 import optax
 import pytest
 
-from disco_jax import _device_timing, _profile_phase, _validate, backends, cost, optimize_distributed, zoo
-from disco_jax._compile import capture
+from disco_jax import (
+    _device_timing,
+    _hlo,
+    _profile_phase,
+    _strategy,
+    _validate,
+    backends,
+    cost,
+    optimize_distributed,
+    simulate,
+    zoo,
+)
+from disco_jax._compile import capture, compile_strategy, compiled_stats, keeps_plan
 from disco_jax.sharding import choice, update
 
 LAYERS = 8  # the layer axis the data axis divides: a split on it would be the first choice
@@ -34,6 +47,13 @@ def three_blocks():
     spec = zoo.resized("gpt", num_layers=3, scan_layers=True)
     step, state, batch = zoo.make_train_step(spec, optax.adamw(1e-3), zoo.data_mesh(), "jit")
     return step, (state, batch)
+
+
+@pytest.fixture(scope="module")
+def three_blocks_captured(three_blocks):
+    """The 3-block step captured for XLA:CPU (the loop-packing tests share it)."""
+    step, args = three_blocks
+    return capture(step.lower(*args), backends.CPU, args, {})
 
 
 def _bodies(text: str) -> dict[str, list[str]]:
@@ -169,3 +189,79 @@ def test_the_decorator_searches_stores_and_reuses_a_plan_for_a_scanned_adamw_ste
     assert reused.last_report.phase == "enact" and reused.last_report.reason == searched.last_report.reason
     for found in (outputs, again):
         assert _validate.compare_outputs(reference, found, bitwise=not searched.last_report.applied).within_tolerance
+
+
+def test_a_loop_bodys_allreduce_is_packed_per_iteration_and_the_step_computes_the_same(three_blocks_captured):
+    """`Strategy.packed_loops` on XLA:CPU: the backward body's variadic all-reduce of one layer's
+    gradients (one rendezvous per operand) becomes one all-reduce of a flat buffer inside the same
+    `while` body, run once per iteration; the outputs are XLA's bit for bit; the move proposes
+    it, the search starts from it, and a plan keeps it through JSON."""
+    captured = three_blocks_captured
+    program, graph = captured.program, captured.graph
+    [(body, name)] = graph.loop_allreduces  # the backward body's, of 12 tensors
+    xla = _strategy.xla_default(graph)
+    packed = _strategy.pack_loop_buckets(program, xla, random.Random(0))
+    assert packed.packed_loops and packed.key() != xla.key() and _strategy.regroups_only(graph, packed)
+    assert _strategy.kernel_dag(program, packed) is not None and _strategy.is_valid(program, packed)
+    assert _strategy.pack_loop_buckets(program, packed, random.Random(0)).key() == xla.key()
+    assert _strategy.Strategy.from_json(graph, packed.to_json(graph)).key() == packed.key()
+    assert any(s.packed_loops for s in _strategy.start_candidates(graph, packs=True))
+    compiled, status = compile_strategy(captured.lowered, program, packed)
+    assert status in ("rewritten", "cached")
+    text = compiled.as_text()
+    loops = {
+        i.attr("body").lstrip("%")
+        for c in _hlo.parse_module(text).computations
+        for i in c.instructions
+        if i.opcode == "while"
+    }
+    reduced = {n: [line for line in b if " all-reduce(" in line] for n, b in _bodies(text).items() if n in loops}
+    [in_body] = [lines for lines in reduced.values() if lines]
+    assert len(in_body) == 1 and re.search(r"= f32\[\d+\]\{0\} all-reduce\(%[\w.\-]+\)", in_body[0]), in_body
+    default = [line for n, b in _bodies(captured.default_compiled.as_text()).items() if n in loops for line in b]
+    assert any(" all-reduce(" in line and line.count("f32[") > 2 for line in default)  # variadic there
+    assert compiled_stats(captured.default_compiled.as_text())["loop_variadic_all-reduces"] == 1
+    assert compiled_stats(text)["loop_variadic_all-reduces"] == 0 and keeps_plan(compiled_stats(text), program, packed)
+    check = _validate.compare_outputs(
+        captured.runner(captured.default_compiled)(), captured.runner(compiled)(), bitwise=True
+    )
+    assert check.bitwise_equal, check
+
+
+def test_the_simulator_charges_a_packed_loop_body_one_flat_allreduce_per_iteration(three_blocks_captured):
+    """The graph simulator costs the opaque backward loop with its all-reduce packed: per
+    iteration, the variadic all-reduce's per-tensor latency gone, the copies in and out added
+    (`SimulatorParams.packed_bucket_us`); so the packed plan is cheaper exactly where per-tensor
+    latency outweighs the copies, as for the entry's buckets. Where the profile traced the
+    all-reduce, the saving is that share of its traced time."""
+    captured = three_blocks_captured
+    graph = captured.graph
+    xla = _strategy.xla_default(graph)
+    packed = dataclasses.replace(xla, packed_loops=True)
+    program = cost.captured_program(graph, backends.CPU)
+    [backward] = [
+        f
+        for f in program.control_flow
+        if any(k.name == graph.loop_allreduces[0][1] for k in cost.loop_program(program, f.name).kernels)
+    ]
+    [kernel] = [k for k in program.kernels if k.name == graph.loop_allreduces[0][1]]
+    tensors = list(kernel.tensor_bytes)
+    assert backward.trip_count == 3 and len(tensors) == 12
+    for per_tensor_us, packing_wins in ((100.0, True), (0.0, False)):
+        allreduce = cost.AllReduceCostModel(1e-3, 60.0, per_tensor_us=per_tensor_us)
+        estimator = cost.chain(
+            cost.LoopEstimator(cost.AnalyticalEstimator(), allreduce, backends.CPU), cost.AnalyticalEstimator()
+        )
+        variadic_us = simulate(captured.program, xla, estimator, allreduce).iteration_us
+        packed_us = simulate(captured.program, packed, estimator, allreduce).iteration_us
+        one = cost.SimulatorParams()
+        saved = 3 * (one.bucket_us(allreduce, tensors) - one.packed_bucket_us(allreduce, tensors))
+        assert variadic_us - packed_us == pytest.approx(saved)
+        assert (packed_us < variadic_us) is packing_wins
+    # A loop costed by its traced time: packing saves that share of the traced all-reduce, never
+    # more than the trace holds (the collective model alone may charge more than the loop took).
+    allreduce = cost.AllReduceCostModel(1e-3, 60.0, per_tensor_us=100.0)
+    cost.record_loop_allreduce_times(graph, backends.CPU, {kernel.name: 3 * 400.0})
+    share = 1.0 - one.packed_bucket_us(allreduce, tensors) / one.bucket_us(allreduce, tensors)
+    [(o, saved_us)] = cost.packed_loop_savings_us(graph, backends.CPU, allreduce).items()
+    assert graph.ops[o].name == backward.name and 0 < saved_us == pytest.approx(3 * 400.0 * share)

@@ -92,6 +92,18 @@ def test_resized_model_has_the_changed_config_and_says_so():
         zoo.resized("alexnet", num_layers=1)
 
 
+def test_a_variant_is_named_as_a_model_and_built_as_resized():
+    """`zoo.get_model("transformer:scan_layers=True")`: the benchmark's name of a variant, the
+    spec `resized` builds, one object per name and size (JAX's caches see the same functions)."""
+    spec = zoo.get_model("transformer:scan_layers=True", "paper")
+    assert spec is zoo.get_model("transformer:scan_layers=True", "paper")
+    assert spec.config == "paper:scan_layers=True" and spec.description.endswith("scanned layers")
+    assert spec.param_count() == zoo.get_model("transformer", "paper").param_count()
+    assert zoo.base_model("transformer:scan_layers=True") == zoo.base_model("transformer") == "transformer"
+    with pytest.raises(TypeError):
+        zoo.get_model("transformer:layers=1")
+
+
 def test_batch_not_divisible_by_devices_is_rejected(mesh):
     with pytest.raises(ValueError, match="divisible"):
         zoo.make_train_step(zoo.get_model("mlp"), OPTIMIZER, mesh, "jit", global_batch_size=12)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Sequence
 
 from disco_jax import _hlo
 from disco_jax._edit import prune
@@ -103,7 +104,9 @@ class CpuRewriter:
             at = max(i for i, inst in enumerate(body) if inst.name == name)
             body.append(dataclasses.replace(body.pop(at), is_root=True))
         entry = dataclasses.replace(module.entry, instructions=body)
-        comps = [c for c in module.computations if not c.is_entry] + em.computations + [entry]
+        # The loop bodies are the capture's own, their all-reduces packed where the plan says so.
+        kept = pack_loop_allreduces(module, graph.loop_allreduces) if strategy.packed_loops else module.computations
+        comps = [c for c in kept if not c.is_entry] + em.computations + [entry]
         return _hlo.HloModuleText(module.header, module.preamble, comps).to_text()
 
     def _emit_group(self, em: Emitter, gi: int, exports: list[int], xla_by_members) -> None:
@@ -192,28 +195,77 @@ class CpuRewriter:
             em.names[g.reduced] = g.result_name
 
     def _emit_packed_bucket(self, em: Emitter, grads, operands: list[str], shapes: list[str], attrs) -> None:
-        """The bucket as DDP and Horovod run theirs: every gradient flattened into one buffer
-        (`reshape` to 1-D, `concatenate`), one all-reduce of it, each gradient sliced back out
-        and reshaped. Each element is still summed over the devices on its own, so the result is
-        the variadic all-reduce's bit for bit."""
-        dtype = re.match(r"(\w+)\[", shapes[0]).group(1)
-        sizes = [math.prod(int(d) for d in re.findall(r"\d+", dims)) for dims in (_dims(s) for s in shapes)]
-        total, n = sum(sizes), em.channel
-        flat = []
-        for i, (operand, size) in enumerate(zip(operands, sizes)):
-            flat.append(f"disco_pack.{n}.in{i}")
-            em.emit(_hlo.Instruction(flat[-1], f"{dtype}[{size}]{{0}}", "reshape", [operand], None, []))
-        buffer = f"disco_pack.{n}"
-        em.emit(_hlo.Instruction(buffer, f"{dtype}[{total}]{{0}}", "concatenate", flat, None, [("dimensions", "{0}")]))
-        reduced = f"disco_all-reduce.{n}"
-        em.emit(_hlo.Instruction(reduced, f"{dtype}[{total}]{{0}}", "all-reduce", [buffer], None, attrs))
-        start = 0
-        for i, (g, size) in enumerate(zip(grads, sizes)):
-            piece, bounds = f"disco_unpack.{n}.out{i}", f"{{[{start}:{start + size}]}}"
-            em.emit(_hlo.Instruction(piece, f"{dtype}[{size}]{{0}}", "slice", [reduced], None, [("slice", bounds)]))
-            em.emit(_hlo.Instruction(g.result_name, shapes[i], "reshape", [piece], None, []))
+        """The bucket as DDP and Horovod run theirs (`packed_allreduce`)."""
+        body, pieces = packed_allreduce(str(em.channel), operands, shapes, attrs)
+        for inst in body:
+            em.emit(inst)
+        for g, shape, piece in zip(grads, shapes, pieces):
+            em.emit(_hlo.Instruction(g.result_name, shape, "reshape", [piece], None, []))
             em.names[g.reduced] = g.result_name
-            start += size
+
+
+def packed_allreduce(
+    tag: str, operands: list[str], shapes: list[str], attrs
+) -> tuple[list[_hlo.Instruction], list[str]]:
+    """One all-reduce of several tensors of one element type as DDP and Horovod run theirs: every
+    operand flattened into one buffer (`reshape` to 1-D, `concatenate`), one all-reduce of it,
+    each operand's part sliced back out. Each element is still summed over the devices on its
+    own, so the result is the variadic all-reduce's bit for bit. Returns the instructions and,
+    per operand, the name of its flat reduced part (to be reshaped back to `shapes`)."""
+    dtype = re.match(r"(\w+)\[", shapes[0]).group(1)
+    sizes = [math.prod(int(d) for d in re.findall(r"\d+", _dims(s))) for s in shapes]
+    total = sum(sizes)
+    out, flat = [], []
+    for i, (operand, size) in enumerate(zip(operands, sizes)):
+        flat.append(f"disco_pack.{tag}.in{i}")
+        out.append(_hlo.Instruction(flat[-1], f"{dtype}[{size}]{{0}}", "reshape", [operand], None, []))
+    buffer, reduced = f"disco_pack.{tag}", f"disco_all-reduce.{tag}"
+    out.append(_hlo.Instruction(buffer, f"{dtype}[{total}]{{0}}", "concatenate", flat, None, [("dimensions", "{0}")]))
+    out.append(_hlo.Instruction(reduced, f"{dtype}[{total}]{{0}}", "all-reduce", [buffer], None, attrs))
+    pieces, start = [], 0
+    for i, size in enumerate(sizes):
+        pieces.append(f"disco_unpack.{tag}.out{i}")
+        bounds = f"{{[{start}:{start + size}]}}"
+        out.append(_hlo.Instruction(pieces[-1], f"{dtype}[{size}]{{0}}", "slice", [reduced], None, [("slice", bounds)]))
+        start += size
+    return out, pieces
+
+
+def pack_loop_allreduces(module: _hlo.HloModuleText, allreduces: Sequence[tuple[str, str]]) -> list[_hlo.Computation]:
+    """The module's computations with each of `allreduces` (body computation, all-reduce names:
+    `Graph.loop_allreduces`) packed into one flat buffer (`packed_allreduce`) where it stands in
+    its loop body, so that it runs packed once per iteration. The variadic all-reduce's name now
+    holds the tuple of the reduced parts, so its users in the body read them unchanged."""
+    wanted: dict[str, set[str]] = {}
+    for comp, name in allreduces:
+        wanted.setdefault(comp, set()).add(name)
+    out = []
+    for comp in module.computations:
+        if comp.name not in wanted:
+            out.append(comp)
+            continue
+        body = []
+        for inst in comp.instructions:
+            if inst.name not in wanted[comp.name]:
+                body.append(inst)
+                continue
+            shapes = _tuple_elements(inst.shape)
+            attrs = [(k, v) for k, v in inst.attrs if k not in ("metadata", "frontend_attributes")]
+            packed, pieces = packed_allreduce(inst.name.replace("all-reduce", "loop"), inst.operands, shapes, attrs)
+            body.extend(packed)
+            parts = []
+            for i, (piece, shape) in enumerate(zip(pieces, shapes)):
+                parts.append(f"disco_unpacked.{inst.name}.{i}")
+                body.append(_hlo.Instruction(parts[-1], shape, "reshape", [piece], None, []))
+            body.append(_hlo.Instruction(inst.name, inst.shape, "tuple", parts, None, [], is_root=inst.is_root))
+        out.append(dataclasses.replace(comp, instructions=body))
+    return out
+
+
+def _tuple_elements(shape: str) -> list[str]:
+    """The element shapes of a tuple shape's text, layouts kept (`(f32[2]{0}, /*index=1*/...)`)."""
+    inner = re.sub(r"/\*.*?\*/", "", shape).strip()[1:-1]
+    return [e.strip() for e in _hlo.split_top_level(inner)]
 
 
 def _dims(shape: str) -> str:

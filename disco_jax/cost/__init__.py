@@ -39,6 +39,8 @@ from disco_jax.cost.compiled import (
     cost_program,
     loop_program,
     measured_table,
+    packed_loop_savings_us,
+    record_loop_allreduce_times,
 )
 from disco_jax.cost.estimators import (
     ENTRY_POINT_GROUP,
@@ -127,6 +129,8 @@ __all__ = [
     "loop_work",
     "LoopEstimator",
     "captured_program",
+    "packed_loop_savings_us",
+    "record_loop_allreduce_times",
     "loop_program",
     "work_per_op",
     "flops_per_op",

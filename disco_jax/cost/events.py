@@ -215,6 +215,11 @@ def kernel_costs(
         for k, e in enumerate(st.estimate):
             if e and st.kinds[k] == GROUP and all(region_of[o] in sharded for o in members[k]):
                 costs[k] = e * scale / shards + overhead
+    if st.packed_loops:
+        from disco_jax.cost.compiled import packed_loop_savings_us  # compiled imports this module
+
+        for o, saved_us in packed_loop_savings_us(program.graph, program.backend, allreduce).items():
+            costs[st.provider[o]] -= saved_us * scale
     comm_slots = [k for k in range(len(keys)) if comm[k] and keys[k] is not None]
     memo = {} if comm_costs is None else comm_costs
     for k in comm_slots:

@@ -103,6 +103,7 @@ class KernelState:
     regions: UpdateRegions | None = None  # the graph's update regions, where `sharded` is not empty
     gather_keys: set = dataclasses.field(default_factory=set)
     owned: set[int] = dataclasses.field(default_factory=set)  # slots whose users set is this state's own
+    packed_loops: bool = False  # the strategy's loop bodies' all-reduces packed (`Strategy.packed_loops`)
 
     def copy(self) -> KernelState:
         return KernelState(
@@ -123,6 +124,7 @@ class KernelState:
             self.sharded,
             self.regions,
             self.gather_keys.copy(),
+            packed_loops=self.packed_loops,
         )
 
     def _users(self, k: int) -> set[int]:
@@ -240,6 +242,7 @@ def group_keys(strategy: Strategy) -> list:
 def build(graph: Graph, strategy: Strategy) -> KernelState:
     """The kernel state of `strategy` from scratch (no check that the backend can emit it)."""
     st = _empty(graph)
+    st.packed_loops = strategy.packed_loops
     if strategy.sharded:
         st.sharded, st.regions = strategy.sharded, regions_of(graph)
     group_slots = []
@@ -289,6 +292,7 @@ def derive(graph: Graph, parent: KernelState, child: Strategy) -> KernelState:
     keys = group_keys(child)
     position = {key: i for i, key in enumerate(keys)}
     st = parent.copy()
+    st.packed_loops = child.packed_loops
     if child.sharded:
         st.regions = st.regions or regions_of(graph)
     st.sharded = child.sharded

@@ -74,12 +74,12 @@ SOURCES = {
     "(reducer.cpp compute_bucket_assignment_by_size), in the order gradients become ready "
     "(DDP's reverse parameter order stands for that); each bucket one flat buffer all-reduced as one tensor "
     "(the Reducer copies gradients into, or views them in, its bucket's contiguous tensor), packed here "
-    "where the backend packs (Strategy.packed)",
+    "where the backend packs (Strategy.packed; a scanned step's loop-body all-reduces too, Strategy.packed_loops)",
     "Horovod": "Horovod tensor fusion (docs/tensor-fusion.rst): every cycle, ready tensors of one dtype copied "
     "into the fusion buffer up to HOROVOD_FUSION_THRESHOLD, one allreduce of the buffer, copied back out; "
     "defaults 128 MB and 1 ms (HOROVOD_CYCLE_TIME) since v0.21.0 (changelog, #2468). The cycle is modelled "
     "from the gradients' simulated ready times: those ready in one 1 ms window share buffers; packed here "
-    "where the backend packs (Strategy.packed)",
+    "where the backend packs (Strategy.packed; a scanned step's loop-body all-reduces too, Strategy.packed_loops)",
 }
 
 
@@ -354,12 +354,17 @@ def pytorch_ddp(
 
 def _packed(program: Program, s: Strategy) -> Strategy:
     """A framework's buckets as it runs them: each one flat buffer, where the backend packs
-    (XLA:CPU; XLA:GPU's combined all-reduce is one flat NCCL call already)."""
-    return dataclasses.replace(s, packed=bool(getattr(program.backend, "packs_buckets", False)))
+    (XLA:CPU; XLA:GPU's combined all-reduce is one flat NCCL call already); a scanned step's
+    per-layer all-reduce in its loop body too (`Strategy.packed_loops`), the bucket a framework
+    would fill with that layer's gradients, so that disco-jax is not credited with packing the
+    frameworks do."""
+    packs = bool(getattr(program.backend, "packs_buckets", False))
+    return dataclasses.replace(s, packed=packs, packed_loops=packs and bool(program.graph.loop_allreduces))
 
 
 def _packing(s: Strategy) -> str:
-    return ", packed into flat buffers" if s.packed else ""
+    loops = ", the loop bodies' all-reduces too" if s.packed_loops else ""
+    return (", packed into flat buffers" + loops) if s.packed else ""
 
 
 def horovod(

@@ -112,11 +112,14 @@ def report_markdown(rows: list[dict], figures: dict[str, str], run_info: dict) -
                 style=config.get("style", "jit"),
             )
         )
-    blocks += _headline(by_platform)
+    # A variant (`transformer:scan_layers=True`) would count its model twice in the aggregates.
+    models_only = {p: [r for r in prow if ":" not in r["model"]] for p, prow in by_platform.items()}
+    blocks += _headline({p: prow for p, prow in models_only.items() if prow})
     blocks.append(fmt.fill("tables"))
     for prow in by_platform.values():
         blocks += _platform_tables(prow)
     blocks += _parts(rows)
+    blocks += _variants(by_key, platforms, models)
     blocks.append(fmt.fill("figures"))
     if "fig6" in figures:
         blocks.append(fmt.fill("fig6", file=figures["fig6"]))
@@ -338,6 +341,26 @@ def _platform_tables(prow: list[dict]) -> list[str]:
         if all(r.get("reference") for r in prow):
             blocks.append(report_measured.fair_details(prow))
     return blocks
+
+
+def _variants(by_key: dict, platforms: list[str], models: list[str]) -> list[str]:
+    """Each model variant's row (`zoo.get_model`'s ``transformer:scan_layers=True``) beside its
+    model's on every platform both ran: JAX default's and disco-jax's times and their ratios."""
+    lines = []
+    for variant in (m for m in models if ":" in m):
+        model = variant.partition(":")[0]
+        for p in platforms:
+            base, var = by_key.get((p, model)), by_key.get((p, variant))
+            if base is None or var is None:
+                continue
+            times = [(base["time_us"][s], var["time_us"][s]) for s in ("JAX_default", DISCO)]
+            capture = [r.get("capture_s") for r in (base, var)]
+            cells = [p, model, variant]
+            for b, v in times:
+                cells += [f"{b / 1e3:.2f} / {v / 1e3:.2f}", f"{v / b:.3f}"]
+            cells.append(" / ".join("?" if c is None else f"{c:.0f}" for c in capture))
+            lines.append(fmt.table_row(cells))
+    return [fmt.fill("variants", rows="\n".join(lines))] if lines else []
 
 
 def _paper_models(rows: list[dict], models: list[str]) -> list[str]:

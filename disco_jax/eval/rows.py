@@ -93,7 +93,9 @@ def model_config(platform: str) -> str:
 
 
 def row_path(out: str | os.PathLike, model: str, platform: str, style: str) -> Path:
-    return Path(out) / "rows" / f"{model}.{model_config(platform)}.{style}.{platform}.json"
+    """A row's file; a model variant (`zoo.get_model`'s ``transformer:scan_layers=True``) is a
+    model of its own, its ``:`` written ``+`` (``transformer+scan_layers=True.paper...``)."""
+    return Path(out) / "rows" / f"{model.replace(':', '+')}.{model_config(platform)}.{style}.{platform}.json"
 
 
 def load_rows(out: str | os.PathLike, style: str | None = None) -> list[dict]:
@@ -132,8 +134,13 @@ def platform_order(rows: list[dict]) -> list[str]:
 
 
 def model_order(rows: list[dict]) -> list[str]:
+    """The rows' models in the zoo's order, each variant right after its model (the scanned
+    Transformer beside the unrolled one), others after them by name."""
     present = {r["model"] for r in rows}
-    return [m for m in ALL_MODELS if m in present] + sorted(present - set(ALL_MODELS))
+    ordered = []
+    for m in ALL_MODELS:
+        ordered += ([m] if m in present else []) + sorted(v for v in present if v.partition(":")[0] == m and v != m)
+    return ordered + sorted(present - set(ordered))
 
 
 # --------------------------------------------------------------------------- row summary

@@ -10,10 +10,12 @@ data-parallel training steps in two styles (``"jit"`` and ``"shard_map"``).
     lowered = zoo.lower_abstract(zoo.get_model("bert", "paper"), optax.adam(1e-4), zoo.data_mesh())
 
     spec = zoo.resized("transformer", num_encoder_layers=1, num_decoder_layers=1)  # tiny, 1+1 layers
+    spec = zoo.get_model("transformer:scan_layers=True", "paper")  # a variant, by name
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -53,9 +55,14 @@ MODELS: dict[str, Callable[[str], ModelSpec]] = {name: module.make_spec for name
 
 def get_model(name: str, config: str = "tiny") -> ModelSpec:
     """The spec of model ``name`` (a key of `MODELS`) at size ``config`` (``'tiny'`` or ``'paper'``).
+    A variant is named ``model:field=value,...``, its config's fields changed as `resized` changes
+    them (values read as Python literals): ``transformer:scan_layers=True``, which the benchmark
+    and its report carry as a model of its own.
 
     Cached: the same arguments give the same spec object, so JAX's caches see the same functions.
     """
+    if ":" in name:
+        return _variant_spec(name, config)
     if name not in MODELS:
         raise KeyError(f"unknown model {name!r}; known: {sorted(MODELS)}")
     if config not in CONFIGS:
@@ -66,6 +73,18 @@ def get_model(name: str, config: str = "tiny") -> ModelSpec:
 @functools.cache
 def _build_spec(name: str, config: str) -> ModelSpec:
     return MODELS[name](config)
+
+
+@functools.cache
+def _variant_spec(name: str, config: str) -> ModelSpec:
+    base, _, changes = name.partition(":")
+    fields = dict(item.split("=", 1) for item in changes.split(","))
+    return resized(base, config, **{k: ast.literal_eval(v) for k, v in fields.items()})
+
+
+def base_model(name: str) -> str:
+    """The zoo model a name (`get_model`'s, a variant's too) is made from."""
+    return name.partition(":")[0]
 
 
 def resized(name: str, config: str = "tiny", **changes) -> ModelSpec:
@@ -86,6 +105,7 @@ __all__ = [
     "Style",
     "TrainState",
     "abstract_state_and_batch",
+    "base_model",
     "build_train_step",
     "data_mesh",
     "get_model",
