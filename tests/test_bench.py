@@ -5,6 +5,7 @@ test_zoo.py holds its cheap ones); the bench's rows and report hold together."""
 import dataclasses
 import functools
 import json
+import os
 import re
 from pathlib import Path
 
@@ -253,6 +254,33 @@ def test_each_job_shape_gets_its_own_worker():
     assert launched[launched.index("--platforms") + 1] == rows.GLOO_PLATFORM
     # Kernel times of 8 devices sharing the cores are not those of one device: separate profiles.
     assert plain_env["DISCO_JAX_PROFILE_DIR"] != launched_env["DISCO_JAX_PROFILE_DIR"]
+
+
+def test_force_replaces_rows_as_they_are_written_and_keeps_those_a_failed_worker_did_not(tmp_path, monkeypatch):
+    """`--force` redoes rows that exist; a worker that fails (or a run stopped early) must not
+    lose the rows it did not rewrite."""
+    (tmp_path / "rows").mkdir()
+    for model in ("mlp", "dlrm"):
+        path = bench.row_path(tmp_path, model, "8xH100-NVLink", "jit")
+        bench.write_json_atomic(path, {"old": model})
+        os.utime(path, (1e9, 1e9))  # written by an earlier run
+    commands = []
+
+    def worker(cmd, env, log_path, timeout_s, progress):
+        commands.append(cmd)
+        model = cmd[cmd.index("--model") + 1]
+        if model == "dlrm":
+            return 1  # fails before writing its row
+        bench.write_json_atomic(bench.row_path(tmp_path, model, "8xH100-NVLink", "jit"), {"new": model})
+        return 0
+
+    monkeypatch.setattr(bench, "run_worker", worker)
+    monkeypatch.setattr(bench, "write_report", lambda out, **kw: out / "README.md")
+    config = bench.BenchConfig(models=["mlp", "dlrm"], platforms=["8xH100-NVLink"], out=str(tmp_path), force=True)
+    bench.run(config)
+    assert all("--force" in cmd for cmd in commands) and len(commands) == 2
+    read = lambda m: json.loads(bench.row_path(tmp_path, m, "8xH100-NVLink", "jit").read_text())  # noqa: E731
+    assert read("mlp") == {"new": "mlp"} and read("dlrm") == {"old": "dlrm"}
 
 
 def test_a_measured_platform_is_refused_in_a_job_of_another_shape(tmp_path):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import os
 import signal
 import subprocess
@@ -74,7 +75,7 @@ class BenchConfig:
     style: data-parallel style of the steps. budget_s: search budget per simulated row.
     cpu_budget_s: search budget of `optimize_distributed` on the measured platforms. pairs:
     interleaved timing pairs per measured configuration. out: report folder. force: redo rows
-    that exist. timeout_s: per model process."""
+    that exist (each kept until its new row replaces it). timeout_s: per model process."""
 
     models: tuple[str, ...] = DEFAULT_MODELS
     platforms: tuple[str, ...] = ()
@@ -233,6 +234,7 @@ def worker_command(model: str, platforms: list[str], config: BenchConfig, plan_d
         plan_dir,
         "--seed",
         str(config.seed),
+        *(["--force"] if config.force else []),  # the old rows stay until replaced
     ]
 
 
@@ -282,12 +284,17 @@ def run(config: BenchConfig) -> Path:
     console = Console(stderr=True)
     rows = [(m, p) for m in config.models for p in platforms]
 
-    def done() -> int:
-        return sum(1 for m, p in rows if row_path(out, m, p, config.style).exists())
+    begun = math.floor(time.time())  # whole seconds: some file systems keep no finer mtime
 
-    if config.force:
-        for m, p in rows:
-            row_path(out, m, p, config.style).unlink(missing_ok=True)
+    def written(model: str, platform: str) -> bool:
+        # Under `force` an old row stays until its new one replaces it (atomically): a run stopped
+        # early loses nothing, and only rows written by this run count as done.
+        path = row_path(out, model, platform, config.style)
+        return path.exists() and (not config.force or path.stat().st_mtime >= begun)
+
+    def done() -> int:
+        return sum(1 for m, p in rows if written(m, p))
+
     started = time.perf_counter()
     scratch = tempfile.mkdtemp(prefix="disco-jax-bench-")
     failures = []
@@ -301,7 +308,7 @@ def run(config: BenchConfig) -> Path:
     with Progress(*columns, console=console) as bar:
         task = bar.add_task("", total=len(rows), completed=done())
         for model in config.models:
-            missing = [p for p in platforms if not row_path(out, model, p, config.style).exists()]
+            missing = [p for p in platforms if not written(model, p)]
             if not missing:
                 continue
             log_path = out / "logs" / f"{model}.{config.style}.log"
