@@ -159,9 +159,18 @@ def compile_candidate(step, args, found, plan, cluster, costs=None) -> LayoutCan
 
 
 def search_layouts(
-    step, args: tuple, found: mesh_step.Structure, cluster, memory_limit_bytes: int | None = None, plans=None, say=print
+    step,
+    args: tuple,
+    found: mesh_step.Structure,
+    cluster,
+    memory_limit_bytes: int | None = None,
+    plans=None,
+    say=print,
+    after=None,
 ) -> LayoutSearch:
-    """Compile and cost every plan (default `candidate_plans`), choose the cheapest within the limit."""
+    """Compile and cost every plan (default `candidate_plans`), choose the cheapest within the limit.
+    `after(search)`, where given, is called with the search so far after each plan (a long run
+    keeps its partial result)."""
     start = time.perf_counter()
     plans = plans if plans is not None else candidate_plans(found, cluster.gpus_per_node)
     costs = (cluster.kernel_estimator(), cluster.grouped_collectives(), cluster.simulator_params())
@@ -178,20 +187,26 @@ def search_layouts(
             us = "-" if c.iteration_us is None else f"{c.iteration_us / 1e3:.2f} ms"
             gb = "-" if c.peak_bytes is None else f"{c.peak_bytes / 1e9:.2f} GB"
             say(f"{plan.label:60s} {us:>10s} {gb:>10s} ({c.compile_s:.0f} s){' ' + c.why_not if c.why_not else ''}")
-    distinct = list(by_program.values())
+        if after is not None and len(done) < len(plans):
+            after(choose(done, list(by_program.values()), memory_limit_bytes, time.perf_counter() - start))
+    return choose(done, list(by_program.values()), memory_limit_bytes, time.perf_counter() - start)
+
+
+def choose(done: list[LayoutCandidate], distinct: list[LayoutCandidate], memory_limit_bytes, seconds: float):
+    """The search's result: the cheapest of the `distinct` programs within the limit."""
     fits = [c for c in distinct if memory_limit_bytes is None or (c.peak_bytes or 0) <= memory_limit_bytes]
     if not fits:
         smallest = min(distinct, key=lambda c: c.peak_bytes or 0, default=None)
         reason = f"no plan fits {memory_limit_bytes} bytes per device" + (
             f" (smallest: {smallest.plan.label}, {smallest.peak_bytes})" if smallest else ""
         )
-        return LayoutSearch(None, done, reason, time.perf_counter() - start)
+        return LayoutSearch(None, done, reason, seconds)
     chosen = min(fits, key=lambda c: c.iteration_us)
     over = len(distinct) - len(fits)
     reason = f"{chosen.plan.label}: the cheapest compiled of {len(distinct)} distinct programs ({len(done)} plans)" + (
         f" within {memory_limit_bytes} bytes per device ({over} over it)" if memory_limit_bytes else ""
     )
-    return LayoutSearch(chosen, done, reason, time.perf_counter() - start)
+    return LayoutSearch(chosen, done, reason, seconds)
 
 
 def offline_layout(step, args: tuple, cluster, memory_limit_bytes: int | None) -> dict:

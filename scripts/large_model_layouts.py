@@ -98,13 +98,36 @@ def main(argv=None) -> int:
             "mfu": mfu,
             "compile_s": compile_s,
         }
-        fits = "" if peak is None or peak <= limit else "  (over the limit)"
-        print(
-            f"{kind:10s} {label:60s} step {iteration_us / 1e3 if iteration_us else float('nan'):8.2f} ms  "
-            f"peak {peak / 1e9 if peak else float('nan'):6.2f} GB  MFU {100 * mfu if mfu else float('nan'):5.1f}%"
-            f"  ({compile_s:.0f} s){fits}",
-            flush=True,
-        )
+        return mfu
+
+    def rows_of(result):
+        rows.clear()
+        for c in result.candidates:
+            if c.cost is not None:
+                kind = "by hand" if isinstance(c.plan, handwritten.HandPlan) else "disco-jax"
+                row(c.plan.label, c.iteration_us, c.peak_bytes, c.compile_s, kind)
+                rows[c.plan.label]["same_program_as"] = list(c.same_program)
+                rows[c.plan.label]["mesh"] = [c.plan.data, c.plan.model]
+
+    def write(result, partial: bool):
+        """The rows so far as JSON (`partial`: the run has not compiled every plan yet)."""
+        if not args.json:
+            return
+        rows_of(result)
+        record = {
+            "args": vars(args),
+            "model": spec.description,
+            "parameters": params,
+            "cluster": cluster.name,
+            "model_flops_per_step": flops,
+            "peak_flops_per_device": peak_flops,
+            "partial": partial,
+            "rows": rows,
+            "search": result.to_json(found),
+        }
+        with open(args.json + ".tmp", "w") as out:
+            json.dump(record, out, indent=1)
+        os.replace(args.json + ".tmp", args.json)
 
     step = zoo.build_train_step(spec, optimizer, mesh, "jit", donate=True)
     state, batch = zoo.abstract_state_and_batch(spec, optimizer, mesh)
@@ -115,16 +138,29 @@ def main(argv=None) -> int:
         plans = [p for p in plans if p.label in wanted or isinstance(p, handwritten.HandPlan)]
     print(f"{len(plans)} plans to compile (program time, peak, compile seconds as each is done):", flush=True)
     result = layout_search.search_layouts(
-        step, (state, batch), found, cluster, limit, plans, say=lambda line: print("  " + line, flush=True)
+        step,
+        (state, batch),
+        found,
+        cluster,
+        limit,
+        plans,
+        say=lambda line: print("  " + line, flush=True),
+        after=lambda partial: write(partial, True),
     )
+    write(result, False)
+    rows_of(result)
     for c in result.candidates:
         kind = "by hand" if isinstance(c.plan, handwritten.HandPlan) else "disco-jax"
-        if c.cost is not None:
-            row(c.plan.label, c.iteration_us, c.peak_bytes, c.compile_s, kind)
-            rows[c.plan.label]["same_program_as"] = list(c.same_program)
-            rows[c.plan.label]["mesh"] = [c.plan.data, c.plan.model]
-        else:
+        if c.cost is None:
             print(f"{kind:10s} {c.plan.label}: {c.why_not}")
+            continue
+        r = rows[c.plan.label]
+        over = "" if r["peak_bytes"] <= limit else "  (over the limit)"
+        print(
+            f"{kind:10s} {c.plan.label:60s} step {r['iteration_us'] / 1e3:8.2f} ms"
+            f"  peak {r['peak_bytes'] / 1e9:6.2f} GB  MFU {100 * r['mfu']:5.1f}%  ({r['compile_s']:.0f} s){over}",
+            flush=True,
+        )
     print(f"chosen: {result.reason}")
     best_hand = min(
         (r for r in rows.values() if r["kind"] == "by hand" and r["peak_bytes"] <= limit),
@@ -133,22 +169,6 @@ def main(argv=None) -> int:
     )
     if result.chosen is not None and best_hand is not None:
         print(f"plan / best hand-written that fits: {result.chosen.iteration_us / best_hand['iteration_us']:.3f}")
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(
-                {
-                    "args": vars(args),
-                    "model": spec.description,
-                    "parameters": params,
-                    "cluster": cluster.name,
-                    "model_flops_per_step": flops,
-                    "peak_flops_per_device": peak_flops,
-                    "rows": rows,
-                    "search": result.to_json(found),
-                },
-                out,
-                indent=1,
-            )
     return 0
 
 
