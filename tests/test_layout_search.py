@@ -116,9 +116,12 @@ def test_hand_written_configurations_are_candidates_and_never_beaten_by_the_choi
     free = layout_search.search_layouts(step, args, found, cluster, None, ours + hand, say=None)
     by_label = {c.plan.label: c for c in free.candidates}
     assert all(c.cost is not None and c.peak_bytes > 0 for c in free.candidates), [c.why_not for c in free.candidates]
-    # The user's data parallel is disco-jax's replicated plan: one program, costed once.
+    # The user's layouts are compiled as written: data parallel all-reduces its gradients and
+    # gathers nothing; FSDP all-gathers its parameters.
     dp = by_label["8x1 by hand: data parallel"]
-    assert dp.fingerprint == by_label[ours[0].label].fingerprint
+    kinds = {c.plan.label: {k.collective for k in c.program.collectives} for c in free.candidates}
+    assert "all-reduce" in kinds[dp.plan.label] and "all-gather" not in kinds[dp.plan.label]
+    assert "all-gather" in kinds["8x1 by hand: FSDP"]
     # The user's layouts are enacted: FSDP splits the stacked kernels over "data", TP over "model".
     fsdp, tp = by_label["8x1 by hand: FSDP"], by_label["1x8 by hand: TP over 8"]
     qkv = next(p for p, path in found.parameters.items() if path.endswith("['qkv']['kernel']"))
