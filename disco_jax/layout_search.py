@@ -4,15 +4,18 @@ layer group) is lowered again (`sharding.mesh_step`), compiled by XLA:GPU for th
 the compiled-program model (`cost.cost_program`, collectives per replica group:
 `eval.clusters.GroupedCollectives`) and its per-device peak read from XLA's memory analysis. The
 cheapest candidate within `memory_limit_bytes` is chosen; candidates that compile to the same
-program (the same module text) are costed once and named together.
+program (the same module text) are costed once and named together. The configurations a user
+writes by hand (`eval.handwritten.hand_plans`) are candidates too, so the choice is never costlier
+than the best of them within the limit by construction (where one of them is cheapest, it is the
+choice, and says so: its label starts "by hand" after the mesh).
 
 Search by layer groups, not by layer: the groups are the parameter tree's first keys without their
 number (every `Block_i` is one group, a scan's stack one, the embedding another), so a 32-layer
 decoder has the same handful of groups as a 2-layer one and the candidates are (mesh shapes) x
-(choices per group that reads parameters through dots): at most 4 x 6 x 2 programs, each one
-compile. Layers of one group are alike in a decoder, and a per-layer choice inside a scanned stack
-cannot differ between iterations anyway; a decoder whose layers differ would need groups split
-further (not done).
+(choices per group that reads parameters through dots): at most 4 x 6 x 2 programs (22 for a
+decoder on 8 or 32 GPUs of nodes of 8) and 5 by hand, each one compile. Layers of one group
+are alike in a decoder, and a per-layer choice inside a scanned stack cannot differ between
+iterations anyway; a decoder whose layers differ would need groups split further (not done).
 
     found = mesh_step.structure(step, args)
     result = search_layouts(step, args, found, cluster, memory_limit_bytes=80e9)
@@ -33,10 +36,11 @@ from disco_jax.sharding import choice, mesh_step, operators, update
 
 @dataclasses.dataclass
 class LayoutCandidate:
-    """One plan compiled for the target: its peak (XLA's memory analysis, bytes per device), its
+    """One plan (an `operators.OperatorPlan`, or a configuration written by hand:
+    `eval.handwritten.HandPlan`) compiled for the target: its peak (XLA's memory analysis, bytes per device), its
     compiled cost, the program's fingerprint, and the other plans that compiled to the same program."""
 
-    plan: operators.OperatorPlan
+    plan: Any
     peak_bytes: int | None = None
     cost: Any = None
     fingerprint: str | None = None
@@ -91,10 +95,15 @@ def dot_groups(found: mesh_step.Structure) -> list[str]:
     return sorted(counts, key=lambda g: -counts[g])
 
 
-def candidate_plans(found: mesh_step.Structure, devices_per_node: int) -> list[operators.OperatorPlan]:
+def candidate_plans(
+    found: mesh_step.Structure, devices_per_node: int, hand: bool = True
+) -> list[operators.OperatorPlan | Any]:
     """Every mesh shape (`operators.mesh_shapes`) with every choice for the blocks' group and the
     choices that fit it for the other groups read by dots (the embedding: replicated, FSDP, or
-    split on the vocabulary, with FSDP where the blocks have it)."""
+    split on the vocabulary, with FSDP where the blocks have it); with `hand`, then the
+    configurations a user writes by hand (`eval.handwritten.hand_plans`: data parallel, FSDP, TP
+    over a node, data x TP, FSDP x TP), so that the search's choice is never costlier than the
+    best of them that fits: they are candidates like any other, compiled and costed the same way."""
     groups = dot_groups(found)
     plans = []
     for data, model in operators.mesh_shapes(len(found.devices), devices_per_node):
@@ -107,6 +116,10 @@ def candidate_plans(found: mesh_step.Structure, devices_per_node: int) -> list[o
                 plans.append(
                     operators.OperatorPlan(data, model, {g: block if i == 0 else other for i, g in enumerate(groups)})
                 )
+    if hand:
+        from disco_jax.eval import handwritten  # lazily: `import disco_jax` does not import eval
+
+        plans += handwritten.hand_plans(len(found.devices), devices_per_node)
     unique = {p.label: p for p in plans}
     return list(unique.values())
 
@@ -121,7 +134,12 @@ def compile_candidate(step, args, found, plan, cluster, costs=None) -> LayoutCan
     c = LayoutCandidate(plan)
     start = time.perf_counter()
     try:
-        lowered, _, c.enacted = mesh_step.relower(step, args, found, plan)
+        if isinstance(plan, operators.OperatorPlan):
+            lowered, _, c.enacted = mesh_step.relower(step, args, found, plan)
+        else:  # a configuration written by hand (`eval.handwritten.HandPlan`)
+            from disco_jax.eval import handwritten
+
+            lowered, _, c.enacted = handwritten.relower(step, args, found, plan)
         compiled = lowered.compile()
     except Exception as e:  # a plan XLA refuses is a candidate that does not apply
         c.why_not, c.compile_s = f"{type(e).__name__}: {e}"[:300], time.perf_counter() - start
@@ -141,9 +159,18 @@ def compile_candidate(step, args, found, plan, cluster, costs=None) -> LayoutCan
 
 
 def search_layouts(
-    step, args: tuple, found: mesh_step.Structure, cluster, memory_limit_bytes: int | None = None, plans=None, say=print
+    step,
+    args: tuple,
+    found: mesh_step.Structure,
+    cluster,
+    memory_limit_bytes: int | None = None,
+    plans=None,
+    say=print,
+    after=None,
 ) -> LayoutSearch:
-    """Compile and cost every plan (default `candidate_plans`), choose the cheapest within the limit."""
+    """Compile and cost every plan (default `candidate_plans`), choose the cheapest within the limit.
+    `after(search)`, where given, is called with the search so far after each plan (a long run
+    keeps its partial result)."""
     start = time.perf_counter()
     plans = plans if plans is not None else candidate_plans(found, cluster.gpus_per_node)
     costs = (cluster.kernel_estimator(), cluster.grouped_collectives(), cluster.simulator_params())
@@ -160,20 +187,26 @@ def search_layouts(
             us = "-" if c.iteration_us is None else f"{c.iteration_us / 1e3:.2f} ms"
             gb = "-" if c.peak_bytes is None else f"{c.peak_bytes / 1e9:.2f} GB"
             say(f"{plan.label:60s} {us:>10s} {gb:>10s} ({c.compile_s:.0f} s){' ' + c.why_not if c.why_not else ''}")
-    distinct = list(by_program.values())
+        if after is not None and len(done) < len(plans):
+            after(choose(done, list(by_program.values()), memory_limit_bytes, time.perf_counter() - start))
+    return choose(done, list(by_program.values()), memory_limit_bytes, time.perf_counter() - start)
+
+
+def choose(done: list[LayoutCandidate], distinct: list[LayoutCandidate], memory_limit_bytes, seconds: float):
+    """The search's result: the cheapest of the `distinct` programs within the limit."""
     fits = [c for c in distinct if memory_limit_bytes is None or (c.peak_bytes or 0) <= memory_limit_bytes]
     if not fits:
         smallest = min(distinct, key=lambda c: c.peak_bytes or 0, default=None)
         reason = f"no plan fits {memory_limit_bytes} bytes per device" + (
             f" (smallest: {smallest.plan.label}, {smallest.peak_bytes})" if smallest else ""
         )
-        return LayoutSearch(None, done, reason, time.perf_counter() - start)
+        return LayoutSearch(None, done, reason, seconds)
     chosen = min(fits, key=lambda c: c.iteration_us)
     over = len(distinct) - len(fits)
     reason = f"{chosen.plan.label}: the cheapest compiled of {len(distinct)} distinct programs ({len(done)} plans)" + (
         f" within {memory_limit_bytes} bytes per device ({over} over it)" if memory_limit_bytes else ""
     )
-    return LayoutSearch(chosen, done, reason, time.perf_counter() - start)
+    return LayoutSearch(chosen, done, reason, seconds)
 
 
 def offline_layout(step, args: tuple, cluster, memory_limit_bytes: int | None) -> dict:

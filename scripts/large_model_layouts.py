@@ -7,7 +7,15 @@ The configurations a user writes (`eval.handwritten`): data parallel, FSDP (Name
 parameters and state), TP over a node (Megatron column/row by parameter name, vocabulary-parallel
 embedding), data x TP, FSDP x TP. disco-jax's candidates: `layout_search.candidate_plans` (every
 mesh shape x choice per layer group), found from the step's own dots, enacted with activation
-constraints; the plan is the cheapest within `--memory-gb`.
+constraints. The hand-written configurations are candidates of the same search
+(`candidate_plans(hand=True)`), so the plan, the cheapest within `--memory-gb`, is never worse than
+the best of them that fits; rows say which compiled to the same program.
+
+On 4x8xH100-IB400 (32 GPUs, `--cluster 4x8xH100-IB400`) the meshes are 32x1, 16x2, 8x4, 4x8: the
+model axis inside a node (device ids numbered node by node, model the faster mesh axis);
+collectives inside a node are costed on the 8-GPU NVLink nccl-tests fits (groups of 2 and 4 by the
+ring's bus factor), groups across nodes on the 2-node InfiniBand fits carried to their node count
+(`clusters.GroupedCollectives`).
 
     python scripts/large_model_layouts.py [--layers 2] [--width 2048] [--heads 16] [--seq 2048]
         [--batch 8] [--vocab 50304] [--cluster 8xH100-NVLink] [--memory-gb 80] [--scan] [--remat none]
@@ -22,16 +30,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
 
 import optax  # noqa: E402
 
-from disco_jax import backends, cost, layout_search, targets, zoo  # noqa: E402
+from disco_jax import layout_search, targets, zoo  # noqa: E402
 from disco_jax.eval import clusters, handwritten  # noqa: E402
-from disco_jax.sharding import choice, mesh_step, update  # noqa: E402
+from disco_jax.sharding import mesh_step  # noqa: E402
 
 
 def model_flops(spec_cfg: dict, params: int) -> float:
@@ -53,7 +60,9 @@ def main(argv=None) -> int:
     parser.add_argument("--remat", default="none")
     parser.add_argument("--cluster", default="8xH100-NVLink")
     parser.add_argument("--memory-gb", type=float, default=80.0)
-    parser.add_argument("--only", default=None, help="comma-separated plan labels to compile (default: all)")
+    parser.add_argument(
+        "--only", default=None, help="';'-separated labels of disco-jax's plans to compile (default: all; by hand: all)"
+    )
     parser.add_argument("--no-hand", action="store_true", help="skip the hand-written configurations")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -78,7 +87,6 @@ def main(argv=None) -> int:
     peak_flops = (cluster.device.dot16_flops or cluster.device.dot_flops).value
     limit = int(args.memory_gb * 1e9)
     print(f"{spec.description}; {params / 1e9:.2f}B parameters; {cluster.name}; limit {args.memory_gb} GB", flush=True)
-    costs = (cluster.kernel_estimator(), cluster.grouped_collectives(), cluster.simulator_params())
     rows = {}
 
     def row(label, iteration_us, peak, compile_s, kind):
@@ -90,45 +98,69 @@ def main(argv=None) -> int:
             "mfu": mfu,
             "compile_s": compile_s,
         }
-        fits = "" if peak is None or peak <= limit else "  (over the limit)"
-        print(
-            f"{kind:10s} {label:60s} step {iteration_us / 1e3 if iteration_us else float('nan'):8.2f} ms  "
-            f"peak {peak / 1e9 if peak else float('nan'):6.2f} GB  MFU {100 * mfu if mfu else float('nan'):5.1f}%"
-            f"  ({compile_s:.0f} s){fits}",
-            flush=True,
-        )
+        return mfu
 
-    devices = list(mesh.devices.flat)
-    hand = {} if args.no_hand else handwritten.configurations(n, cluster.gpus_per_node)
-    for label, (data, model, fsdp) in hand.items():
-        start = time.perf_counter()
-        step, abstract = handwritten.megatron_step(spec, optimizer, devices, data, model, fsdp)
-        compiled = step.lower(*abstract).compile()
-        text = compiled.as_text()
-        costed = cost.cost_program(cost.compiled_program(text, backends.GPU), *costs)
-        row(
-            label,
-            costed.iteration_us,
-            choice.footprint(update.memory(compiled, {})),
-            time.perf_counter() - start,
-            "by hand",
-        )
+    def rows_of(result):
+        rows.clear()
+        for c in result.candidates:
+            if c.cost is not None:
+                kind = "by hand" if isinstance(c.plan, handwritten.HandPlan) else "disco-jax"
+                row(c.plan.label, c.iteration_us, c.peak_bytes, c.compile_s, kind)
+                rows[c.plan.label]["same_program_as"] = list(c.same_program)
+                rows[c.plan.label]["mesh"] = [c.plan.data, c.plan.model]
+
+    def write(result, partial: bool):
+        """The rows so far as JSON (`partial`: the run has not compiled every plan yet)."""
+        if not args.json:
+            return
+        rows_of(result)
+        record = {
+            "args": vars(args),
+            "model": spec.description,
+            "parameters": params,
+            "cluster": cluster.name,
+            "model_flops_per_step": flops,
+            "peak_flops_per_device": peak_flops,
+            "partial": partial,
+            "rows": rows,
+            "search": result.to_json(found),
+        }
+        with open(args.json + ".tmp", "w") as out:
+            json.dump(record, out, indent=1)
+        os.replace(args.json + ".tmp", args.json)
+
     step = zoo.build_train_step(spec, optimizer, mesh, "jit", donate=True)
     state, batch = zoo.abstract_state_and_batch(spec, optimizer, mesh)
     found = mesh_step.structure(step, (state, batch))
-    plans = layout_search.candidate_plans(found, cluster.gpus_per_node)
+    plans = layout_search.candidate_plans(found, cluster.gpus_per_node, hand=not args.no_hand)
     if args.only:
         wanted = set(args.only.split(";"))
-        plans = [p for p in plans if p.label in wanted]
+        plans = [p for p in plans if p.label in wanted or isinstance(p, handwritten.HandPlan)]
     print(f"{len(plans)} plans to compile (program time, peak, compile seconds as each is done):", flush=True)
     result = layout_search.search_layouts(
-        step, (state, batch), found, cluster, limit, plans, say=lambda line: print("  " + line, flush=True)
+        step,
+        (state, batch),
+        found,
+        cluster,
+        limit,
+        plans,
+        say=lambda line: print("  " + line, flush=True),
+        after=lambda partial: write(partial, True),
     )
+    write(result, False)
+    rows_of(result)
     for c in result.candidates:
-        if c.cost is not None:
-            row(c.plan.label, c.iteration_us, c.peak_bytes, c.compile_s, "disco-jax")
-        else:
-            print(f"disco-jax  {c.plan.label}: {c.why_not}")
+        kind = "by hand" if isinstance(c.plan, handwritten.HandPlan) else "disco-jax"
+        if c.cost is None:
+            print(f"{kind:10s} {c.plan.label}: {c.why_not}")
+            continue
+        r = rows[c.plan.label]
+        over = "" if r["peak_bytes"] <= limit else "  (over the limit)"
+        print(
+            f"{kind:10s} {c.plan.label:60s} step {r['iteration_us'] / 1e3:8.2f} ms"
+            f"  peak {r['peak_bytes'] / 1e9:6.2f} GB  MFU {100 * r['mfu']:5.1f}%  ({r['compile_s']:.0f} s){over}",
+            flush=True,
+        )
     print(f"chosen: {result.reason}")
     best_hand = min(
         (r for r in rows.values() if r["kind"] == "by hand" and r["peak_bytes"] <= limit),
@@ -137,13 +169,6 @@ def main(argv=None) -> int:
     )
     if result.chosen is not None and best_hand is not None:
         print(f"plan / best hand-written that fits: {result.chosen.iteration_us / best_hand['iteration_us']:.3f}")
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(
-                {"args": vars(args), "model": spec.description, "rows": rows, "search": result.to_json(found)},
-                out,
-                indent=1,
-            )
     return 0
 
 

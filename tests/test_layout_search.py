@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from disco_jax import cost, layout_search, targets, zoo
-from disco_jax.eval import clusters
+from disco_jax.eval import clusters, handwritten
 from disco_jax.sharding import mesh_step, operators
 
 GPT = {
@@ -35,12 +35,17 @@ def test_a_collective_over_part_of_the_cluster_costs_its_group():
 
 
 @pytest.fixture(scope="module")
-def searched():
+def tiny():
     spec, optimizer = zoo.resized("gpt", "paper", **GPT), optax.adamw(1e-3)
     mesh = targets.mesh("h100-sxm", 8)
     step = zoo.build_train_step(spec, optimizer, mesh, "jit", donate=True)
     args = zoo.abstract_state_and_batch(spec, optimizer, mesh)
-    found = mesh_step.structure(step, args)
+    return step, args, mesh_step.structure(step, args)
+
+
+@pytest.fixture(scope="module")
+def searched(tiny):
+    step, args, found = tiny
     plans = [
         operators.OperatorPlan(8, 1, {"blocks": "replicated", "Embed": "replicated"}),
         operators.OperatorPlan(8, 1, {"blocks": "tp", "Embed": "tp"}),  # no model axis: the same program
@@ -92,5 +97,58 @@ def test_candidate_plans_cover_every_mesh_shape_and_choose_for_the_blocks_first(
     assert {(p.data, p.model) for p in plans} == {(8, 1), (4, 2), (2, 4), (1, 8)}
     labels = {p.label for p in plans}
     assert "1x8 Embed: tp, blocks: tp_sp" in labels and "2x4 Embed: fsdp_tp, blocks: fsdp_tp_sp" in labels
-    assert not any(p.data == 1 and any(operators.uses_fsdp(c) for c in p.choices.values()) for p in plans)
-    assert len(labels) == len(plans) == 22
+    ours = [p for p in plans if isinstance(p, operators.OperatorPlan)]
+    assert not any(p.data == 1 and any(operators.uses_fsdp(c) for c in p.choices.values()) for p in ours)
+    assert len(labels) == len(plans) == 22 + 5
+    hand = [p for p in plans if isinstance(p, handwritten.HandPlan)]
+    assert {p.name for p in hand} == {"data parallel", "FSDP", "TP over 8", "data x TP (2x4)", "FSDP x TP (2x4)"}
+    assert len(layout_search.candidate_plans(found, 8, hand=False)) == 22
+
+
+def test_hand_written_configurations_are_candidates_and_never_beaten_by_the_choice(tiny):
+    step, args, found = tiny
+    cluster = clusters.node_of("h100-sxm", 8)
+    hand = handwritten.hand_plans(8, 8)
+    ours = [
+        operators.OperatorPlan(8, 1, {"blocks": "replicated", "Embed": "replicated"}),
+        operators.OperatorPlan(4, 2, {"blocks": "fsdp_tp_sp", "Embed": "fsdp_tp"}),
+    ]
+    free = layout_search.search_layouts(step, args, found, cluster, None, ours + hand, say=None)
+    by_label = {c.plan.label: c for c in free.candidates}
+    assert all(c.cost is not None and c.peak_bytes > 0 for c in free.candidates), [c.why_not for c in free.candidates]
+    # The user's layouts are compiled as written: data parallel all-reduces its gradients and
+    # gathers nothing; FSDP all-gathers its parameters.
+    dp = by_label["8x1 by hand: data parallel"]
+    kinds = {c.plan.label: {k.collective for k in c.program.collectives} for c in free.candidates}
+    assert "all-reduce" in kinds[dp.plan.label] and "all-gather" not in kinds[dp.plan.label]
+    assert "all-gather" in kinds["8x1 by hand: FSDP"]
+    # The user's layouts are enacted: FSDP splits the stacked kernels over "data", TP over "model".
+    fsdp, tp = by_label["8x1 by hand: FSDP"], by_label["1x8 by hand: TP over 8"]
+    qkv = next(p for p, path in found.parameters.items() if path.endswith("['qkv']['kernel']"))
+    assert "data" in fsdp.enacted.input_specs[qkv] and "model" in tp.enacted.input_specs[qkv]
+    assert fsdp.peak_bytes < dp.peak_bytes
+    hand_costs = [by_label[p.label].iteration_us for p in hand]
+    assert free.chosen.iteration_us <= min(hand_costs)
+    # Under a limit only the smallest fits: the choice fits it and is no costlier than any hand
+    # configuration within it.
+    limit = sorted(c.peak_bytes for c in free.candidates)[1]
+    tight = layout_search.search_layouts(step, args, found, cluster, limit, ours + hand, say=None)
+    fitting = [by_label[p.label] for p in hand if by_label[p.label].peak_bytes <= limit]
+    assert tight.chosen is not None and tight.chosen.peak_bytes <= limit
+    assert all(tight.chosen.iteration_us <= c.iteration_us for c in fitting)
+    assert "by_hand" in tight.to_json(found)["candidates"][len(ours)]
+
+
+def test_meshes_of_32_gpus_keep_the_model_axis_inside_a_node():
+    assert operators.mesh_shapes(32, 8) == [(32, 1), (16, 2), (8, 4), (4, 8)]
+    assert {(p.data, p.model) for p in handwritten.hand_plans(32, 8)} == {(32, 1), (4, 8), (8, 4)}
+    devices = list(targets.mesh("h100-sxm", 32).devices.flat)
+    grouped = clusters.get_cluster("4x8xH100-IB400").grouped_collectives()
+    for data, model in operators.mesh_shapes(32, 8):
+        grid = operators.build_mesh(devices, data, model).devices
+        for group in grid:  # one row: the devices of one model-axis group
+            ids = [d.id for d in group]
+            assert len({i // 8 for i in ids}) == 1, (data, model, ids)
+            assert grouped.for_group(ids).nodes == 1
+        if data > 1:  # a data-axis group spans the nodes
+            assert len({d.id // 8 for d in grid[:, 0]}) == min(4, data)

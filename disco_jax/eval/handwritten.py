@@ -14,6 +14,9 @@ against what a user writes, not against disco-jax's choice.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -135,6 +138,79 @@ def megatron_step(spec: zoo.ModelSpec, optimizer, devices, data: int, model: int
         donate_argnums=(0,) if donate else (),
     )
     return jitted, (state, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class HandPlan:
+    """A configuration of `configurations` as a candidate of the layout search
+    (`layout_search.candidate_plans`): `megatron_spec` on every parameter and state leaf by its
+    path, the batch over "data", no activation constraint; lowered from the user's step itself
+    (`relower`), so that it is compiled and costed as disco-jax's plans are."""
+
+    name: str
+    data: int
+    model: int
+    fsdp: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.data}x{self.model} by hand: {self.name}"
+
+    def to_json(self) -> dict:
+        return {"mesh": {DATA_AXIS: self.data, "model": self.model}, "by_hand": self.name, "fsdp": self.fsdp}
+
+
+@dataclasses.dataclass(frozen=True)
+class HandEnacted:
+    """A `HandPlan` as lowered: its mesh and every input leaf's spec (as `mesh_step.Enacted`)."""
+
+    plan: HandPlan
+    mesh: Any
+    input_specs: dict[int, P]
+
+    def to_json(self, found) -> dict:
+        return {
+            **self.plan.to_json(),
+            "parameters": {found.parameters[p]: list(self.input_specs[p]) for p in sorted(found.parameters)},
+            "rules": [],  # the user's layout: XLA's partitioner, no substitution of disco-jax's
+        }
+
+
+def hand_plans(num_devices: int, devices_per_node: int) -> list[HandPlan]:
+    """`configurations` as `HandPlan`s."""
+    return [HandPlan(name, *shape) for name, shape in configurations(num_devices, devices_per_node).items()]
+
+
+def relower(step, args: tuple, found, plan: HandPlan) -> tuple:
+    """(lowered, args on the plan's mesh, `HandEnacted`): the user's function (`step.__wrapped__`)
+    jitted as a user writes `plan` (`megatron_spec` by each leaf's path; a batch leaf of the step,
+    `found.batch`, over "data"; each new state leaf as its input), lowered on `args` moved there."""
+    from disco_jax.sharding import operators
+    from disco_jax.sharding.layouts import put
+
+    mesh = operators.build_mesh(found.devices, plan.data, plan.model)
+    with_paths, tree = jax.tree_util.tree_flatten_with_path(args)
+    specs = {}
+    for i, (path, leaf) in enumerate(with_paths):
+        if i in found.batch:
+            specs[i] = P(*(DATA_AXIS if e is not None else None for e in found.batch[i]))
+        else:
+            specs[i] = megatron_spec(jax.tree_util.keystr(path), tuple(leaf.shape), plan.data, plan.model, plan.fsdp)
+    outputs = {j: P() for j in range(found.num_outputs)}
+    for j, spec in found.out_batch.items():
+        outputs[j] = P(*(DATA_AXIS if e is not None else None for e in spec))
+    for i, j in found.outputs.items():
+        outputs[j] = specs[i]
+    in_shardings = [NamedSharding(mesh, specs[i]) for i in range(len(with_paths))]
+    moved = jax.tree.unflatten(tree, [put(x, s) for (_, x), s in zip(with_paths, in_shardings)])
+    out_tree = jax.tree.structure(jax.eval_shape(step.__wrapped__, *args))
+    jitted = jax.jit(
+        step.__wrapped__,
+        in_shardings=jax.tree.unflatten(tree, in_shardings),
+        out_shardings=jax.tree.unflatten(out_tree, [NamedSharding(mesh, outputs[j]) for j in range(found.num_outputs)]),
+        donate_argnums=found.donate_argnums,
+    )
+    return jitted.lower(*moved), moved, HandEnacted(plan, mesh, specs)
 
 
 def _one_axis(devices):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from disco_jax._files import write_json_atomic
 from disco_jax.backends import CPU, GPU, Backend
-from disco_jax.eval import baselines, clusters, gpus, headroom, report_measured
+from disco_jax.eval import baselines, clusters, gpus, headroom, report_large, report_measured
 from disco_jax.eval import report_text as fmt
 from disco_jax.eval.figures import write_figures
 from disco_jax.eval.ranked import ranked_parts
@@ -62,7 +62,7 @@ def write_report(out: str | os.PathLike, *, style: str | None = None, run_info: 
     calibration = out / AA_CALIBRATION
     if calibration.exists():  # the A/A run kept beside the rows (scripts/aa_calibration.py --json)
         run_info = {**(run_info or {}), "aa_calibration": json.loads(calibration.read_text())}
-    readme.write_text(report_markdown(rows, figures, run_info or {}))
+    readme.write_text(report_markdown(rows, figures, run_info or {}, extra=report_large.blocks(out)))
     return readme
 
 
@@ -89,8 +89,9 @@ def aa_coverage_text(calibration: dict | None) -> str:
 # --------------------------------------------------------------------------- the report
 
 
-def report_markdown(rows: list[dict], figures: dict[str, str], run_info: dict) -> str:
-    """The report's README.md."""
+def report_markdown(rows: list[dict], figures: dict[str, str], run_info: dict, extra: list[str] = ()) -> str:
+    """The report's README.md; `extra`: sections kept beside the rows (`report_large.blocks`), after
+    the paper's models."""
     platforms, models = platform_order(rows), model_order(rows)
     by_key = {(r["platform"], r["model"]): r for r in rows}
     by_platform = {p: [by_key[(p, m)] for m in models if (p, m) in by_key] for p in platforms}
@@ -132,6 +133,7 @@ def report_markdown(rows: list[dict], figures: dict[str, str], run_info: dict) -
         for prow in measured.values():
             blocks += report_measured.accuracy(prow, figures)
     blocks += _paper_models(rows, models)
+    blocks += list(extra)
     blocks += _baselines_and_clusters()
     blocks.append(
         fmt.fill(
