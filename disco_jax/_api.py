@@ -21,6 +21,7 @@ import jax
 from disco_jax._options import Options, StepReport, search_enabled
 from disco_jax._pipeline import prepare
 from disco_jax._search import SearchConfig
+from disco_jax.sharding.mesh_plan import MeshRun
 from disco_jax.sharding.update import Resharding
 
 
@@ -134,7 +135,7 @@ class OptimizedStep:
         if prepared is None:
             run = self._prepare(args, kwargs, dynamic_args, dynamic_kwargs)
             steady = None
-            if isinstance(run, Resharding):  # the program of the arguments as the step returns them
+            if isinstance(run, Resharding | MeshRun):  # the program of the arguments as the step returns them
                 steady = _Prepared(run.steady, static, takes_static=False)
                 self._prepared[(_signature(*run.reshard(dynamic_args, dynamic_kwargs)), static)] = steady
             prepared = self._prepared[key] = _Prepared(run, static, takes_static=run is self._fn, steady=steady)

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from test_mesh_step import _group_sizes
 
 from disco_jax import _plan, optimize_distributed, zoo
 from disco_jax.sharding import mesh_plan, operators
@@ -51,16 +52,6 @@ def blocks(tree):
     return tree["blocks"]["block"]
 
 
-def _group_sizes(text: str) -> set[int]:
-    """Replica group sizes of a compiled module's collectives (iota `[groups,size]<=[n]` form)."""
-    return {
-        int(m)
-        for m in re.findall(
-            r"(?:all-reduce|all-gather|reduce-scatter)(?:-start)?\(.*replica_groups=\[\d+,(\d+)\]<=", text
-        )
-    }
-
-
 def assert_same_training(state, losses, reference):
     """Losses close; parameters within what Adam can move two runs apart in STEPS steps (2 x lr
     per step): the key projection's bias has a gradient of zero up to rounding (softmax ignores
@@ -95,7 +86,7 @@ def test_a_forced_tensor_parallel_plan_trains_in_its_layout(tmp_path, reference)
     assert shard(params["Embed_0"]["embedding"]) == (2048 // 8, 128)
     assert shard(blocks(mu)["Dense_1"]["kernel"]) == (1, 512 // 8, 128)
     assert shard(mu["Embed_0"]["embedding"]) == (2048 // 8, 128)
-    text = run.executable(new_state, batch).as_text()
+    text = run.executable(state, batch).as_text()  # the program the first call prepared, and the later ones ran
     assert len(re.findall(r" all-reduce(?:-start)?\(", text)) > 0  # the row dots' partial sums
     assert _group_sizes(text) == {8}  # the model axis is every device
 

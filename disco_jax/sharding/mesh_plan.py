@@ -164,11 +164,20 @@ class MeshRun:
         self.compiled = program.default_compiled
         self.shardings = [x.sharding for x in jax.tree.leaves(program.args)]
 
-    def __call__(self, *args, **kwargs):
+    @property
+    def steady(self) -> MeshRun:
+        """What later calls run (the decorator keys the moved arguments' signature to it)."""
+        return self
+
+    def reshard(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call's arguments in the plan's shardings."""
         leaves, tree = jax.tree.flatten(args)
         if kwargs or len(leaves) != len(self.shardings):
             raise TypeError("not the arguments of this two-axis program")
-        return self.compiled(*jax.tree.unflatten(tree, [put(x, s) for x, s in zip(leaves, self.shardings)]))
+        return jax.tree.unflatten(tree, [put(x, s) for x, s in zip(leaves, self.shardings)]), {}
+
+    def __call__(self, *args, **kwargs):
+        return self.compiled(*self.reshard(args, kwargs)[0])
 
     def as_text(self) -> str:
         return self.compiled.as_text()
