@@ -107,7 +107,10 @@ def test_a_memory_limit_no_one_axis_update_meets_chooses_a_two_axis_plan(tmp_pat
     one_axis, tensor_parallel = _footprints(step, state, batch)
     assert tensor_parallel < one_axis, (tensor_parallel, one_axis)
     limit = (tensor_parallel + one_axis) // 2
-    run = optimize_distributed(search=True, plan_dir=tmp_path, memory_limit_bytes=limit, **FAST)(step)
+    # One two-axis candidate within the limit measured (the fewest collectives): a small test.
+    run = optimize_distributed(search=True, plan_dir=tmp_path, memory_limit_bytes=limit, measured_candidates=1, **FAST)(
+        step
+    )
     new_state, losses = train(run, state, batch)
     report = run.reports[0]
     info = report.weight_update
@@ -115,6 +118,8 @@ def test_a_memory_limit_no_one_axis_update_meets_chooses_a_two_axis_plan(tmp_pat
     assert all(c["footprint_bytes"] > limit for c in info["candidates"])  # DP, ZeRO, FSDP: none fits
     chosen = report.layout
     assert chosen["footprint_bytes"] <= limit and chosen["check"]["within_tolerance"]
+    assert sum("measured" in c for c in chosen["candidates"]) == 1
+    assert any(c.get("within_limit") is False for c in chosen["candidates"])  # some two-axis plans do not fit either
     assert chosen["plan"]["mesh"]["model"] > 1
     # Faster than the unmodified step with confidence, or the record says memory forced it.
     assert (chosen["measured"]["verdict"] == "faster") == (chosen["forced"] is False)
@@ -156,3 +161,36 @@ def test_layout_option_parsing():
     for bad in ("2x4", "x:tp", "2x4:tp,Embed=nope", 3):
         with pytest.raises(ValueError):
             mesh_plan.check_layout(bad)
+
+
+def test_an_offline_layout_is_measured_on_the_devices_at_hand_then_its_verdict_kept(tmp_path, reference):
+    """A plan as `offline.plan_for_target(layouts=True)` records its chosen layout (here under this
+    machine's key: no GPU machine to make it for), for the step's device count: the enact phase
+    checks and measures it before applying it, and writes the verdict into the plan."""
+    step, state, batch = gpt()
+    probe = optimize_distributed(search=False, plan_dir=tmp_path, layout="data", **FAST)(step)
+    with pytest.warns(_plan.PlanWarning, match="no plan"):
+        probe(state, batch)
+    chosen = {"plan": "1x8 Embed: tp, blocks: tp", "mesh": {"data": 1, "model": 8}}
+    chosen["choices"] = {"blocks": "tp", "Embed": "tp"}
+    fingerprint, machine = probe.reports[0].fingerprint, _plan.MachineKey.current()
+    offline = _plan.Plan(
+        fingerprint, "jit_step", machine, True, None, "offline", search={"offline": {"layout": {"chosen": chosen}}}
+    )
+    _plan.save_plan(offline, tmp_path)
+
+    run = optimize_distributed(search=False, plan_dir=tmp_path, **FAST)(step)
+    new_state, losses = train(run, state, batch)
+    info = run.reports[0].layout
+    assert info["from"] == "offline" and info["check"]["within_tolerance"] and info["measured"]["pairs"] >= 4
+    stored = _plan.find_plan(fingerprint, machine, tmp_path)[0].layout
+    assert stored["mode"] == info["mode"] and stored["measured"] == info["measured"]
+    # Applied only when measured faster with confidence (no memory limit here).
+    assert (info["mode"] == "mesh") == (info["measured"]["verdict"] == "faster") == run.reports[0].applied
+    assert_same_training(new_state, losses, reference)
+    again = optimize_distributed(search=False, plan_dir=tmp_path, **FAST)(step)
+    again(state, batch)
+    if info["mode"] == "mesh":  # the verdict read back, nothing measured
+        assert again.reports[0].layout["recalled"] and "measured" in again.reports[0].layout
+    else:
+        assert again.reports[0].layout is None and not again.reports[0].applied
