@@ -216,16 +216,8 @@ def optimize_distributed(
     "sharded": `jax.jit` steps keep their optimizer state sharded over the data axis, each device
     updating its slice (one warning and the replicated update where no leaf qualifies, e.g. a
     `shard_map` step). "replicated": every device updates the whole optimizer state.
-
-    layout: two-axis plans, a mesh of data x model devices and a layout per layer group
-    (`disco_jax.sharding.mesh_plan`, docs/operator-parallelism.md). "search" (default): where no
-    one-axis weight update fits `memory_limit_bytes`, the search phase compiles two-axis plans
-    on the devices, measures those within the limit and stores the fastest (the record says when
-    memory forced a slower one); the enact phase applies a stored one. "data": never. Forced:
-    "tp" (tensor parallel over every device), "DxM:CHOICE" (e.g. "2x4:fsdp_tp_sp"; CHOICE for the
-    blocks, the embedding the same without sequence parallelism), "DxM:CHOICE,Group=CHOICE", or an
-    `operators.OperatorPlan`: checked and measured in the search phase, run whatever its speed
-    (never with outputs outside the check). `step.last_report.layout` records it."""
+    layout: "search" (a two-axis plan where no one-axis update fits the limit), "data", or forced:
+    "tp", "2x4:fsdp_tp"... (`sharding.mesh_plan`, docs/operator-parallelism.md)."""
     if search not in (None, True, False):
         raise TypeError(f"search must be None, True or False, got {search!r}")
     overrides = {k: kwargs.pop(k) for k in _SEARCH_PARAMETERS if k in kwargs}

@@ -131,9 +131,8 @@ def choose(
     """(program, its `Layout` or None, what the plan records) for `weight_update="search"`.
     `costs`: the replicated step's cost model and the profile database (`_search_phase.Profiled`);
     `config`: the search's `SearchConfig` (a quarter of its budget goes to `search_sharding`).
-    `beyond()`: where no candidate fits `memory_limit`, the two-axis plan that does
-    (`mesh_plan.choose_for_memory`: (program, record) or None); its program is returned with
-    mode "mesh" and the record under "layout"."""
+    `beyond()`: where no candidate fits `memory_limit`, (program, record) of the two-axis plan that
+    does (`mesh_plan.choose_for_memory`), returned as mode "mesh" with the record under "layout"."""
     info: dict[str, Any] = {"requested": "search", "memory_limit_bytes": memory_limit}
     input_shardings = jax.tree.leaves(step.default_compiled.input_shardings)
     layout, reason = update.find_layout(fn, args, kwargs, step.args, step.kwargs, input_shardings)

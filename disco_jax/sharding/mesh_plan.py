@@ -81,9 +81,7 @@ def plan_for(found: mesh_step.Structure, data: int, model: int, block: str, name
     """The plan with `block` for the group with the most dot-read parameters (the blocks) and the
     same without sequence parallelism for the other dot-read groups (the embedding), `named`
     groups as given."""
-    from disco_jax.layout_search import dot_groups
-
-    groups = dot_groups(found)
+    groups = mesh_step.dot_groups(found)
     choices = {g: block if i == 0 else _without_sp(block) for i, g in enumerate(groups)}
     choices.update(named or {})
     return operators.OperatorPlan(data, model, choices)
