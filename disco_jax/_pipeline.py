@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -128,7 +129,9 @@ def layout_stage(
         return None
     why = mesh_plan.not_applicable(fn, step, args, kwargs, dynamic_args)
     if why is None and not forced:
-        plan, _ = _plan.find_plan(step.graph.fingerprint, step.machine, options.plan_dir)
+        with warnings.catch_warnings():  # a corrupt or stale plan is reported once, by the enact phase
+            warnings.simplefilter("ignore", _plan.PlanWarning)
+            plan, _ = _plan.find_plan(step.graph.fingerprint, step.machine, options.plan_dir)
         if mesh_plan.stored_layout(plan, len(step.devices))[0] is None:
             return None
     found = None
