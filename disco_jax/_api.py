@@ -21,6 +21,7 @@ import jax
 from disco_jax._options import Options, StepReport, search_enabled
 from disco_jax._pipeline import prepare
 from disco_jax._search import SearchConfig
+from disco_jax.sharding.mesh_plan import MeshRun
 from disco_jax.sharding.update import Resharding
 
 
@@ -134,7 +135,7 @@ class OptimizedStep:
         if prepared is None:
             run = self._prepare(args, kwargs, dynamic_args, dynamic_kwargs)
             steady = None
-            if isinstance(run, Resharding):  # the program of the arguments as the step returns them
+            if isinstance(run, Resharding | MeshRun):  # the program of the arguments as the step returns them
                 steady = _Prepared(run.steady, static, takes_static=False)
                 self._prepared[(_signature(*run.reshard(dynamic_args, dynamic_kwargs)), static)] = steady
             prepared = self._prepared[key] = _Prepared(run, static, takes_static=run is self._fn, steady=steady)
@@ -185,6 +186,7 @@ def optimize_distributed(
     measured_candidates: int = 4,
     weight_update: str = "search",
     memory_limit_bytes: int | None = None,
+    layout: Any = "search",
     verbose: bool = True,
     **kwargs,
 ):
@@ -213,7 +215,9 @@ def optimize_distributed(
     only when measured faster or needed to fit `memory_limit_bytes` (per device; None: no limit).
     "sharded": `jax.jit` steps keep their optimizer state sharded over the data axis, each device
     updating its slice (one warning and the replicated update where no leaf qualifies, e.g. a
-    `shard_map` step). "replicated": every device updates the whole optimizer state."""
+    `shard_map` step). "replicated": every device updates the whole optimizer state.
+    layout: "search" (a two-axis plan where no one-axis update fits the limit), "data", or forced:
+    "tp", "2x4:fsdp_tp"... (`sharding.mesh_plan`, docs/operator-parallelism.md)."""
     if search not in (None, True, False):
         raise TypeError(f"search must be None, True or False, got {search!r}")
     overrides = {k: kwargs.pop(k) for k in _SEARCH_PARAMETERS if k in kwargs}
@@ -226,6 +230,7 @@ def optimize_distributed(
         measured_candidates=measured_candidates,
         weight_update=weight_update,
         memory_limit_bytes=memory_limit_bytes,
+        layout=layout,
     )
     jit_kwargs = kwargs
 

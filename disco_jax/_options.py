@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 from disco_jax import _search
-from disco_jax.sharding import update
+from disco_jax.sharding import mesh_plan, update
 
 ENABLE_SEARCH_ENV = "ENABLE_SEARCH"
 
@@ -32,7 +33,10 @@ class Options:
     and times against XLA's plan before one goes to validation (0: validate the search's best);
     `weight_update`: 'sharded' keeps the optimizer state sharded over the data axis
     (`disco_jax.sharding.update`), 'replicated' is XLA's data-parallel update, 'search' chooses
-    per parameter group (`disco_jax.sharding.choice`) within `memory_limit_bytes` per device."""
+    per parameter group (`disco_jax.sharding.choice`) within `memory_limit_bytes` per device;
+    `layout`: two-axis plans (`disco_jax.sharding.mesh_plan`): 'search' considers them where no
+    one-axis weight update fits `memory_limit_bytes` and enacts stored ones, 'data' never, a
+    forced plan ('tp', 'DxM:CHOICE', an `OperatorPlan`) always."""
 
     search: _search.SearchConfig = _search.SearchConfig()
     plan_dir: str | None = None
@@ -41,9 +45,11 @@ class Options:
     measured_candidates: int = 4
     weight_update: str = "search"
     memory_limit_bytes: int | None = None
+    layout: Any = "search"
 
     def __post_init__(self):
         update.check_weight_update(self.weight_update)
+        mesh_plan.check_layout(self.layout)
         limit = self.memory_limit_bytes
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
             raise ValueError(f"memory_limit_bytes must be a positive integer or None, got {limit!r}")
@@ -51,7 +57,10 @@ class Options:
             raise ValueError(f"measured_candidates must be a non-negative integer, got {self.measured_candidates!r}")
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if not isinstance(self.layout, str):
+            data["layout"] = self.layout.to_json()
+        return data
 
 
 @dataclasses.dataclass
@@ -82,6 +91,7 @@ class StepReport:
     plan_from_process: int | None = None
     weight_update: dict | None = None  # mode, sharded leaves, per-device memory (`sharding.update`)
     rules_applied: list | None = None  # sharding rules applied at the hook to the executable that runs
+    layout: dict | None = None  # the two-axis plan enacted or measured (`sharding.mesh_plan.record`)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -20,19 +20,21 @@ order; process 0 alone searches and decides (`_search_phase`, `_enact_phase`).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from disco_jax import _distributed, _warnings, backends
+from disco_jax import _distributed, _plan, _warnings, backends
 from disco_jax._compile import Captured, capture, compiled_stats
 from disco_jax._console import Ui
 from disco_jax._enact_phase import enact_phase
 from disco_jax._options import Options, StepReport
 from disco_jax._output_check import Float64Run
 from disco_jax._search_phase import Profiled, profile_stage, search_phase, store_stage
-from disco_jax.sharding import choice, update
+from disco_jax.sharding import choice, mesh_plan, update
 
 __all__ = ["prepare"]
 
@@ -71,7 +73,13 @@ def prepare(
     if backend is None:
         return fn
     step = capture_stage(fn, args, kwargs, dynamic_args, dynamic_kwargs, backend)
+    meshed = layout_stage(fn, step, args, kwargs, dynamic_args, backend, options, search, report, ui)
+    if meshed is not None:
+        return meshed
     chosen = weight_update_stage(fn, step, args, kwargs, backend, options, search, report, ui)
+    if chosen.info.get("mode") == "mesh":  # memory chose a two-axis plan: XLA's program of it runs
+        _describe(step, report, chosen.info["layout"])
+        return mesh_plan.MeshRun(chosen.step)
     run = _phase(chosen.step, options, search, report, ui, chosen.profiled)
     return run if chosen.layout is None else update.Resharding(run, chosen.layout)
 
@@ -99,6 +107,68 @@ def capture_stage(
     return step
 
 
+def layout_stage(
+    fn: Callable,
+    step: Captured,
+    args: tuple,
+    kwargs: dict,
+    dynamic_args: tuple,
+    backend,
+    options: Options,
+    search: bool,
+    report: StepReport,
+    ui: Ui,
+) -> Any | None:
+    """A two-axis plan (`sharding.mesh_plan`) where `options.layout` forces one, or (enact phase,
+    `layout="search"`) where the stored plan holds one: its `MeshRun`; None where the step stays
+    on its one data axis (the weight-update stage and the phases then run as before). A plan chosen
+    under a memory limit in the search phase is the weight-update stage's (`choice.choose`)."""
+    value = options.layout
+    forced = mesh_plan.is_forced(value)
+    if value == "data" or (search and not forced):
+        return None
+    why = mesh_plan.not_applicable(fn, step, args, kwargs, dynamic_args)
+    if why is None and not forced:
+        with warnings.catch_warnings():  # a corrupt or stale plan is reported once, by the enact phase
+            warnings.simplefilter("ignore", _plan.PlanWarning)
+            plan, _ = _plan.find_plan(step.graph.fingerprint, step.machine, options.plan_dir)
+        if mesh_plan.stored_layout(plan, len(step.devices))[0] is None:
+            return None
+    found = None
+    if why is None:
+        found, why = mesh_plan.structure_of(fn, step)
+    if found is None:
+        if forced:
+            _warnings.warn(f"disco-jax: layout {value!r} not applicable ({why}); running the one-axis step")
+        return None
+    if forced:
+        try:
+            run, info = mesh_plan.forced(fn, step, found, value, backend, options, search, ui)
+        except ValueError as e:
+            _warnings.warn(f"disco-jax: layout {value!r} not applicable ({e}); running the one-axis step")
+            return None
+    else:
+        recalled = mesh_plan.recall(fn, step, found, backend, options, ui)
+        if recalled is None:
+            return None
+        run, info = recalled
+    report.layout = info
+    if run is None and forced:  # the forced plan's outputs differ: the unmodified step, nothing searched
+        report.reason = info["reason"]
+        return step.default_compiled
+    if run is None:
+        return None
+    _describe(step, report, info)
+    return run
+
+
+def _describe(step: Captured, report: StepReport, info: dict) -> None:
+    """The report of a program that runs a two-axis plan."""
+    report.layout, report.applied, report.reason = info, True, info["reason"]
+    report.fingerprint, report.module = step.graph.fingerprint, step.graph.module.name
+    report.default_counts = compiled_stats(step.default_compiled.as_text())
+
+
 def weight_update_stage(
     fn: Callable,
     step: Captured,
@@ -123,6 +193,23 @@ def weight_update_stage(
         agree(step, report)  # before anything collective
         if search:
             profiled = profile_stage(step, options, ui)
+            beyond = None
+            limit = options.memory_limit_bytes
+            if (
+                options.layout == "search"
+                and limit is not None
+                and mesh_plan.not_applicable(fn, step, args, kwargs, step.args) is None
+            ):
+                beyond = functools.partial(
+                    mesh_plan.choose_for_memory,
+                    fn,
+                    step,
+                    backend,
+                    limit,
+                    options.validation_pairs,
+                    options.measured_candidates,
+                    ui,
+                )
             program, layout, info = choice.choose(
                 fn,
                 step,
@@ -134,9 +221,11 @@ def weight_update_stage(
                 options.validation_pairs,
                 ui,
                 options.search,
+                beyond,
             )
-            chosen = WeightUpdate(program, layout, info, profiled if layout is None else None)
-            if layout is not None and jax.process_index() == 0:
+            meshed = info.get("mode") == "mesh"
+            chosen = WeightUpdate(program, layout, info, profiled if layout is None and not meshed else None)
+            if (layout is not None or meshed) and jax.process_index() == 0:
                 store_stage(choice.decision_plan(step.graph, step.machine, info), {}, options.plan_dir)
         else:
             program, layout, info = choice.recall(

@@ -70,6 +70,10 @@ class Plan:
     # combine thresholds, the latency-hiding scheduler...); with no strategy, the plan is XLA's own
     # program under them. {} in plans that keep XLA's options.
     compile_options: dict = dataclasses.field(default_factory=dict)
+    # A two-axis plan (mesh and per-layer layout, `sharding.mesh_plan`) decided for this program:
+    # "mode" "mesh" (enacted) or "data" (an offline layout measured and not applied), the plan
+    # (`mesh_step.Enacted.to_json`), why, whether memory forced it, what was measured; {} otherwise.
+    layout: dict = dataclasses.field(default_factory=dict)
     created: float = dataclasses.field(default_factory=time.time)
     format_version: int = PLAN_FORMAT_VERSION
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from disco_jax import backends, cost
 from disco_jax.sharding import choice, mesh_step, operators, update
+from disco_jax.sharding.mesh_step import dot_groups
 
 
 @dataclasses.dataclass
@@ -83,16 +84,6 @@ class LayoutSearch:
             "seconds": round(self.seconds, 1),
             "candidates": [c.to_json() for c in self.candidates],
         }
-
-
-def dot_groups(found: mesh_step.Structure) -> list[str]:
-    """The layer groups whose parameters dots read (the groups a plan chooses for), the group with
-    the most such parameters (the blocks) first."""
-    counts: dict[str, int] = {}
-    for p in sorted(found.roles):
-        g = operators.group_of(found.parameters[p])
-        counts[g] = counts.get(g, 0) + 1
-    return sorted(counts, key=lambda g: -counts[g])
 
 
 def candidate_plans(

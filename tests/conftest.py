@@ -38,6 +38,7 @@ LONGEST_FILES = (
     "test_multihost.py",
     "test_offline_memory.py",
     "test_gpu_records.py",
+    "test_mesh_plan.py",
     "test_fsdp_at_use.py",
     "test_faults.py",
     "test_zoo.py",

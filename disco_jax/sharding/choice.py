@@ -116,11 +116,23 @@ class Candidate:
 
 
 def choose(
-    fn, step: Captured, args: tuple, kwargs: dict, backend, costs, memory_limit: int | None, pairs: int, ui, config
+    fn,
+    step: Captured,
+    args: tuple,
+    kwargs: dict,
+    backend,
+    costs,
+    memory_limit: int | None,
+    pairs: int,
+    ui,
+    config,
+    beyond=None,
 ):
     """(program, its `Layout` or None, what the plan records) for `weight_update="search"`.
     `costs`: the replicated step's cost model and the profile database (`_search_phase.Profiled`);
-    `config`: the search's `SearchConfig` (a quarter of its budget goes to `search_sharding`)."""
+    `config`: the search's `SearchConfig` (a quarter of its budget goes to `search_sharding`).
+    `beyond()`: where no candidate fits `memory_limit`, (program, record) of the two-axis plan that
+    does (`mesh_plan.choose_for_memory`), returned as mode "mesh" with the record under "layout"."""
     info: dict[str, Any] = {"requested": "search", "memory_limit_bytes": memory_limit}
     input_shardings = jax.tree.leaves(step.default_compiled.input_shardings)
     layout, reason = update.find_layout(fn, args, kwargs, step.args, step.kwargs, input_shardings)
@@ -174,6 +186,14 @@ def choose(
                     candidate(fn, step, wide, leaves, args, kwargs, backend, held, last.regather, last.at_use)
                 )
                 layout = wide  # the records' account of the state: every leaf that can be sharded
+    if memory_limit is not None and beyond is not None and not any(within(c, memory_limit) for c in candidates):
+        ui.say(f"weight update: no one-axis candidate fits {memory_limit} bytes per device; trying two-axis plans")
+        meshed = beyond()
+        if meshed is not None:
+            program, record = meshed
+            records = [c.to_json(layout, held, memory_limit) for c in candidates]
+            reason = record["reason"]
+            return program, None, {**info, "mode": "mesh", "candidates": records, "reason": reason, "layout": record}
     ui.say(f"weight update: simulating {len(candidates)} candidates (replicated, sharded over {layout.axis!r})")
     for c in candidates:
         c.simulated_us = simulated_us(model, c.step)
@@ -397,6 +417,12 @@ def decision_plan(graph, machine: _plan.MachineKey, info: dict) -> _plan.Plan:
     no fusion plan of its own (the chosen program's, `info["program"]`, has it), the decision in
     `weight_update`, which the enact phase reads first (`recall`). The decorator's search and
     `offline.plan_for_target` both store it."""
+    if info.get("mode") == "mesh":  # a two-axis plan (`mesh_plan`): its record in `Plan.layout`
+        wu = {k: v for k, v in info.items() if k != "layout"}
+        reason = f"two-axis plan: {info['reason']}"
+        return _plan.Plan(
+            graph.fingerprint, graph.module.name, machine, True, None, reason, weight_update=wu, layout=info["layout"]
+        )
     reason = f"weight update {info.get('chosen', 'sharded')}: the plan is program {info['program']}'s"
     return _plan.Plan(graph.fingerprint, graph.module.name, machine, True, None, reason, weight_update=info)
 

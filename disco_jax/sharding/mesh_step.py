@@ -165,6 +165,16 @@ def relower(step, args: tuple, found: Structure, plan: operators.OperatorPlan) -
     return jitted.lower(*moved), moved, enacted
 
 
+def dot_groups(found: Structure) -> list[str]:
+    """The layer groups whose parameters dots read (the groups a plan chooses for), the group with
+    the most such parameters (the blocks) first."""
+    counts: dict[str, int] = {}
+    for p in sorted(found.roles):
+        g = operators.group_of(found.parameters[p])
+        counts[g] = counts.get(g, 0) + 1
+    return sorted(counts, key=lambda g: -counts[g])
+
+
 def cited_rules(plan: operators.OperatorPlan) -> dict[str, str]:
     """The proven rules a plan's layouts rest on, by name (raises `rules.RuleNotProven`)."""
     names = set()

@@ -47,7 +47,10 @@ class GPTConfig:
     num_layers: int
     seq_len: int
     global_batch: int
-    compute_dtype: str = "float32"  # a jnp dtype name: "bfloat16" for mixed precision
+    # A jnp dtype name ("bfloat16" for mixed precision), or "params": every op in the parameters'
+    # dtype, no cast written in the model (Flax's dtype=None), so that the step run in float64 is
+    # float64 throughout and the output check can judge a plan against it (docs/output-check.md).
+    compute_dtype: str = "float32"
     # jax.nn.dot_product_attention's implementation: "xla" (every backend compiles the same ops) or
     # "cudnn" (cuDNN's fused flash attention, 16-bit compute on a real GPU only).
     attention: str = "xla"
@@ -95,8 +98,16 @@ class CausalSelfAttention(nn.Module):
         batch, length, width = x.shape
         qkv = nn.Dense(3 * width, dtype=self.dtype, name="qkv")(x)
         query, key, value = jnp.moveaxis(qkv.reshape(batch, length, 3, self.num_heads, -1), 2, 0)
-        # XLA's own attention by default (no cuDNN fused kernel), so that every backend compiles the same ops.
-        attended = jax.nn.dot_product_attention(query, key, value, is_causal=True, implementation=self.implementation)
+        if self.dtype is None:  # written out: jax.nn's attention computes its softmax in float32
+            logits = jnp.einsum("bqhd,bkhd->bhqk", query, key) * query.shape[-1] ** -0.5
+            causal = jnp.tril(jnp.ones((length, length), bool))
+            logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
+            attended = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), value)
+        else:
+            # XLA's own attention by default (no cuDNN fused kernel), so that every backend compiles the same ops.
+            attended = jax.nn.dot_product_attention(
+                query, key, value, is_causal=True, implementation=self.implementation
+            )
         return nn.Dense(width, dtype=self.dtype, name="out")(attended.reshape(batch, length, width))
 
 
@@ -131,7 +142,7 @@ class GPT(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.config
-        dtype = jnp.dtype(cfg.compute_dtype)
+        dtype = None if cfg.compute_dtype == "params" else jnp.dtype(cfg.compute_dtype)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, embedding_init=nn.initializers.normal(0.02))
         positions = self.param("positions", nn.initializers.normal(0.01), (cfg.seq_len, cfg.d_model))
         x = embed(tokens) + positions[: tokens.shape[1]]
@@ -148,6 +159,8 @@ class GPT(nn.Module):
             for i in range(cfg.num_layers):  # named as unwrapped `Block`s are: remat keeps the parameter tree
                 x = block(cfg.num_heads, dtype, cfg.attention, name=f"Block_{i}")(x)
         x = nn.LayerNorm(1e-5)(x)
+        if dtype is None:
+            return embed.attend(x)
         # Logits in the compute dtype, the loss in float32.
         return embed.attend(x.astype(dtype)).astype(jnp.float32)
 
