@@ -264,6 +264,7 @@ def test_optimize_distributed_compiles_times_and_records_its_candidates(tmp_path
         (r["origin"], r["measured_ratio"], r["packed"]) for r in records
     ]
     assert all(c["verdict"] in ("faster", "slower", "undecided") and len(c["ratio_ci95"]) == 2 for c in records)
+    assert record["measured_loop_stop"] == report.search["tuning"]["stop_reason"]
     assert record["chosen"]["applied"] == report.applied and record["weight_update"]["mode"] == "replicated"
     if fastest["measured_ratio"] >= 1.0:
         assert not report.applied and report.reason.startswith("no measured candidate was faster")

@@ -136,7 +136,8 @@ def search_record(report: StepReport, packs: bool) -> dict:
       a bucket of several gradients, the ``xla+packed-allreduce`` start were in the search);
     * ``measured_candidates``: each candidate the measured loop timed against XLA's plan (origin,
       packed, predicted and measured ratio, interval, verdict, why it could not be chosen, whether
-      it went to validation: `_tuning.Record`);
+      it went to validation: `_tuning.Record`), and why the measured loop stopped (its budget is
+      half the search's: under load the first candidate can spend it);
     * ``validation``: the acceptance rule's timing of the candidate validated, None where none was
       (the measured loop found none faster, or the search none better than XLA's plan);
     * ``chosen``: what runs (fusion/bucket plan applied or not, weight update, packed, buckets)."""
@@ -181,6 +182,7 @@ def search_record(report: StepReport, packs: bool) -> dict:
             }
             for c in search.get("measured_candidates") or []
         ],
+        "measured_loop_stop": (search.get("tuning") or {}).get("stop_reason"),
         # Only `_search_phase.validate` records whether bitwise equality was required: without that
         # key `report.measured` is the measured loop's evidence for keeping XLA's plan, not a validation.
         "validation": _timed(report.measured) if "bitwise_required" in (report.measured or {}) else None,

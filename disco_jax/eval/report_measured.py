@@ -98,7 +98,8 @@ def search_summary(r: dict) -> str:
         + (" → validation" if c.get("picked") else f" ({c['ineligible']})" if c.get("ineligible") else "")
         for c in rec["measured_candidates"]
     ]
-    parts.append("measured " + ("; ".join(measured) if measured else "none"))
+    stop = f" (loop stopped: {rec['measured_loop_stop']})" if rec.get("measured_loop_stop") else ""
+    parts.append("measured " + ("; ".join(measured) if measured else "none") + stop)
     v = rec.get("validation")
     if v:
         parts.append(f"validated {fmt.ratio_text(v['ratio'], v.get('ratio_ci95'))} {v['verdict']}")
