@@ -124,6 +124,9 @@ class Record:
             "measured_us": None if t is None else t.plan_us,
             "measured_ratio": None if t is None else t.ratio,
             "ratio_iqr": None if t is None else [t.ratio_low, t.ratio_high],
+            "ratio_ci95": None if t is None else list(t.ratio_ci95),
+            "verdict": None if t is None else t.verdict,
+            "packed": self.strategy.packed,
             "pairs": 0 if t is None else t.pairs,
             "default_us": None if t is None else t.default_us,
             "allreduces": {
@@ -158,9 +161,14 @@ class Tuned:
     kernel_times_us: dict[str, float] = dataclasses.field(default_factory=dict)  # measured, by signature
 
     def to_json(self) -> dict:
-        """The plan's `search` entries: every measured candidate, the last recalibration, the loop."""
+        """The plan's `search` entries: every measured candidate (`picked`: the one sent to
+        validation), the last recalibration, the loop."""
+        picked = self.best.key() if self.reason is None else None  # the candidate sent to validation
         return {
-            "measured_candidates": [r.to_json() for r in self.records],
+            "measured_candidates": [
+                {**r.to_json(), "picked": r.measurement is not None and r.strategy.key() == picked}
+                for r in self.records
+            ],
             "recalibration": self.recalibration,
             "tuning": {"rounds": self.rounds, "stop_reason": self.stop_reason, "seconds": self.seconds},
             **({"compiled_ranking": self.rankings} if self.rankings else {}),

@@ -323,6 +323,7 @@ def _fair_row(model: str, applied: bool, disco: list[float], weight_update: str 
         applied=applied,
         weight_update=weight_update,
         weight_update_reason=None,
+        search=None,  # the committed row's record of the search is not this row's
         measured=_timed(disco),
         overhead=rows.overhead_json(_validate.summarize([5000.0] * 40, [5000.0 * x for x in _spread(1.02, 0.01)])),
     )
@@ -347,6 +348,24 @@ def test_measured_rows_are_told_against_one_reference_with_intervals():
         # The sharded update chosen and kept, its fusion plan rejected: a plan applied all the same.
         _fair_row("reformer", False, _spread(0.85, 0.02), weight_update="sharded"),
     ]
+    measured[4]["strategies"][rows.DISCO]["search"] = {
+        "weight_update": {
+            "mode": "sharded",
+            "candidates": [
+                {"label": "replicated"},
+                {"label": "sharded (4 groups, 12 leaves)", "ratio": 0.9, "ratio_ci95": [0.85, 0.95]}
+                | {"verdict": "faster"},
+            ],
+        },
+        "fusion_search": {"evaluated": 120, "packing_offered": True, "starts_us": {"xla": 1000.0}}
+        | {"packed_start_us": 800},
+        "measured_candidates": [
+            {"origin": "xla+packed-allreduce", "packed": True, "measured_ratio": 0.97, "ratio_ci95": [0.9, 1.04]}
+            | {"verdict": "undecided", "picked": False, "ineligible": None},
+        ],
+        "validation": None,
+        "chosen": {"applied": False, "weight_update": "sharded", "packed": False, "buckets": None, "origin": None},
+    }
     mlp = measured[0]
     assert mlp["time_us"]["JAX_default"] == pytest.approx(mlp["strategies"]["JAX_default"]["measured"]["ratio"] * 1000)
     assert rows.BASELINE_ORDER[3] == mlp["best_baseline"] == "JAX_default"  # the lowest ratio here
@@ -369,6 +388,14 @@ def test_measured_rows_are_told_against_one_reference_with_intervals():
     assert "medians of interleaved pairs against a second compile, one time scale per row" in text
     assert re.search(r"\| mlp \|.*\| JAX_default \| \+\d+\.\d% \[\+\d+\.\d%, \+\d+\.\d%\] \|", text)
     assert "The decorator's own cost per call in µs" in text and "$" not in text
+    # What the search did, for the one row that records it.
+    assert (
+        "- reformer: weight update sharded (sharded (4 groups, 12 leaves) 0.900 [0.850, 0.950] faster); fusion "
+        "search 120 simulated, packing offered (packed start simulated 0.800x XLA's plan); measured "
+        "xla+packed-allreduce packed 0.970 [0.900, 1.040] undecided; runs: XLA's fusion and buckets, weight "
+        "update sharded\n" in text
+    )
+    assert text.count("- mlp: weight update") == 0
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from disco_jax import (
     cost,
     optimize_distributed,
 )
+from disco_jax.eval import measured, report_measured, rows
 
 from _steps import make_step
 
@@ -255,11 +256,29 @@ def test_optimize_distributed_compiles_times_and_records_its_candidates(tmp_path
     assert len(stored) == report.search["cost_model"]["kernel_times"] + sum(r["kernels_added"] for r in records)
     assert _plan.read_plan_file(report.plan_path).search["measured_candidates"] == records
     fastest = min(records, key=lambda r: r["measured_ratio"])
+    # A bench row's record of the search (`measured.search_record`) reads the same report.
+    record = measured.search_record(report, packs=True)
+    assert record["fusion_search"]["packing_offered"] and record["fusion_search"]["evaluated"] > 0
+    assert record["fusion_search"]["starts_us"] == report.search["start_costs"]
+    assert [(c["origin"], c["measured_ratio"], c["packed"]) for c in record["measured_candidates"]] == [
+        (r["origin"], r["measured_ratio"], r["packed"]) for r in records
+    ]
+    assert all(c["verdict"] in ("faster", "slower", "undecided") and len(c["ratio_ci95"]) == 2 for c in records)
+    assert record["measured_loop_stop"] == report.search["tuning"]["stop_reason"]
+    assert record["chosen"]["applied"] == report.applied and record["weight_update"]["mode"] == "replicated"
     if fastest["measured_ratio"] >= 1.0:
         assert not report.applied and report.reason.startswith("no measured candidate was faster")
+        assert not any(r["picked"] for r in records) and record["validation"] is None
     else:  # the fastest candidate went to validation
         assert "bitwise_required" in report.measured
         assert report.plan_counts["all-reduce"] == fastest["allreduces"]["planned"]
+        assert [r["picked"] for r in records] == [r is fastest for r in records]
+        assert record["validation"]["ratio"] == report.measured["ratio"]
+    row = {"model": "mlp", "strategies": {rows.DISCO: {"search": record}}}
+    text = report_measured.search_summary(row)
+    assert text.startswith("mlp: weight update replicated; fusion search ") and "packing offered" in text
+    assert f"{fastest['origin']}{' packed' if fastest['packed'] else ''} {fastest['measured_ratio']:.3f} [" in text
+    assert report_measured.search_summary({"model": "mlp", "strategies": {rows.DISCO: {}}}) == ""
 
 
 def test_measured_candidates_0_measures_nothing(tmp_path, monkeypatch):

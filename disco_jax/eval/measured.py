@@ -44,6 +44,7 @@ import optax
 from disco_jax import ProfileDatabase, Strategy, _distributed, _validate, backends, optimize_distributed, zoo
 from disco_jax._compile import Captured, Runner, capture, compile_program, compile_strategy, compiled_stats
 from disco_jax._console import Ui
+from disco_jax._options import StepReport
 from disco_jax._output_check import Float64Run
 from disco_jax._profile_phase import calibrate, profile
 from disco_jax.eval import baselines
@@ -114,6 +115,86 @@ def plan_executable(optimized, args: tuple) -> tuple[Any, tuple]:
         resharded, _ = run.reshard(args, {})
         return run.steady, resharded
     return run, args
+
+
+def _timed(m: dict | None) -> dict:
+    """A timing record's ratio, interval, pairs and verdict (`_validate.Timing.to_json`), or {}."""
+    return {k: m.get(k) for k in ("ratio", "ratio_ci95", "pairs", "verdict")} if m else {}
+
+
+def search_record(report: StepReport, packs: bool) -> dict:
+    """What disco-jax's search phase did for a measured row's step, from the decorator's own
+    report (`StepReport`: the weight-update choice's records and the stored plan's `search`
+    record), so that a row says what was proposed, measured, rejected and kept:
+
+    * ``weight_update``: the choice's mode and reason, and each program it considered (replicated,
+      sharded, ...) with its simulated time and, where measured against the replicated step, its
+      output check, ratio, interval and verdict (`sharding.choice`);
+    * ``fusion_search``: the simulated search on the program that runs (candidates costed, why it
+      stopped, its starts by origin with their simulated times) and whether packing was offered
+      (`packs`: the backend packs buckets, so the ``pack_allreduce`` move and, where XLA's plan has
+      a bucket of several gradients, the ``xla+packed-allreduce`` start were in the search);
+    * ``measured_candidates``: each candidate the measured loop timed against XLA's plan (origin,
+      packed, predicted and measured ratio, interval, verdict, why it could not be chosen, whether
+      it went to validation: `_tuning.Record`), and why the measured loop stopped (its budget is
+      half the search's: under load the first candidate can spend it);
+    * ``validation``: the acceptance rule's timing of the candidate validated, None where none was
+      (the measured loop found none faster, or the search none better than XLA's plan);
+    * ``chosen``: what runs (fusion/bucket plan applied or not, weight update, packed, buckets)."""
+    search, choice = report.search or {}, report.weight_update or {}
+    strategy = ((report.plan or {}).get("strategy") or {}) if report.applied else {}
+    starts = search.get("start_costs") or {}
+    return {
+        "weight_update": {
+            "mode": choice.get("mode"),
+            "reason": choice.get("reason"),
+            "candidates": [
+                {
+                    "label": c.get("label"),
+                    "simulated_us": c.get("simulated_us"),
+                    "outputs_within_tolerance": (c.get("check") or {}).get("within_tolerance"),
+                    **_timed(c.get("measured")),
+                }
+                for c in choice.get("candidates") or []
+            ],
+        },
+        "fusion_search": {
+            **{k: search.get(k) for k in ("evaluated", "stop_reason", "seconds")},
+            "starts_us": starts,
+            "packing_offered": packs,
+            "packed_start_us": starts.get("xla+packed-allreduce"),
+        },
+        "measured_candidates": [
+            {
+                k: c.get(k)
+                for k in (
+                    "round",
+                    "origin",
+                    "packed",
+                    "predicted_ratio",
+                    "measured_ratio",
+                    "ratio_ci95",
+                    "pairs",
+                    "verdict",
+                    "ineligible",
+                    "picked",
+                )
+            }
+            for c in search.get("measured_candidates") or []
+        ],
+        "measured_loop_stop": (search.get("tuning") or {}).get("stop_reason"),
+        # Only `_search_phase.validate` records whether bitwise equality was required: without that
+        # key `report.measured` is the measured loop's evidence for keeping XLA's plan, not a validation.
+        "validation": _timed(report.measured) if "bitwise_required" in (report.measured or {}) else None,
+        "chosen": {
+            "applied": bool(report.applied),
+            "weight_update": choice.get("mode"),
+            "packed": bool(strategy.get("packed")),
+            "buckets": len(strategy["buckets"]) if "buckets" in strategy else None,
+            "origin": strategy.get("origin"),
+            "reason": report.reason,
+        },
+    }
 
 
 def measured_row(
@@ -229,6 +310,7 @@ def measured_row(
         "simulated_by_search": (report.simulated or {}).get("plan"),
         "weight_update": (report.weight_update or {}).get("mode"),
         "weight_update_reason": (report.weight_update or {}).get("reason"),
+        "search": search_record(report, backend.packs_buckets),
         "measured": measured_json(timing),
         "overhead": overhead_json(overhead),
         "outputs": outputs_json(comparison),

@@ -340,6 +340,9 @@ def _platform_tables(prow: list[dict]) -> list[str]:
                 disco_per_model="; ".join(f"{r['model']}: {report_measured.disco_summary(r)}" for r in prow),
             )
         )
+        searched = [line for r in prow if (line := report_measured.search_summary(r))]
+        if searched:
+            blocks.append(fmt.fill("search_records", rows="\n".join(f"- {line}" for line in searched)))
         if all(r.get("reference") for r in prow):
             blocks.append(report_measured.fair_details(prow))
     return blocks

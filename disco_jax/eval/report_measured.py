@@ -67,6 +67,49 @@ def disco_summary(r: dict) -> str:
     return f"{ran}, {_measured(r)} of XLA's program{choice}; fusion search: {d['description']}"
 
 
+def search_summary(r: dict) -> str:
+    """A short form of what disco-jax's search did in a measured row (`measured.search_record`):
+    the weight-update programs measured and their verdicts, whether packing was offered to the
+    fusion search (and its packed start's simulated ratio to XLA's plan), every candidate the
+    measured loop timed with its verdict, the validation, and what runs. Empty for a row written
+    before the record existed."""
+    rec = r["strategies"][DISCO].get("search")
+    if not rec:
+        return ""
+    choice, fusion, chosen = rec["weight_update"], rec["fusion_search"], rec["chosen"]
+    timed = [
+        f"{c['label']} {fmt.ratio_text(c['ratio'], c.get('ratio_ci95'))} {c['verdict']}"
+        for c in choice["candidates"]
+        if c.get("ratio") is not None
+    ]
+    parts = [f"weight update {choice['mode']}" + (f" ({'; '.join(timed)})" if timed else "")]
+    starts, packed = fusion.get("starts_us") or {}, fusion.get("packed_start_us")
+    packing = "packing offered" if fusion.get("packing_offered") else "packing not offered"
+    if fusion.get("packing_offered") and packed and starts.get("xla"):
+        packing += f" (packed start simulated {packed / starts['xla']:.3f}x XLA's plan)"
+    parts.append(f"fusion search {fusion.get('evaluated') or 0} simulated, {packing}")
+    measured = [
+        f"{c['origin']}{' packed' if c.get('packed') else ''} "
+        + (
+            "failed"
+            if c.get("measured_ratio") is None
+            else f"{fmt.ratio_text(c['measured_ratio'], c.get('ratio_ci95'))} {c.get('verdict') or ''}".rstrip()
+        )
+        + (" → validation" if c.get("picked") else f" ({c['ineligible']})" if c.get("ineligible") else "")
+        for c in rec["measured_candidates"]
+    ]
+    stop = f" (loop stopped: {rec['measured_loop_stop']})" if rec.get("measured_loop_stop") else ""
+    parts.append("measured " + ("; ".join(measured) if measured else "none") + stop)
+    v = rec.get("validation")
+    if v:
+        parts.append(f"validated {fmt.ratio_text(v['ratio'], v.get('ratio_ci95'))} {v['verdict']}")
+    plan = "XLA's fusion and buckets"
+    if chosen["applied"]:
+        plan = f"plan {chosen['origin']}, {chosen['buckets']} bucket(s){', packed' if chosen['packed'] else ''}"
+    parts.append(f"runs: {plan}, weight update {chosen['weight_update']}")
+    return f"{r['model']}: " + ", ".join(parts[:1]) + "; " + "; ".join(parts[1:])
+
+
 def _measured(r: dict) -> str:
     m = r["strategies"][DISCO]["measured"]
     return fmt.ratio_text(m["ratio"], m.get("ratio_ci95"))
