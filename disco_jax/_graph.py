@@ -186,20 +186,8 @@ class Graph:
 
     @functools.cached_property
     def loop_allreduces(self) -> tuple[tuple[str, str], ...]:
-        """The all-reduces of several tensors of one element type inside the bodies of the
-        entry's `while` loops (nested loops too), as (body computation, all-reduce) names: a
-        scanned step's per-layer gradient all-reduce. The graph keeps each loop as one opaque op;
-        these are what `Strategy.packed_loops` packs into flat buffers."""
-        found = []
-        bodies = {i.attr("body", "").lstrip("%") for i in _loops(self.module)}
-        for comp in _hlo.control_flow_computations(self.module):
-            if comp.name not in bodies:
-                continue
-            for inst in comp.instructions:
-                dtypes = {t.dtype for t in inst.outputs}
-                if inst.opcode == "all-reduce" and len(inst.operands) > 1 and len(dtypes) == 1:
-                    found.append((comp.name, inst.name))
-        return tuple(found)
+        """Loop bodies' all-reduces of several tensors (`_hlo.loop_body_allreduces`): what `packed_loops` packs."""
+        return _hlo.loop_body_allreduces(self.module)
 
     @functools.cached_property
     def xla_holders(self) -> dict[int, frozenset[int]]:
@@ -510,8 +498,3 @@ def build_graph(
         outputs,
         fingerprint,
     )
-
-
-def _loops(module: _hlo.HloModuleText) -> list[_hlo.Instruction]:
-    """Every `while` instruction of the module, in any computation."""
-    return [i for c in module.computations for i in c.instructions if i.opcode == "while"]

@@ -385,3 +385,19 @@ def module_fingerprint(module: HloModuleText) -> str:
     canonical = module.to_text(drop_metadata=True)
     canonical = re.sub(r", entry_computation_layout=\{.*?\}(?=,|$)", "", canonical, count=1)
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def loop_body_allreduces(module: HloModuleText) -> tuple[tuple[str, str], ...]:
+    """The all-reduces of several tensors of one element type inside the bodies of the module's
+    `while` loops (nested loops too), as (body computation, all-reduce) names."""
+    bodies = {
+        i.attr("body", "").lstrip("%") for c in module.computations for i in c.instructions if i.opcode == "while"
+    }
+    found = []
+    for comp in control_flow_computations(module):
+        if comp.name not in bodies:
+            continue
+        for inst in comp.instructions:
+            if inst.opcode == "all-reduce" and len(inst.operands) > 1 and len({t.dtype for t in inst.outputs}) == 1:
+                found.append((comp.name, inst.name))
+    return tuple(found)

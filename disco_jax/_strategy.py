@@ -27,6 +27,7 @@ candidate's parent instead of building it again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import random
 from collections.abc import Callable, Sequence
@@ -61,9 +62,8 @@ class Strategy:
     # split), as PyTorch DDP and Horovod run theirs; else one variadic all-reduce. Where the
     # backend packs (`Backend.packs_buckets`); a sharded bucket's reduce-scatter is never packed.
     packed: bool = False
-    # The all-reduces inside the step's loop bodies (a scanned step's backward body reduces each
-    # layer's gradients) packed the same way, one flat buffer per all-reduce and iteration. The
-    # graph sees a loop as one opaque op, so this is the plan's one decision inside the loop.
+    # The all-reduces in the step's loop bodies (a scanned step's per-layer gradients) packed the same
+    # way, one flat buffer per all-reduce and iteration: the plan's one decision inside an opaque loop.
     packed_loops: bool = False
 
     def group_index(self) -> tuple[tuple[int, ...], ...]:
@@ -129,15 +129,8 @@ class Strategy:
             if homes[o] < 0:
                 homes[o] = len(groups)
                 groups.append(frozenset([o]))
-        return cls(
-            tuple(groups),
-            tuple(homes),
-            buckets,
-            data.get("origin", "plan"),
-            sharded,
-            packed=bool(data.get("packed")),
-            packed_loops=bool(data.get("packed_loops")),
-        )
+        packing = {"packed": bool(data.get("packed")), "packed_loops": bool(data.get("packed_loops"))}
+        return cls(tuple(groups), tuple(homes), buckets, data.get("origin", "plan"), sharded, **packing)
 
 
 def xla_default(graph: Graph) -> Strategy:
@@ -291,9 +284,8 @@ def _finish(s: Strategy, edit: StrategyEdit) -> Strategy | None:
         return None  # the compiler could not emit a group the move changed
     rehomed = None if s.rehomed is None else s.rehomed | edit.rehomed
     index = tuple(edit.index)
-    return Strategy(
-        tuple(edit.groups), tuple(edit.homes), s.buckets, s.origin, s.sharded, index, rehomed, s.packed, s.packed_loops
-    )
+    kept = (s.buckets, s.origin, s.sharded, index, rehomed, s.packed, s.packed_loops)
+    return Strategy(tuple(edit.groups), tuple(edit.homes), *kept)
 
 
 def fuse_producer(program: Program, s: Strategy, rng: random.Random, duplicate: bool) -> Strategy | None:
@@ -432,24 +424,16 @@ def split_bucket(program: Program, s: Strategy, rng: random.Random) -> Strategy 
     return dataclasses.replace(s, buckets=tuple(buckets))
 
 
-def pack_buckets(program: Program, s: Strategy, rng: random.Random) -> Strategy | None:
+def pack_buckets(program: Program, s: Strategy, rng: random.Random, loops: bool = False) -> Strategy | None:
     """Pack every bucket of several gradients into one flat buffer, or unpack them again (a
     bucketing move: the rendezvous per operand of a variadic all-reduce against two copies of
-    the bucket). Only where the backend packs (`Backend.packs_buckets`)."""
-    packable = any(len(b) > 1 and b[0] not in s.sharded for b in s.buckets)
+    the bucket); `loops`: the all-reduces of several tensors in the step's loop bodies instead
+    (`Graph.loop_allreduces`). Only where the backend packs (`Backend.packs_buckets`)."""
+    packable = program.graph.loop_allreduces if loops else any(len(b) > 1 and b[0] not in s.sharded for b in s.buckets)
     if not getattr(program.backend, "packs_buckets", False) or not packable:
         return None
-    return dataclasses.replace(s, packed=not s.packed)
-
-
-def pack_loop_buckets(program: Program, s: Strategy, rng: random.Random) -> Strategy | None:
-    """Pack the all-reduces of several tensors inside the step's loop bodies (a scanned step's
-    per-layer gradients) into one flat buffer each, or unpack them again: the loop-body twin of
-    `pack_buckets`. Only where the backend packs and the graph has such an all-reduce
-    (`Graph.loop_allreduces`)."""
-    if not getattr(program.backend, "packs_buckets", False) or not program.graph.loop_allreduces:
-        return None
-    return dataclasses.replace(s, packed_loops=not s.packed_loops)
+    field = "packed_loops" if loops else "packed"
+    return dataclasses.replace(s, **{field: not getattr(s, field)})
 
 
 def shard_update(program: Program, s: Strategy, rng: random.Random, shardable: frozenset[int]) -> Strategy | None:
@@ -490,7 +474,7 @@ MOVES: dict[str, Move] = {
     "merge_allreduce": merge_buckets,
     "split": split,
     "pack_allreduce": pack_buckets,
-    "pack_loop_allreduce": pack_loop_buckets,
+    "pack_loop_allreduce": functools.partial(pack_buckets, loops=True),
 }
 
 

@@ -200,10 +200,10 @@ def test_a_loop_bodys_allreduce_is_packed_per_iteration_and_the_step_computes_th
     program, graph = captured.program, captured.graph
     [(body, name)] = graph.loop_allreduces  # the backward body's, of 12 tensors
     xla = _strategy.xla_default(graph)
-    packed = _strategy.pack_loop_buckets(program, xla, random.Random(0))
+    packed = _strategy.pack_buckets(program, xla, random.Random(0), loops=True)
     assert packed.packed_loops and packed.key() != xla.key() and _strategy.regroups_only(graph, packed)
     assert _strategy.kernel_dag(program, packed) is not None and _strategy.is_valid(program, packed)
-    assert _strategy.pack_loop_buckets(program, packed, random.Random(0)).key() == xla.key()
+    assert _strategy.pack_buckets(program, packed, random.Random(0), loops=True).key() == xla.key()
     assert _strategy.Strategy.from_json(graph, packed.to_json(graph)).key() == packed.key()
     assert any(s.packed_loops for s in _strategy.start_candidates(graph, packs=True))
     compiled, status = compile_strategy(captured.lowered, program, packed)

@@ -39,8 +39,6 @@ from disco_jax.cost.compiled import (
     cost_program,
     loop_program,
     measured_table,
-    packed_loop_savings_us,
-    record_loop_allreduce_times,
 )
 from disco_jax.cost.estimators import (
     ENTRY_POINT_GROUP,
@@ -60,6 +58,7 @@ from disco_jax.cost.estimators import (
     unregister_estimator,
     with_op_times,
 )
+from disco_jax.cost.loop_packing import packed_loop_savings_us, record_loop_allreduce_times
 from disco_jax.cost.simulator import (
     Calibrated,
     CalibrationPoint,

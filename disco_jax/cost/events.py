@@ -27,6 +27,10 @@ from disco_jax.cost.allreduce import (
 from disco_jax.cost.host import HostLane
 from disco_jax.cost.kernels import BUCKET, GATHER, GROUP, KernelState, is_packed, is_scatter
 
+# What packing a loop body's all-reduces saves per `while` op (`cost.loop_packing`, which sets
+# it: it reads the compiled program, and `cost.compiled` imports this module).
+PACKED_LOOP_SAVINGS = None
+
 
 @dataclasses.dataclass(frozen=True)
 class SimulatorParams:
@@ -215,10 +219,8 @@ def kernel_costs(
         for k, e in enumerate(st.estimate):
             if e and st.kinds[k] == GROUP and all(region_of[o] in sharded for o in members[k]):
                 costs[k] = e * scale / shards + overhead
-    if st.packed_loops:
-        from disco_jax.cost.compiled import packed_loop_savings_us  # compiled imports this module
-
-        for o, saved_us in packed_loop_savings_us(program.graph, program.backend, allreduce).items():
+    if st.packed_loops and PACKED_LOOP_SAVINGS is not None:
+        for o, saved_us in PACKED_LOOP_SAVINGS(program.graph, program.backend, allreduce).items():
             costs[st.provider[o]] -= saved_us * scale
     comm_slots = [k for k in range(len(keys)) if comm[k] and keys[k] is not None]
     memo = {} if comm_costs is None else comm_costs
