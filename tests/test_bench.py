@@ -32,7 +32,17 @@ from disco_jax import (
 )
 from disco_jax._files import write_json_atomic
 from disco_jax.cost import ChainEstimator, CostModel, sharded
-from disco_jax.eval import baselines, bench, clusters, headroom, report, report_measured, report_text, rows
+from disco_jax.eval import (
+    baselines,
+    bench,
+    clusters,
+    headroom,
+    report,
+    report_large,
+    report_measured,
+    report_text,
+    rows,
+)
 
 REPORT = Path(__file__).resolve().parents[1] / "report"
 
@@ -236,7 +246,7 @@ def test_report_from_the_committed_rows_has_the_committed_sections(tmp_path):
         **{f"table2_{p}": f"table2_simulated_vs_measured_{p}.png" for p in rows.MEASURED_PLATFORMS},
         **{f"fig7_{p}": f"fig7_breakdown_{p}.png" for p in rows.platform_order(committed)},
     }
-    text = report.report_markdown(committed, figures, run_info)
+    text = report.report_markdown(committed, figures, run_info, extra=report_large.blocks(REPORT))
     headings = [line for line in text.splitlines() if line.startswith("#")]
     expected = [line for line in (REPORT / "README.md").read_text().splitlines() if line.startswith("#")]
     assert headings == expected
