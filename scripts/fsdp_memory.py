@@ -21,6 +21,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
 
+import _decoder  # noqa: E402
 import optax  # noqa: E402
 
 from disco_jax import offline, targets, zoo  # noqa: E402
@@ -32,30 +33,13 @@ UPDATES = {"at_use": offline.AT_USE, "zero3": offline.ALL_SHARDED, "regather": o
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--width", type=int, default=4096)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=50257)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--scan", action="store_true")
-    parser.add_argument("--remat", default="none", choices=("none", "dots", "full"))
+    _decoder.add_arguments(parser, layers=32)
     parser.add_argument("--target", default="h100-sxm")
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--updates", default="at_use", help="comma-separated: " + ",".join(UPDATES))
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    spec = zoo.resized(
-        "gpt",
-        "paper",
-        num_layers=args.layers,
-        d_model=args.width,
-        num_heads=max(1, args.width // 128),
-        seq_len=args.seq,
-        vocab_size=args.vocab,
-        global_batch=args.batch,
-        scan_layers=args.scan,
-        remat=args.remat,
-    )
+    spec = _decoder.spec(args)
     optimizer = optax.adam(1e-4)
     mesh = targets.mesh(args.target, args.devices)
     print(spec.description, flush=True)

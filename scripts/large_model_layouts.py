@@ -34,6 +34,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
 
+import _decoder  # noqa: E402
 import optax  # noqa: E402
 
 from disco_jax import layout_search, targets, zoo  # noqa: E402
@@ -50,14 +51,7 @@ def model_flops(spec_cfg: dict, params: int) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=50304)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--scan", action="store_true")
-    parser.add_argument("--remat", default="none")
+    _decoder.add_arguments(parser, layers=2, width=2048, vocab=50304, heads=16)
     parser.add_argument("--cluster", default="8xH100-NVLink")
     parser.add_argument("--memory-gb", type=float, default=80.0)
     parser.add_argument(
@@ -69,18 +63,7 @@ def main(argv=None) -> int:
     cluster = clusters.get_cluster(args.cluster)
     n = cluster.num_devices
     mesh = targets.mesh(cluster.target, n)
-    spec = zoo.resized(
-        "gpt",
-        "paper",
-        num_layers=args.layers,
-        d_model=args.width,
-        num_heads=args.heads,
-        seq_len=args.seq,
-        vocab_size=args.vocab,
-        global_batch=args.batch,
-        scan_layers=args.scan,
-        remat=args.remat,
-    )
+    spec = _decoder.spec(args)
     optimizer = optax.adamw(1e-4)
     params = spec.param_count()
     flops = model_flops({"batch": args.batch, "seq": args.seq, "layers": args.layers, "width": args.width}, params)

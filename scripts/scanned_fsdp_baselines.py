@@ -33,6 +33,7 @@ from collections import Counter
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
 
+import _decoder  # noqa: E402
 import jax  # noqa: E402
 import optax  # noqa: E402
 
@@ -97,11 +98,7 @@ def exposed_by_collective(costed) -> dict[str, dict[str, float]]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=4096)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=50257)
-    parser.add_argument("--batch", type=int, default=8)
+    _decoder.add_arguments(parser, layers=8, scan=False)
     parser.add_argument("--cluster", default="8xH100-NVLink")
     parser.add_argument("--at-use", action="store_true", help="at-use FSDP (Layout.at_use) instead of regathered")
     parser.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS), help="option sets")
@@ -109,17 +106,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     cluster = clusters.get_cluster(args.cluster)
     mesh = targets.mesh(cluster.target, cluster.gpus_per_node * cluster.nodes)
-    spec = zoo.resized(
-        "gpt",
-        "paper",
-        num_layers=args.layers,
-        d_model=args.width,
-        num_heads=max(1, args.width // 128),
-        seq_len=args.seq,
-        vocab_size=args.vocab,
-        global_batch=args.batch,
-        scan_layers=True,
-    )
+    spec = _decoder.spec(args)
     lowered, layout, reason = fsdp_lowered(spec, mesh, args.at_use)
     form = "at-use FSDP (gathered where used)" if args.at_use else "FSDP gathered again for each use"
     print(f"{spec.description}; {form}; {reason}; stacked leaves split after the layer axis: {len(layout.stacked)}")
