@@ -85,6 +85,12 @@ class LayoutSearch:
             "candidates": [c.to_json() for c in self.candidates],
         }
 
+    def within(self, memory_limit_bytes: int | None) -> LayoutSearch:
+        """The same compiled candidates chosen again under another memory limit (a compile is
+        deterministic: nothing is compiled again)."""
+        distinct = [c for c in self.candidates if c.fingerprint is not None and c.plan.label not in _repeated(self)]
+        return choose(self.candidates, distinct, memory_limit_bytes, self.seconds)
+
 
 def candidate_plans(
     found: mesh_step.Structure, devices_per_node: int, hand: bool = True
@@ -181,6 +187,11 @@ def search_layouts(
         if after is not None and len(done) < len(plans):
             after(choose(done, list(by_program.values()), memory_limit_bytes, time.perf_counter() - start))
     return choose(done, list(by_program.values()), memory_limit_bytes, time.perf_counter() - start)
+
+
+def _repeated(search: LayoutSearch) -> set[str]:
+    """Labels of the plans that compiled to a program an earlier plan had (`same_program`)."""
+    return {label for c in search.candidates for label in c.same_program}
 
 
 def choose(done: list[LayoutCandidate], distinct: list[LayoutCandidate], memory_limit_bytes, seconds: float):

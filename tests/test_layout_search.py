@@ -54,8 +54,7 @@ def searched(tiny):
     cluster = clusters.node_of("h100-sxm", 8)
     free = layout_search.search_layouts(step, args, found, cluster, None, plans, say=None)
     smallest = min(c.peak_bytes for c in free.candidates)
-    tight = layout_search.search_layouts(step, args, found, cluster, smallest, plans, say=None)
-    return found, plans, free, tight, smallest
+    return found, plans, free, free.within(smallest), smallest
 
 
 def test_candidates_are_compiled_costed_deduplicated_and_the_limit_respected(searched):
@@ -132,7 +131,7 @@ def test_hand_written_configurations_are_candidates_and_never_beaten_by_the_choi
     # Under a limit only the smallest fits: the choice fits it and is no costlier than any hand
     # configuration within it.
     limit = sorted(c.peak_bytes for c in free.candidates)[1]
-    tight = layout_search.search_layouts(step, args, found, cluster, limit, ours + hand, say=None)
+    tight = free.within(limit)
     fitting = [by_label[p.label] for p in hand if by_label[p.label].peak_bytes <= limit]
     assert tight.chosen is not None and tight.chosen.peak_bytes <= limit
     assert all(tight.chosen.iteration_us <= c.iteration_us for c in fitting)
