@@ -139,6 +139,21 @@ def test_a_memory_limit_no_one_axis_update_meets_chooses_a_two_axis_plan(tmp_pat
         key = "[0][0].params" + jax.tree_util.keystr(path)
         assert tuple(x.sharding.spec) == tuple(specs[key]) + (None,) * (x.ndim - len(specs[key])), key
 
+    # Under a limit the stored plan does not meet, it is not run: the one-axis step is, and says so.
+    smaller = optimize_distributed(
+        search=False, plan_dir=tmp_path, memory_limit_bytes=chosen["footprint_bytes"] - 1, **FAST
+    )
+    with pytest.warns(_plan.PlanWarning, match="over memory_limit_bytes"):
+        smaller(step)(state, batch)
+
+
+def test_a_stored_layout_is_stale_under_a_limit_it_does_not_meet_or_no_longer_needs():
+    decided = {"footprint_bytes": 100, "memory_limit_bytes": 120, "forced": "memory"}
+    assert mesh_plan.stale(decided, None, 500) is None and mesh_plan.stale(decided, 120, 500) is None
+    assert "over memory_limit_bytes=99 (chosen under 120)" in mesh_plan.stale(decided, 99, 500)
+    assert "memory forced it" in mesh_plan.stale(decided, 600, 500)  # the unmodified step fits now
+    assert mesh_plan.stale({**decided, "forced": False}, 600, 500) is None  # faster: kept
+
 
 def _footprints(step, state, batch) -> tuple[int, int]:
     """(the smallest per-device peak of the FSDP at-use candidate, of the 1x8 TP plan), read from

@@ -300,6 +300,24 @@ def stored_layout(plan: _plan.Plan | None, num_devices: int) -> tuple[dict | Non
     return None, False
 
 
+def stale(decided: dict, limit: int | None, default_peak: int | None) -> str | None:
+    """Why a stored two-axis decision does not hold under the memory limit given now (None where it
+    does): its footprint is over the limit, or memory forced it (it was slower) and the unmodified
+    step now fits. A decision was made under the limit of its search (`memory_limit_bytes`)."""
+    if limit is None:
+        return None
+    footprint, under = decided.get("footprint_bytes"), decided.get("memory_limit_bytes")
+    chosen_under = f" (chosen under {under})" if under is not None else ""
+    if footprint is not None and footprint > limit:
+        return f"needs {footprint} bytes per device, over memory_limit_bytes={limit}{chosen_under}"
+    if decided.get("forced") == "memory" and default_peak is not None and default_peak <= limit:
+        return (
+            f"was applied because memory forced it{chosen_under}, and the unmodified step's {default_peak} "
+            f"bytes per device fit memory_limit_bytes={limit}"
+        )
+    return None
+
+
 def recall(fn, step: Captured, found, backend, options, ui) -> tuple[Any, dict] | None:
     """The enact phase's side: (MeshRun or None, record) of the stored two-axis decision for this
     program, or None where there is none. An offline layout never measured is checked and
@@ -315,6 +333,13 @@ def recall(fn, step: Captured, found, backend, options, ui) -> tuple[Any, dict] 
         _warnings.warn(
             f"disco-jax: the stored two-axis plan {decided.get('label')} was applied because memory forced it, "
             "and no memory_limit_bytes is given now; running the one-axis step",
+            _plan.PlanWarning,
+        )
+        return None
+    if not unmeasured and (why := stale(decided, limit, choice.executable_peak(step.default_compiled))):
+        _warnings.warn(
+            f"disco-jax: the stored two-axis plan {decided.get('label')} {why}; running the one-axis step "
+            "(search again with ENABLE_SEARCH=1 to choose for this limit)",
             _plan.PlanWarning,
         )
         return None
