@@ -4,6 +4,7 @@ layer i+1 (i-1 in a reversed scan) one iteration early. On 8 CPU devices: the ro
 what the unmodified one computes, the compiled loops carry the gathered layer (the plan was
 enacted), and the plan records and cites it."""
 
+import dataclasses
 import json
 import re
 import types
@@ -69,6 +70,12 @@ def test_a_rotated_scan_and_its_gradient_compute_the_same_and_carry_the_gathered
     assert all("f32[16,16]" in t for t in _while_tuples(rotated.lower(w, x).compile().as_text()))
     assert not any("f32[16,16]" in t for t in _while_tuples(original.lower(w, x).compile().as_text()))
     assert "loop_rotation" in update.cited_rules(layout)
+    # The loops' per-example carries split over the batch only (no rotation): the same values.
+    split = dataclasses.replace(layout, prefetch=False, split_carries=True)
+    assert prefetch.rotated_loops(_loss_and_grad, split, w, x) == []
+    loss_s, grad_s = jax.jit(prefetch.rotating(_loss_and_grad, NO_STATICS, split))(w, x)
+    np.testing.assert_allclose(loss_s, loss, rtol=1e-6)
+    np.testing.assert_allclose(grad_s, grad, rtol=1e-5, atol=1e-6)
 
 
 def test_prefetch_on_a_scanned_gpt_computes_what_the_unmodified_step_computes_and_is_recorded():

@@ -106,9 +106,19 @@ class _Rotation:
         prefetched = [
             k for k in xs_at if in_origins[k] is not None and in_origins[k][0] in self.targets and in_origins[k][1] == 0
         ]
-        if not prefetched:  # no prefetch: the scan as it was (its body is not walked: nested loops keep theirs)
+        if not prefetched and self.examples is None:  # the scan as it was (nested loops keep theirs)
             with eqn.ctx.manager:
                 return eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(params))
+        if not prefetched:  # only its per-example carries split (`Layout.split_carries`)
+            xs = inputs[consts_n + carry_n :]
+
+            def split_body(carry, x):
+                outs = jax.core.eval_jaxpr(body_jaxpr, body_consts, *inputs[:consts_n], *self._per_example(carry), *x)
+                return self._per_example(outs[:carry_n]), outs[carry_n:]
+
+            init = self._per_example(inputs[consts_n : consts_n + carry_n])
+            carry, ys = jax.lax.scan(split_body, init, xs, length=params["length"], reverse=params["reverse"])
+            return list(carry) + list(ys)
         length, reverse = params["length"], params["reverse"]
         shardings = [self.targets[in_origins[k][0]] for k in prefetched]
         stacked = [inputs[k] for k in prefetched]
@@ -199,7 +209,9 @@ def _scan_counts(params: dict, num_inputs: int) -> tuple[int, int]:
 def rotating(inner: Callable, info, layout) -> Callable:
     """The user's function `inner` (jit options `info`) with every scan that reads a layer of one
     of `layout`'s sharded stacked parameters rotated to gather the next layer one iteration early
-    (module docstring); what `update.relower` jits where `layout.prefetch`."""
+    (module docstring), and every scan's per-example carries (leading dimension a batch size of
+    the call's unsharded inputs) split over the data axis; what `update.relower` jits where
+    `layout.prefetch`, or (the carries split only, no rotation) `layout.split_carries`."""
     from disco_jax.sharding import rules
 
     rules.require(RULE)
@@ -211,7 +223,7 @@ def rotating(inner: Callable, info, layout) -> Callable:
     targets = {
         i: NamedSharding(layout.step_mesh, use_spec(layout.sharding(layout.inputs[i]).spec, layout.axis, factors))
         for i in layout.gathered
-        if i in layout.stacked and _splits_after_layer_axis(layout.inputs[i])
+        if layout.prefetch and i in layout.stacked and _splits_after_layer_axis(layout.inputs[i])
     }
     static_names = set(info.static_argnames)
 
@@ -246,7 +258,11 @@ def _splits_after_layer_axis(spec: P) -> bool:
 def rotated_loops(inner: Callable, layout, *args) -> list[dict]:
     """The scans `rotating` rotates in `inner(*args)` (positional, dynamic, abstract arguments):
     per loop its trip count, direction and the input leaves it prefetches (for plans and tests)."""
-    targets = {i: None for i in layout.gathered if i in layout.stacked and _splits_after_layer_axis(layout.inputs[i])}
+    targets = {
+        i
+        for i in layout.gathered
+        if layout.prefetch and i in layout.stacked and _splits_after_layer_axis(layout.inputs[i])
+    }
     closed = jax.make_jaxpr(inner)(*args)
     leaves = jax.tree.leaves(args)
     walk = _Rotation({i: NamedSharding(layout.step_mesh, P()) for i in targets})

@@ -235,7 +235,7 @@ def relower(fn, layout: Layout, args: tuple, kwargs: dict, dynamic: tuple, defau
     for j, spec in layout.outputs.items():
         out_leaves[j] = layout.sharding(spec)
     inner = params.gathering(fn.__wrapped__, fn._jit_info, layout)
-    if layout.prefetch:  # each loop's next layer gathered one iteration early (`sharding.prefetch`)
+    if layout.prefetch or layout.split_carries:  # loops rotated / their carries split (`sharding.prefetch`)
         inner = prefetch.rotating(inner, fn._jit_info, layout)
     jitted = jax.jit(
         inner,
