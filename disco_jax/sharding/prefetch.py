@@ -57,8 +57,9 @@ def use_spec(spec: P, axis: str, factors: Iterable[str] = ()) -> P:
 class _Rotation:
     """The walk: values carry the input leaf they are (or None) and the leaf dimensions they keep."""
 
-    def __init__(self, targets: dict[int, NamedSharding], examples: tuple[frozenset, NamedSharding] | None = None):
+    def __init__(self, targets: dict, examples: tuple | None = None, stored: dict | None = None):
         self.targets = targets  # leaf index -> sharding of one gathered layer
+        self.stored = stored or {}  # leaf index -> sharding of one layer as the leaf is stored (split)
         # (batch sizes, their split over the data axis): a rotated loop's per-example carries
         # (activations: leading dimension a batch size) are kept split so, as data parallelism has them.
         self.examples = examples
@@ -83,7 +84,7 @@ class _Rotation:
                 inner = eqn.params["jaxpr"]
                 outs, out_origins = self.run(inner.jaxpr, inner.consts, inputs, in_origins)
             elif name == SCAN:
-                outs, out_origins = self._scan(eqn, inputs, in_origins), [None] * len(eqn.outvars)
+                outs, out_origins = self._scan(eqn, inputs, in_origins)
             else:
                 with eqn.ctx.manager:
                     outs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(eqn.params))
@@ -106,9 +107,10 @@ class _Rotation:
         prefetched = [
             k for k in xs_at if in_origins[k] is not None and in_origins[k][0] in self.targets and in_origins[k][1] == 0
         ]
+        unknown = [None] * len(eqn.outvars)
         if not prefetched and self.examples is None:  # the scan as it was (nested loops keep theirs)
             with eqn.ctx.manager:
-                return eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(params))
+                return eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(params)), unknown
         if not prefetched:  # only its per-example carries split (`Layout.split_carries`)
             xs = inputs[consts_n + carry_n :]
 
@@ -118,7 +120,7 @@ class _Rotation:
 
             init = self._per_example(inputs[consts_n : consts_n + carry_n])
             carry, ys = jax.lax.scan(split_body, init, xs, length=params["length"], reverse=params["reverse"])
-            return list(carry) + list(ys)
+            return list(carry) + list(ys), unknown
         length, reverse = params["length"], params["reverse"]
         shardings = [self.targets[in_origins[k][0]] for k in prefetched]
         stacked = [inputs[k] for k in prefetched]
@@ -126,6 +128,11 @@ class _Rotation:
         # gathered and carried: the gather moves what the body's dots read, not the f32 master.
         converts = [_only_converted_to(body_jaxpr, body_jaxpr.invars[k]) for k in prefetched]
         first = length - 1 if reverse else 0
+        # Outputs that stack the layer itself (the residuals a backward pass reads: the layer or
+        # its conversion) are stacked from the stored shards, not the gathered layer: the loop then
+        # keeps no gathered layer beyond the one it carries, and the backward loop, reading them
+        # as a layer of the leaf, is rotated too.
+        residuals = _layer_residuals(body_jaxpr, carry_n, {body_jaxpr.invars[k]: i for i, k in enumerate(prefetched)})
         self.rotated.append({"length": length, "reverse": reverse, "leaves": [in_origins[k][0] for k in prefetched]})
 
         def gather(index):
@@ -146,14 +153,21 @@ class _Rotation:
             outs = _eval_converted(body_jaxpr, body_consts, step_inputs, converted)
             # The next iteration's layer, clamped at the loop's last (its gather is then unused).
             following = jnp.maximum(index - 1, 0) if reverse else jnp.minimum(index + 1, length - 1)
-            return (self._per_example(outs[:carry_n]), gather(following), following), outs[carry_n:]
+            ys = list(outs[carry_n:])
+            for j, (i, dtype) in residuals.items():
+                layer = stacked[i][index] if dtype is None else stacked[i][index].astype(dtype)
+                ys[j] = jax.lax.with_sharding_constraint(layer, self.stored[in_origins[prefetched[i]][0]])
+            return (self._per_example(outs[:carry_n]), gather(following), following), ys
 
         xs_rest = [inputs[k] for k in xs_at if k not in prefetched]
         init = (self._per_example(inputs[consts_n : consts_n + carry_n]), gather(first), jnp.int32(first))
         (carry, _, _), ys = jax.lax.scan(
             rotated_body, init, xs_rest, length=length, reverse=reverse, unroll=params.get("unroll", 1)
         )
-        return list(carry) + list(ys)
+        origins = unknown[:carry_n] + [None] * len(ys)
+        for j, (i, _) in residuals.items():
+            origins[carry_n + j] = (in_origins[prefetched[i]][0], 0)
+        return list(carry) + list(ys), origins
 
     def _per_example(self, carry) -> list:
         if self.examples is None:
@@ -162,6 +176,21 @@ class _Rotation:
         return [
             jax.lax.with_sharding_constraint(x, split) if jnp.ndim(x) >= 2 and x.shape[0] in sizes else x for x in carry
         ]
+
+
+def _layer_residuals(jaxpr, carry_n: int, layers: dict) -> dict[int, tuple[int, object]]:
+    """Per output of a scan body that is one of `layers` (body input -> its index among the
+    prefetched) or its conversion: (that index, the dtype converted to, or None), by ys position."""
+    made = {e.outvars[0]: e for e in jaxpr.eqns if e.primitive.name == "convert_element_type"}
+    out = {}
+    for j, v in enumerate(jaxpr.outvars[carry_n:]):
+        if isinstance(v, jex_core.Literal):
+            continue
+        if v in layers:
+            out[j] = (layers[v], None)
+        elif v in made and not isinstance(made[v].invars[0], jex_core.Literal) and made[v].invars[0] in layers:
+            out[j] = (layers[made[v].invars[0]], made[v].params["new_dtype"])
+    return out
 
 
 def _only_converted_to(jaxpr, var):
@@ -225,6 +254,9 @@ def rotating(inner: Callable, info, layout) -> Callable:
         for i in layout.gathered
         if layout.prefetch and i in layout.stacked and _splits_after_layer_axis(layout.inputs[i])
     }
+    stored = {
+        i: NamedSharding(layout.step_mesh, P(*tuple(layout.sharding(layout.inputs[i]).spec)[1:])) for i in targets
+    }
     static_names = set(info.static_argnames)
 
     def step(*args, **kwargs):
@@ -243,7 +275,7 @@ def rotating(inner: Callable, info, layout) -> Callable:
         sharded = set(layout.inputs) | set(layout.parameters)
         sizes = frozenset(x.shape[0] for i, x in enumerate(leaves) if i not in sharded and jnp.ndim(x) >= 2)
         split = NamedSharding(layout.step_mesh, P(layout.sharding(P(layout.axis)).spec[0]))
-        walk = _Rotation(targets, (sizes, split) if sizes else None)
+        walk = _Rotation(targets, (sizes, split) if sizes else None, stored)
         outs, _ = walk.run(closed.jaxpr, closed.consts, leaves, origins)
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
@@ -265,7 +297,8 @@ def rotated_loops(inner: Callable, layout, *args) -> list[dict]:
     }
     closed = jax.make_jaxpr(inner)(*args)
     leaves = jax.tree.leaves(args)
-    walk = _Rotation({i: NamedSharding(layout.step_mesh, P()) for i in targets})
+    replicated = NamedSharding(layout.step_mesh, P())
+    walk = _Rotation(dict.fromkeys(targets, replicated), None, dict.fromkeys(targets, replicated))
 
     def run(*flat):
         return walk.run(closed.jaxpr, closed.consts, flat, [(i, 0) for i in range(len(flat))])[0]
