@@ -16,10 +16,16 @@ analysis. Prints, per option set: compile seconds, kernel and collective runs, w
 collectives sit, simulated step, exposed communication (step minus compute), peak.
 
     python scripts/scanned_fsdp_baselines.py [--layers 8] [--width 4096] [--seq 2048] [--batch 8]
-        [--cluster 8xH100-NVLink] [--at-use] [--json out.json]
+        [--cluster 8xH100-NVLink] [--at-use [--prefetch | --split-carries]] [--json out.json] [--hlo DIR]
 
 `--at-use`: the parameters laid out as FSDP users write it (`Layout.at_use`, issue 44), gathered
-by XLA where they are used, in place of gathered again for each use.
+by XLA where they are used, in place of gathered again for each use. `--prefetch` (with
+`--at-use`): each loop rotated to gather the next layer one iteration early and carry it
+(`Layout.prefetch`, `sharding.prefetch`; its loops' per-example carries split over the batch
+too): the program disco-jax's prefetch compiles to, costed against XLA's own options above.
+`--split-carries` (with `--at-use`): only the loops' per-example carries split over the batch
+(`Layout.split_carries`), no rotation: what the split alone does. `--hlo DIR`: each option
+set's compiled module written there.
 """
 
 from __future__ import annotations
@@ -59,10 +65,12 @@ OPTIONS = {
 }
 
 
-def fsdp_lowered(spec, mesh, at_use: bool = False):
+def fsdp_lowered(spec, mesh, at_use: bool = False, prefetch: bool = False, split_carries: bool = False):
     """The step lowered with every parameter and its state sharded, gathered again for each use;
     with `at_use`, FSDP as users write it (`Layout.at_use`: each leaf split on its largest
-    dimension, XLA gathers it where it is used, inside the loop bodies for the stacked layers)."""
+    dimension, XLA gathers it where it is used, inside the loop bodies for the stacked layers);
+    with `prefetch` too, each loop gathering the next layer one iteration early (and its
+    per-example carries split over the data axis); with `split_carries`, only the latter."""
     optimizer = optax.adamw(1e-4)
     state, batch = zoo.abstract_state_and_batch(spec, optimizer, mesh)
     step = zoo.build_train_step(spec, optimizer, mesh, "jit", donate=True)
@@ -70,7 +78,9 @@ def fsdp_lowered(spec, mesh, at_use: bool = False):
     default = step.lower(*args).compile()
     shardings = jax.tree.leaves(default.input_shardings)
     layout, reason = update.find_layout(step, args, {}, args, {}, shardings, largest=at_use)
-    fsdp = layout.subset(layout.all_leaves(), regather=not at_use, at_use=at_use)
+    fsdp = layout.subset(
+        layout.all_leaves(), regather=not at_use, at_use=at_use, prefetch=prefetch, split_carries=split_carries
+    )
     lowered, _ = update.relower(step, fsdp, args, {}, (args, {}), default)
     return lowered, fsdp, reason
 
@@ -101,14 +111,25 @@ def main(argv=None) -> int:
     _decoder.add_arguments(parser, layers=8, scan=False)
     parser.add_argument("--cluster", default="8xH100-NVLink")
     parser.add_argument("--at-use", action="store_true", help="at-use FSDP (Layout.at_use) instead of regathered")
+    parser.add_argument(
+        "--prefetch", action="store_true", help="with --at-use: the next layer gathered one iteration early"
+    )
+    parser.add_argument(
+        "--split-carries", action="store_true", help="with --at-use: the loops' activations batch-split"
+    )
+    parser.add_argument("--hlo", default=None, help="write each option set's compiled module to this folder")
     parser.add_argument("--options", nargs="+", default=list(OPTIONS), choices=list(OPTIONS), help="option sets")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     cluster = clusters.get_cluster(args.cluster)
     mesh = targets.mesh(cluster.target, cluster.gpus_per_node * cluster.nodes)
     spec = _decoder.spec(args)
-    lowered, layout, reason = fsdp_lowered(spec, mesh, args.at_use)
+    if (args.prefetch or args.split_carries) and not args.at_use:
+        parser.error("--prefetch and --split-carries change the loops of at-use FSDP: add --at-use")
+    lowered, layout, reason = fsdp_lowered(spec, mesh, args.at_use, args.prefetch, args.split_carries)
     form = "at-use FSDP (gathered where used)" if args.at_use else "FSDP gathered again for each use"
+    form += ", next layer prefetched one iteration early" if args.prefetch else ""
+    form += ", loop carries split over the batch" if args.prefetch or args.split_carries else ""
     print(f"{spec.description}; {form}; {reason}; stacked leaves split after the layer axis: {len(layout.stacked)}")
     estimator, collectives = cluster.kernel_estimator(), cluster.allreduce_model()
     found = {}
@@ -118,6 +139,10 @@ def main(argv=None) -> int:
         compiled = lowered.compile(compiler_options=dict(options))
         compile_s = time.perf_counter() - start
         text = compiled.as_text()
+        if args.hlo:
+            os.makedirs(args.hlo, exist_ok=True)
+            with open(os.path.join(args.hlo, label.replace(" ", "_").replace("+", "") + ".hlo"), "w") as out:
+                out.write(text)
         program = cost.compiled_program(text, backends.GPU)
         costed = cost.cost_program(program, estimator, collectives, cluster.simulator_params())
         record = costed.to_json()

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from disco_jax import cli
-from disco_jax.sharding import apply, axioms, rules
-from disco_jax.sharding.terms import Rule, parse, rule
+from disco_jax.sharding import apply, axioms, prover, rules
+from disco_jax.sharding.terms import Induction, Rule, parse, rule
 
 # Timeout for candidates that must not be proven: the right rules take well under 1 s (printed by
 # `disco-jax rules`), and `test_a_false_axiom_...` shows a wrong rule is proven within it once an
@@ -91,6 +91,30 @@ WRONG_CANDIDATES = (
 )
 
 
+def _rotation(start: str, name: str) -> Rule:
+    """`loop_rotation` with the value carried into the loop taken from layer `start`."""
+    first = f"(apply g (at xs {start}))"
+    return rule(
+        name,
+        "(scan_read u g c xs n)",
+        f"(rotated_carry u g c {first} xs n n)",
+        "u:fn2 g:fn c:tensor xs:stack n:int k:int",
+        "(keeps_shape g)",
+        "(same_shape c xs)",
+        "(loop_length n xs)",
+        induction=Induction(
+            "k",
+            "n",
+            ("(scan_read u g c xs k)", f"(rotated_carry u g c {first} xs n k)"),
+            ((f"(rotated_prefetch u g c {first} xs n k)", "(apply g (at xs k))"),),
+        ),
+    )
+
+
+# Carrying layer 1's gather into the loop: every iteration then reads the layer after its own.
+WRONG_CANDIDATES += (_rotation("1", "loop_rotation_one_layer_ahead"),)
+
+
 def _by_name(name: str) -> Rule:
     return next(r for r in rules.RULES if r.name == name)
 
@@ -120,7 +144,7 @@ def test_every_rule_holds_on_random_arrays_for_2_4_and_8_replicas(r):
     assert check.replica_counts == (2, 4, 8) and check.instances == 24
 
 
-@pytest.mark.parametrize("a", axioms.AXIOMS, ids=lambda a: a.name)
+@pytest.mark.parametrize("a", axioms.AXIOMS + axioms.LOOP_AXIOMS, ids=lambda a: a.name)
 def test_every_axiom_holds_in_the_numpy_model(a):
     check = rules.check_axiom(a)
     assert check.passed, check.failure
@@ -235,3 +259,15 @@ def test_cli_rules_exits_nonzero_when_a_rule_is_not_proven(monkeypatch, capsys):
     out = json.loads(capsys.readouterr().out)
     assert not out["all_proven"]
     assert [r["name"] for r in out["rules"] if not r["ok"]] == [wrong.name]
+
+
+def test_loop_rotation_is_proven_by_induction_from_the_loop_axioms_only():
+    """The rule the prefetch cites (`sharding.prefetch`): as written it is `loop_rotation` with
+    layer 0 carried in; without the loops' axioms z3 cannot prove it (they define the loops)."""
+    assert dataclasses.replace(_rotation("0", "loop_rotation"), doc=_by_name("loop_rotation").doc) == _by_name(
+        "loop_rotation"
+    )
+    r = _by_name("loop_rotation")
+    assert rules.prove(r).proven
+    assert not prover.prove(r, timeout_s=WRONG_TIMEOUT_S, axioms=axioms.AXIOMS).proven
+    assert rules.require("loop_rotation") is r

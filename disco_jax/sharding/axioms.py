@@ -194,3 +194,38 @@ AXIOMS: tuple[Rule, ...] = (
         "(contractible x w)",
     ),
 )
+
+# What a loop over a stack's layers computes (a scan: `rules.loop_rotation`), one iteration at a
+# time: each loop's value after 0 iterations, and after k >= 1 from its value after k - 1. Asserted
+# only for rules over loops (`rules.prove`), so that the other rules' proofs search what they did.
+_LOOP = "u:fn2 g:fn c:tensor p:tensor xs:stack n:int k:int"
+_ROTATED = "u g c p xs n"
+LOOP_AXIOMS: tuple[Rule, ...] = (
+    rule("scan_read_start", "(scan_read u g c xs 0)", "c", "u:fn2 g:fn c:tensor xs:stack"),
+    rule(
+        "scan_read_step",
+        "(scan_read u g c xs k)",
+        "(apply2 u (scan_read u g c xs (prev k)) (apply g (at xs (prev k))))",
+        "u:fn2 g:fn c:tensor xs:stack k:int",
+        "(positive k)",
+        doc="Iteration k - 1 reads layer k - 1 through g.",
+    ),
+    rule("rotated_carry_start", f"(rotated_carry {_ROTATED} 0)", "c", _LOOP),
+    rule("rotated_prefetch_start", f"(rotated_prefetch {_ROTATED} 0)", "p", _LOOP),
+    rule(
+        "rotated_carry_step",
+        f"(rotated_carry {_ROTATED} k)",
+        f"(apply2 u (rotated_carry {_ROTATED} (prev k)) (rotated_prefetch {_ROTATED} (prev k)))",
+        _LOOP,
+        "(positive k)",
+        doc="The rotated loop's body reads what it carries.",
+    ),
+    rule(
+        "rotated_prefetch_step",
+        f"(rotated_prefetch {_ROTATED} k)",
+        "(apply g (at xs (clamp_next (prev k) n)))",
+        _LOOP,
+        "(positive k)",
+        doc="Iteration k - 1 prefetches the next layer, clamped at the loop's last.",
+    ),
+)

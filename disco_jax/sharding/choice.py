@@ -11,9 +11,9 @@ fits either, every leaf sharded, those no dimension of which N divides split ove
 (`split_layout`). Each is lowered again and captured (`update.relowered`), its per-device footprint
 read from its compiled executable, and its XLA plan simulated with the replicated step's cost
 model: the sharded update's all-gathers and reduce-scatters go on the communication channel at the
-measured scatter/gather line
-(`_profile_phase.with_scatter_gather`, stored with the all-reduce fit, so the chosen program's own
-profile finds it), its update kernels cost what the estimator says for their 1/N shapes. Every
+measured scatter/gather line (`_profile_phase.with_scatter_gather`, stored with the all-reduce fit,
+so the chosen program's own profile finds it), its update kernels cost what the estimator says
+for their 1/N shapes. Every
 sharded candidate the simulator prefers to the replicated update (simulated faster within the
 limit; under a limit the replicated program exceeds, every one within it) is then run against
 the replicated step: outputs within tolerance, interleaved timing by the acceptance rule
@@ -28,6 +28,7 @@ candidates again (`rechoose`), so it never switches to a candidate that was not 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -86,6 +87,7 @@ class Candidate:
         if self.layout.gathered:
             again = ", gathered again for each use" if self.layout.regather else ""
             again += ", gathered where used" if self.layout.at_use else ""
+            again += ", next layer prefetched" if self.layout.prefetch else ""
             again += ", some split over several dimensions" if self.layout.step_mesh is not self.layout.mesh else ""
             return (
                 f"parameters and state sharded ({len(self.layout.gathered)} parameters, "
@@ -104,6 +106,7 @@ class Candidate:
             "leaves": [] if self.layout is None else sorted(self.layout.paths.values()),
             "regather": self.layout is not None and self.layout.regather,
             "at_use": self.layout is not None and self.layout.at_use,
+            "prefetch": self.layout is not None and self.layout.prefetch,
             "state_bytes_per_device": state,
             "choices": {} if self.layout is None else self.layout.choices(),
             "params_and_state_bytes_per_device": self.memory.get("params_and_state_bytes_per_device"),
@@ -181,10 +184,8 @@ def choose(
             if wide is not None:  # the last resort: leaves no dimension of which N divides, split over several
                 ui.say("weight update: still over the limit; splitting leaves over several dimensions too")
                 last = candidates[-1].layout
-                leaves = wide.all_leaves()
-                candidates.append(
-                    candidate(fn, step, wide, leaves, args, kwargs, backend, held, last.regather, last.at_use)
-                )
+                gathering = (last.regather, last.at_use, last.prefetch)
+                candidates.append(candidate(fn, step, wide, wide.all_leaves(), args, kwargs, backend, held, *gathering))
                 layout = wide  # the records' account of the state: every leaf that can be sharded
     if memory_limit is not None and beyond is not None and not any(within(c, memory_limit) for c in candidates):
         ui.say(f"weight update: no one-axis candidate fits {memory_limit} bytes per device; trying two-axis plans")
@@ -239,10 +240,12 @@ def candidate(
     held: dict,
     regather: bool = False,
     at_use: bool = False,
+    prefetch: bool = False,
 ) -> Candidate:
     """The step lowered again with `leaves` sharded (its parameters among them gathered again for
-    each use with `regather`, gathered only where used with `at_use`), compiled, its memory read."""
-    sub = layout.subset(leaves, regather, at_use)
+    each use with `regather`, gathered only where used with `at_use`, each loop's next layer
+    gathered one iteration early with `prefetch`), compiled, its memory read."""
+    sub = layout.subset(leaves, regather, at_use, prefetch)
     program = update.relowered(fn, step, sub, args, kwargs, backend)
     return Candidate(tuple(leaves), program, sub, update.memory(program.default_compiled, held))
 
@@ -274,8 +277,8 @@ def parameter_candidates(fn, step, layout, args, kwargs, backend, held: dict, li
     largest layers (`layers_by_size`), each compiled and its footprint read, until one fits
     (the last: every parameter sharded); when none fits, every parameter gathered only where it
     is used (`Layout.at_use`: FSDP as users write it, each leaf split on its largest dimension,
-    XLA gathers per use and frees after), then
-    gathered again for each use (`sharding.regather`: another all-gather per use)."""
+    XLA gathers per use and frees after; where that fits, also with each loop's next layer
+    prefetched, `sharding.prefetch`), then gathered again for each use (`sharding.regather`)."""
     layers = layers_by_size(layout, held)
     state = layout.all_leaves(parameters=False)
     out, k = [], 1
@@ -290,8 +293,11 @@ def parameter_candidates(fn, step, layout, args, kwargs, backend, held: dict, li
         shardings = jax.tree.leaves(step.default_compiled.input_shardings)
         widest, _ = update.find_layout(fn, args, kwargs, step.args, step.kwargs, shardings, largest=True)
         if widest is not None and not params.explicit_axes(widest.mesh):
-            out.append(candidate(fn, step, widest, widest.all_leaves(), args, kwargs, backend, held, at_use=True))
-    if out and not within(out[-1], limit):
+            at_use = functools.partial(candidate, fn, step, widest, widest.all_leaves(), args, kwargs, backend, held)
+            out.append(at_use(at_use=True))
+            if within(out[-1], limit) and widest.stacked:
+                out.append(at_use(at_use=True, prefetch=True))
+    if out and not any(within(c, limit) for c in out[-2:]):
         leaves = next(c.leaves for c in reversed(out) if not c.layout.at_use)
         out.append(candidate(fn, step, layout, leaves, args, kwargs, backend, held, regather=True))
     return out
@@ -441,10 +447,8 @@ def recall(
         decided = rechoose(decided, memory_limit)
     if decided.get("mode") != "sharded":
         return step, None, {"mode": "replicated", "requested": "search", "reason": decided.get("reason")}
-    input_shardings = jax.tree.leaves(step.default_compiled.input_shardings)
-    layout, reason = update.find_layout(
-        fn, args, kwargs, step.args, step.kwargs, input_shardings, largest=bool(decided.get("at_use"))
-    )
+    shardings, at_use = jax.tree.leaves(step.default_compiled.input_shardings), bool(decided.get("at_use"))
+    layout, reason = update.find_layout(fn, args, kwargs, step.args, step.kwargs, shardings, largest=at_use)
     wanted = list(decided.get("leaves", {}))
     if layout is not None and not set(wanted) <= layout.all_paths().keys():  # leaves split over several dimensions
         layout = split_layout(fn, args, kwargs, step, layout) or layout
@@ -456,9 +460,8 @@ def recall(
             _plan.PlanWarning,
         )
         return step, None, {"mode": "replicated", "requested": "search", "reason": "stored decision does not fit"}
-    layout = layout.subset(
-        (by_path[path] for path in wanted), bool(decided.get("regather")), bool(decided.get("at_use"))
-    )
+    gathering = (bool(decided.get(k)) for k in ("regather", "at_use", "prefetch"))
+    layout = layout.subset((by_path[path] for path in wanted), *gathering)
     recalled = {**decided, **layout.to_json(), "rules": update.cited_rules(layout)}
     return update.relowered(fn, step, layout, args, kwargs, backend), layout, recalled
 
@@ -479,19 +482,16 @@ def rechoose(decided: dict, limit: int | None) -> dict:
         f"per device (the stored decision, {decided.get('mode')}, was made for {old}): {why}"
     )
     fits = limit is None or (chosen.get("footprint_bytes") or 0) <= limit
-    gathering = ("regather", "at_use")
+    gathering = ("regather", "at_use", "prefetch")
     moved = any(bool(chosen.get(k)) != bool(decided.get(k)) for k in gathering)
     if chosen["leaves"] != stored or moved or not fits:
-        _warnings.warn(
-            f"disco-jax: {reason}; run once with ENABLE_SEARCH=1 to measure the candidates for this limit",
-            _plan.PlanWarning,
-        )
+        again = "run once with ENABLE_SEARCH=1 to measure the candidates for this limit"
+        _warnings.warn(f"disco-jax: {reason}; {again}", _plan.PlanWarning)
     leaves = {path: True for path in chosen["leaves"]}
     return {
         "mode": "sharded" if leaves else "replicated",
         "leaves": leaves,
-        **({"regather": True} if chosen.get("regather") else {}),
-        **({"at_use": True} if chosen.get("at_use") else {}),
+        **{k: True for k in gathering if chosen.get(k)},
         "forced": forced,
         "reason": reason,
         "candidates": candidates,

@@ -57,6 +57,15 @@ class Layout:
     # replicated constraint anywhere, so XLA's partitioner gathers each where a dot reads it (in a
     # loop, per iteration) and frees it after; `regather` is then moot (no entry-level gather).
     at_use: bool = False
+    # With `at_use`: every scan that reads a layer of a sharded stacked parameter rotated to
+    # gather the next layer one iteration early and carry it (`sharding.prefetch`, the rule
+    # `loop_rotation`): the next layer's all-gather runs beside the current layer's compute.
+    prefetch: bool = False
+    # With `at_use`: every scan's per-example carries (activations) kept split over the data axis,
+    # as data parallelism has them (`sharding.prefetch`; implied by `prefetch`). Left free, XLA's
+    # partitioner may split a wide model's activations on their features instead and gather them
+    # for each dot inside the loop bodies (docs/scanned-layers.md).
+    split_carries: bool = False
 
     @functools.cached_property  # a frozen dataclass's own `__dict__` holds it; `replace` makes a new one
     def step_mesh(self) -> Any:
@@ -91,10 +100,13 @@ class Layout:
             return sharding
         return self.sharding(sharding.spec)
 
-    def subset(self, leaves, regather: bool = False, at_use: bool = False) -> Layout:
+    def subset(
+        self, leaves, regather: bool = False, at_use: bool = False, prefetch: bool = False, split_carries: bool = False
+    ) -> Layout:
         """This layout with only the input leaves `leaves` sharded: a union of `groups`, plus the
         parameters (`parameters`) of some of those groups for parameters and state sharded,
-        gathered again for each use with `regather`, gathered only where used with `at_use`."""
+        gathered again for each use with `regather`, gathered only where used with `at_use`, and
+        with `prefetch` (at use only) each loop's next layer gathered one iteration early."""
         keep = set(leaves)
         for p in keep & self.parameters.keys():
             if not set(self.parameters[p].group) <= keep:
@@ -112,6 +124,8 @@ class Layout:
             groups=tuple(g for g in self.groups if set(g) <= keep),
             regather=regather and not at_use,
             at_use=at_use,
+            prefetch=prefetch and at_use,
+            split_carries=(split_carries or prefetch) and at_use,
         )
 
     def all_leaves(self, parameters: bool = True) -> tuple[int, ...]:
@@ -203,6 +217,8 @@ class Layout:
             "kept_whole": dict(self.kept_whole),
             **({"regather": True} if self.regather and self.gathered else {}),
             **({"at_use": True} if self.at_use and self.gathered else {}),
+            **({"prefetch": True} if self.prefetch and self.gathered else {}),
+            **({"split_carries": True} if self.split_carries and self.gathered else {}),
             **({"stacked": sorted(self.paths[i] for i in self.stacked if i in self.inputs)} if self.stacked else {}),
         }
 

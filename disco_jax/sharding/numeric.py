@@ -86,6 +86,40 @@ def _apply2(u, x, y):
     return u.call(x, y)
 
 
+def _at(xs, k):
+    if not 0 <= k < xs.shape[0]:
+        raise Undefined(f"layer {k} of a stack of {xs.shape[0]}")
+    return xs[k]
+
+
+def _iterations(k: int) -> range:
+    if k < 0:
+        raise Undefined(f"{k} iterations")
+    return range(k)
+
+
+def _scan_read(u, g, c, xs, k):
+    """The loop as a scan runs it: iteration i reads g of layer i."""
+    for i in _iterations(k):
+        c = _apply2(u, c, g.call(_at(xs, i)))
+    return c
+
+
+def _clamp_next(k, n):
+    return min(k + 1, n - 1)
+
+
+def _rotated(u, g, c, p, xs, n, k, carry: bool = True):
+    """The rotated loop: iteration i reads the carried p and prefetches g of layer i + 1 (clamped).
+    With `carry` its c after k iterations (the last iteration's prefetch, which c never reads, is
+    not computed), else its p (that part of the loop never reads c)."""
+    for i in _iterations(k):
+        c = _apply2(u, c, p) if carry else c
+        if not carry or i < k - 1:
+            p = g.call(_at(xs, _clamp_next(i, n)))
+    return c if carry else p
+
+
 SEMANTICS: dict[str, Callable] = {
     "partition": lambda x, a, n: tuple(_blocks(x, a, n)),
     "combine": lambda d, a, n: np.concatenate(_devices(d, n), axis=a),
@@ -105,6 +139,12 @@ SEMANTICS: dict[str, Callable] = {
     "own_block": lambda d, a, n: tuple(_blocks(x, a, n)[i] for i, x in enumerate(_devices(d, n))),
     "dot": _dot,
     "map_dot": lambda d, e: tuple(_dot(x, w) for x, w in zip(d, e, strict=True)),
+    "at": _at,
+    "prev": lambda k: k - 1,
+    "clamp_next": _clamp_next,
+    "scan_read": _scan_read,
+    "rotated_carry": _rotated,
+    "rotated_prefetch": lambda u, g, c, p, xs, n, k: _rotated(u, g, c, p, xs, n, k, carry=False),
     "shard": lambda d, i: d[i % len(d)],
     "shape": lambda x: x.shape,
     "size": lambda x, a: x.shape[a],
@@ -123,7 +163,7 @@ def _shape(value) -> tuple[int, ...]:
     if isinstance(value, tuple):
         _devices(value, len(value))
         return value[0].shape
-    return value.shape
+    return value.shape[1:] if value.ndim == 3 else value.shape  # a stack: its layers' shape
 
 
 def holds(cond: Term, env: dict) -> bool:
@@ -144,7 +184,18 @@ def holds(cond: Term, env: dict) -> bool:
         return vals[0] != vals[1]
     if pred == "contractible":
         return _shape(vals[0])[1] == _shape(vals[1])[0]
+    if pred == "positive":
+        return vals[0] >= 1
+    if pred == "keeps_shape":
+        return _keeps_shape(vals[0])
+    if pred == "loop_length":
+        return 1 <= vals[0] <= vals[1].shape[0]
     raise ValueError(f"unknown predicate {pred}")
+
+
+def _keeps_shape(f: NumericFunction) -> bool:
+    x = np.ones((2, 3))
+    return (f.call(x) if isinstance(f, NumericFunction) and f in UNARY else f.call(x, x)).shape == x.shape
 
 
 def _close(x, y) -> bool:
@@ -177,11 +228,13 @@ def _instance(rule: Rule, n: int, draw: int, rng: np.random.Generator) -> dict:
             pool = UNARY if kind == "fn" else BINARY
             if ("elementwise", name) in rule.condition_terms:
                 pool = tuple(f for f in pool if f.elementwise)
+            if ("keeps_shape", name) in rule.condition_terms:
+                pool = tuple(f for f in pool if _keeps_shape(f))
             env[name] = pool[(draw + index) % len(pool)]
     # One shape per class of variables the conditions say have the same shape or size.
     shapes: dict[str, list[int]] = {}
     for name, kind in rule.variables:
-        if kind in ("tensor", "sharded"):
+        if kind in ("tensor", "sharded", "stack"):
             shapes[name] = [
                 int(n * rng.integers(1, 4)) if rng.random() < 0.8 else int(rng.integers(1, 2 * n)) for _ in "ab"
             ]
@@ -198,6 +251,8 @@ def _instance(rule: Rule, n: int, draw: int, rng: np.random.Generator) -> dict:
     for name, shape in shapes.items():
         if kinds[name] == "tensor":
             env[name] = rng.standard_normal(shape)
+        elif kinds[name] == "stack":  # 1 to 2N layers
+            env[name] = rng.standard_normal([int(rng.integers(1, 2 * n + 1)), *shape])
         else:
             env[name] = tuple(rng.standard_normal(shape) for _ in range(n))
     return env

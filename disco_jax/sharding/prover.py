@@ -20,6 +20,10 @@ import z3
 from disco_jax.sharding.axioms import AXIOMS
 from disco_jax.sharding.terms import OPERATORS, Rule, Term, kind_of
 
+# Operators z3 reads as what they are, not as uninterpreted functions: a device's array or a
+# stack's layer (array select), a tensor's size, and the loop counters' arithmetic.
+INTERPRETED = ("shard", "size", "at", "prev", "clamp_next")
+
 
 @dataclass(frozen=True)
 class Proof:
@@ -58,15 +62,19 @@ class _Signature:
             "fn": self.fn,
             "fn2": self.fn2,
             "shape": self.shape,
+            "stack": self.sharded,  # layer k of a stack as device i of a sharded value: an array from Int
         }
         self.functions = {
             op: z3.Function(op, *[self.sorts[k] for k in args], self.sorts[result])
             for op, (args, result, _) in OPERATORS.items()
-            if op not in ("shard", "size")
+            if op not in INTERPRETED
         }
         self.size = z3.Function("size", self.shape, integer, integer)
         self.elementwise = z3.Function("elementwise", self.fn, z3.BoolSort(ctx))
         self.elementwise2 = z3.Function("elementwise2", self.fn2, z3.BoolSort(ctx))
+        self.keeps_shape = z3.Function("keeps_shape", self.fn, z3.BoolSort(ctx))
+        self.keeps_shape2 = z3.Function("keeps_shape2", self.fn2, z3.BoolSort(ctx))
+        self.layers = z3.Function("layers", self.sharded, integer)  # a stack's number of layers
 
     def term(self, term: Term, env: dict[str, z3.ExprRef]) -> z3.ExprRef:
         if isinstance(term, str):
@@ -77,11 +85,18 @@ class _Signature:
             return z3.Select(zargs[0], zargs[1])
         if op == "size":
             return self.size(self.functions["shape"](zargs[0]), zargs[1])
+        if op == "at":
+            return z3.Select(zargs[0], zargs[1])
+        if op == "prev":
+            return zargs[0] - 1
+        if op == "clamp_next":
+            k, n = zargs
+            return z3.If(k + 1 <= n - 1, k + 1, n - 1)
         return self.functions[op](*zargs)
 
     def shape_of(self, term: Term, env: dict[str, z3.ExprRef], kind: str) -> z3.ExprRef:
         value = self.term(term, env)
-        if kind == "sharded":  # a sharded value's shape is the shape every device holds (SPMD)
+        if kind in ("sharded", "stack"):  # the shape every device holds (SPMD); a stack's layer's
             value = z3.Select(value, 0)
         return self.functions["shape"](value)
 
@@ -104,6 +119,14 @@ class _Signature:
         if pred == "same_shape":
             x, y = args
             return self.shape_of(x, env, kind(x)) == self.shape_of(y, env, kind(y))
+        if pred == "positive":
+            return self.term(args[0], env) >= 1
+        if pred == "keeps_shape":
+            f = self.term(args[0], env)
+            return self.keeps_shape(f) if kind(args[0]) == "fn" else self.keeps_shape2(f)
+        if pred == "loop_length":
+            n, xs = (self.term(a, env) for a in args)
+            return z3.And(n >= 1, n <= self.layers(xs))
         if pred == "distinct":
             return self.term(args[0], env) != self.term(args[1], env)
         if pred == "contractible":
@@ -143,11 +166,40 @@ def prove(
     solver.set("random_seed", seed)
     for axiom in (*axioms, *lemmas):
         solver.add(sig.axiom(axiom))
-    _, conds, eq = sig.equation(rule, "rule_")
+    env, conds, eq = sig.equation(rule, "rule_")
     solver.add(*conds)
-    solver.add(z3.Not(eq))
+    obligations = [eq] if rule.induction is None else _induction(sig, rule, env, eq)
     start = time.perf_counter()
-    answer = solver.check()
+    answers = []
+    for goal in obligations:  # each one unsat when negated; the first that is not decides
+        solver.push()
+        solver.add(z3.Not(goal))
+        answers.append(solver.check())
+        solver.pop()
+        if answers[-1] != z3.unsat:
+            break
     seconds = time.perf_counter() - start
+    answer = answers[-1]
     status = "proven" if answer == z3.unsat else "refuted" if answer == z3.sat else "unknown"
     return Proof(rule.name, status, seconds, len(axioms), timeout_s, tuple(lemma.name for lemma in lemmas))
+
+
+def _induction(sig: _Signature, rule: Rule, env: dict, eq: z3.BoolRef) -> list[z3.BoolRef]:
+    """The three obligations of a rule proven by induction on its counter k up to its bound n
+    (`terms.Induction`): the claim (with the invariants, while k < n) at k = 0; from k to k + 1
+    for 0 <= k < n; and the rule's equation from the claim at k = n."""
+    ind = rule.induction
+    k, n = env[ind.counter], env[ind.bound]
+    pairs = ind.terms()
+
+    def holds(at: z3.ArithRef) -> z3.BoolRef:
+        local = {**env, ind.counter: at}
+        (claim_a, claim_b), *invariants = [(sig.term(a, local), sig.term(b, local)) for a, b in pairs]
+        inv = z3.And([a == b for a, b in invariants]) if invariants else z3.BoolVal(True, sig.ctx)
+        return z3.Implies(z3.And(at >= 0, at <= n), z3.And(claim_a == claim_b, z3.Implies(at < n, inv)))
+
+    zero = z3.IntVal(0, sig.ctx)
+    base = holds(zero)
+    step = z3.Implies(z3.And(k >= 0, k < n, holds(k)), holds(k + 1))
+    conclusion = z3.Implies(z3.And(n >= 0, holds(n)), eq)
+    return [base, step, conclusion]

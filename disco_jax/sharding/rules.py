@@ -18,10 +18,10 @@ import dataclasses
 from functools import cache
 
 from disco_jax.sharding import prover
-from disco_jax.sharding.axioms import AXIOMS
+from disco_jax.sharding.axioms import AXIOMS, LOOP_AXIOMS
 from disco_jax.sharding.numeric import NumericCheck, check_numeric
 from disco_jax.sharding.prover import Proof
-from disco_jax.sharding.terms import Rule, rule
+from disco_jax.sharding.terms import Induction, Rule, rule
 
 RULES: tuple[Rule, ...] = (
     rule(
@@ -203,12 +203,41 @@ RULES += (
     ),
 )
 
+# Loops (`sharding.prefetch`): a scan's iterations rotated so that the next layer's gather runs
+# one iteration early.
+RULES += (
+    rule(
+        "loop_rotation",
+        "(scan_read u g c xs n)",
+        "(rotated_carry u g c (apply g (at xs 0)) xs n n)",
+        "u:fn2 g:fn c:tensor xs:stack n:int k:int",
+        "(keeps_shape g)",
+        "(same_shape c xs)",
+        "(loop_length n xs)",
+        doc="A loop of n iterations whose body reads g(xs[i]) (g: a layer's all-gather) computes what the "
+        "loop computes that carries g of its layer, computed one iteration earlier: g(xs[0]) before the "
+        "loop, and in iteration i g(xs[min(i + 1, n - 1)]) (the last iteration's is never read). Proven "
+        "by induction on the iterations: after k of them the carries agree and the prefetched value is "
+        "g(xs[k]). A reversed scan is the same loop over the reversed stack (it prefetches i - 1). "
+        "`keeps_shape g`, `same_shape c xs` only because the numeric model's u takes equal shapes.",
+        induction=Induction(
+            "k",
+            "n",
+            ("(scan_read u g c xs k)", "(rotated_carry u g c (apply g (at xs 0)) xs n k)"),
+            (("(rotated_prefetch u g c (apply g (at xs 0)) xs n k)", "(apply g (at xs k))"),),
+        ),
+    ),
+)
+
 _BY_NAME = {r.name: r for r in RULES}
 
 
 def prove(rule: Rule, timeout_s: float = 5.0, axioms: tuple[Rule, ...] = AXIOMS, seed: int = 0) -> Proof:
     """z3's proof of `rule` from `axioms` and its lemmas (earlier rules in RULES, proven first; a
-    lemma not proven leaves the rule "unknown")."""
+    lemma not proven leaves the rule "unknown"); a rule over loops (`Rule.induction`) also from
+    the loops' axioms (`axioms.LOOP_AXIOMS`)."""
+    if rule.induction is not None:
+        axioms = (*axioms, *(a for a in LOOP_AXIOMS if a not in axioms))
     lemmas = []
     for name in rule.lemmas:
         lemma = _BY_NAME[name]
@@ -261,7 +290,7 @@ def summary(timeout_s: float = 5.0, with_axioms: bool = False) -> list[dict]:
         proof, numeric = verified(r.name, timeout_s)
         rows.append(_row("rule", r, proof, numeric, timeout_s))
     if with_axioms:
-        rows += [_row("axiom", a, None, check_axiom(a), timeout_s) for a in AXIOMS]
+        rows += [_row("axiom", a, None, check_axiom(a), timeout_s) for a in (*AXIOMS, *LOOP_AXIOMS)]
     return rows
 
 

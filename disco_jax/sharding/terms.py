@@ -7,7 +7,8 @@ A term is a variable name or a tuple `(operator, *arguments)`, written like egg'
 - `sharded`: one array per device of the replica group (SPMD: every device's array has the same shape);
 - `axis`, `count`, `device`: integers (a tensor axis, a replica count N, a device index);
 - `fn`, `fn2`: a unary / binary array function (`(elementwise f)` says it acts element by element);
-- `shape`, `int`: a tensor's shape and one of its sizes.
+- `shape`, `int`: a tensor's shape and one of its sizes (or a loop's iteration count);
+- `stack`: a layer-stacked array (what a scan slices one layer of per iteration: `(at xs k)`).
 
 `Rule` is one equation `source = target` between two terms under side conditions; the rewrite it
 justifies replaces the source pattern by the target pattern. Axioms use the same record.
@@ -21,7 +22,7 @@ from functools import cached_property
 
 Term = str | tuple
 
-KINDS = ("tensor", "sharded", "axis", "count", "device", "fn", "fn2", "shape", "int")
+KINDS = ("tensor", "sharded", "axis", "count", "device", "fn", "fn2", "shape", "int", "stack")
 
 # operator -> (argument kinds, result kind, meaning)
 OPERATORS: dict[str, tuple[tuple[str, ...], str, str]] = {
@@ -46,6 +47,24 @@ OPERATORS: dict[str, tuple[tuple[str, ...], str, str]] = {
     # Tensor parallelism: a matrix product (x's axis 1 contracted with w's axis 0), whole or per device.
     "dot": (("tensor", "tensor"), "tensor", "x @ w: x's axis 1 contracted with w's axis 0"),
     "map_dot": (("sharded", "sharded"), "sharded", "every device multiplies its own pair of arrays"),
+    # Loops over the layers of a stack (a scan; `sharding.prefetch`): what its carry is after k
+    # iterations. `scan_read` reads g(xs[i]) in iteration i; the rotated loop of n iterations
+    # carries, besides c, a prefetched p, and each iteration i computes (u(c, p), g(xs[min(i+1,
+    # n-1)])): the next layer's g one iteration early, clamped at the last.
+    "at": (("stack", "int"), "tensor", "layer k of the stack (xs[k])"),
+    "prev": (("int",), "int", "k - 1"),
+    "clamp_next": (("int", "int"), "int", "min(k + 1, n - 1): the layer after k in a loop of n, clamped at its last"),
+    "scan_read": (("fn2", "fn", "tensor", "stack", "int"), "tensor", "c after k iterations of c <- u(c, g(xs[i]))"),
+    "rotated_carry": (
+        ("fn2", "fn", "tensor", "tensor", "stack", "int", "int"),
+        "tensor",
+        "c after k iterations of (c, p) <- (u(c, p), g(xs[clamp_next i n])) from (c, p)",
+    ),
+    "rotated_prefetch": (
+        ("fn2", "fn", "tensor", "tensor", "stack", "int", "int"),
+        "tensor",
+        "p after k iterations of the same rotated loop",
+    ),
     # Used by the axioms only: a tensor's blocks and a device's array.
     "block": (("tensor", "axis", "count", "device"), "tensor", "block i (mod N) of N equal blocks along the axis"),
     "block_each": (("sharded", "axis", "count", "device"), "sharded", "every device takes block i of its array"),
@@ -62,6 +81,9 @@ PREDICATES: dict[str, tuple[str, ...]] = {
     "same_shape": ("any", "any"),
     "distinct": ("axis", "axis"),
     "contractible": ("any", "any"),  # x's size along axis 1 is w's along axis 0 (x @ w is defined)
+    "positive": ("int",),  # k >= 1
+    "keeps_shape": ("function",),  # f's result has its argument's shape
+    "loop_length": ("int", "stack"),  # 1 <= n <= the stack's number of layers
 }
 
 _TOKEN = re.compile(r"\(|\)|[^\s()]+")
@@ -136,9 +158,24 @@ def check_condition(cond: Term, variables: dict[str, str]) -> None:
         raise ValueError(f"{pred} takes {len(wanted)} arguments: {show(cond)}")
     for arg, kind in zip(args, wanted):
         got = kind_of(arg, variables)
-        ok = {"any": ("tensor", "sharded"), "function": ("fn", "fn2")}.get(kind, (kind,))
+        ok = {"any": ("tensor", "sharded", "stack"), "function": ("fn", "fn2")}.get(kind, (kind,))
         if got not in ok and not _literal_of(arg, kind):
             raise ValueError(f"{pred}: {show(arg)} is {got}, not {kind}")
+
+
+@dataclass(frozen=True)
+class Induction:
+    """How a rule over loops is proven: by induction on `counter` (an int variable of the rule)
+    from 0 to `bound`, with the claim `claim[0] = claim[1]` and, while counter < bound, every
+    `invariant` pair equal. The rule's source and target are the claim at counter = bound."""
+
+    counter: str
+    bound: str
+    claim: tuple[str, str]
+    invariants: tuple[tuple[str, str], ...] = ()
+
+    def terms(self) -> list[tuple[Term, Term]]:
+        return [(parse(a), parse(b)) for a, b in (self.claim, *self.invariants)]
 
 
 @dataclass(frozen=True)
@@ -157,6 +194,7 @@ class Rule:
     conditions: tuple[str, ...] = ()
     doc: str = ""
     lemmas: tuple[str, ...] = ()  # earlier rules its proof may use besides the axioms
+    induction: Induction | None = None  # a rule over loops: proven by induction (`Induction`)
 
     def __post_init__(self) -> None:
         kinds = self.kinds
@@ -168,6 +206,12 @@ class Rule:
             raise ValueError(f"{self.name}: source is {left}, target is {right}")
         for cond in self.condition_terms:
             check_condition(cond, kinds)
+        if self.induction is not None:
+            if kinds.get(self.induction.counter) != "int" or kinds.get(self.induction.bound) != "int":
+                raise ValueError(f"{self.name}: the induction's counter and bound must be int variables")
+            for a, b in self.induction.terms():
+                if kind_of(a, kinds) != kind_of(b, kinds):
+                    raise ValueError(f"{self.name}: {show(a)} and {show(b)} are of different kinds")
 
     @cached_property
     def kinds(self) -> dict[str, str]:
@@ -196,8 +240,15 @@ class Rule:
 
 
 def rule(
-    name: str, source: str, target: str, variables: str, *conditions: str, doc: str = "", lemmas: tuple = ()
+    name: str,
+    source: str,
+    target: str,
+    variables: str,
+    *conditions: str,
+    doc: str = "",
+    lemmas: tuple = (),
+    induction: Induction | None = None,
 ) -> Rule:
     """Shorthand: `variables` as `"g:sharded a:axis N:count"`."""
     pairs = tuple(tuple(v.split(":")) for v in variables.split())
-    return Rule(name, source, target, pairs, tuple(conditions), doc, tuple(lemmas))
+    return Rule(name, source, target, pairs, tuple(conditions), doc, tuple(lemmas), induction)

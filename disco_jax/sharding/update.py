@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 
 from disco_jax import _validate, _warnings
 from disco_jax._compile import Captured, capture
-from disco_jax.sharding import apply, params, rules
+from disco_jax.sharding import apply, params, prefetch, rules
 from disco_jax.sharding.layouts import Layout, put
 from disco_jax.sharding.leaves import (  # noqa: F401  (the layout's reading of the jaxpr, re-exported)
     choose_layout,
@@ -55,6 +55,7 @@ def cited_rules(layout: Layout) -> dict[str, str]:
     """The rules `layout`'s sharding rests on, by name, as the plan cites them (raises
     `rules.RuleNotProven` where one is not proven here)."""
     names = JUSTIFYING_RULES + (PARAMETER_RULES if layout.gathered else ())
+    names += (prefetch.RULE,) if layout.prefetch and layout.gathered else ()
     return {name: str(rules.require(name)) for name in names}
 
 
@@ -233,8 +234,11 @@ def relower(fn, layout: Layout, args: tuple, kwargs: dict, dynamic: tuple, defau
     out_leaves = [layout.on_step_mesh(s) for s in out_leaves]
     for j, spec in layout.outputs.items():
         out_leaves[j] = layout.sharding(spec)
+    inner = params.gathering(fn.__wrapped__, fn._jit_info, layout)
+    if layout.prefetch or layout.split_carries:  # loops rotated / their carries split (`sharding.prefetch`)
+        inner = prefetch.rotating(inner, fn._jit_info, layout)
     jitted = jax.jit(
-        params.gathering(fn.__wrapped__, fn._jit_info, layout),
+        inner,
         out_shardings=jax.tree.unflatten(out_tree, out_leaves),
         **_jit_options(fn._jit_info),
     )
