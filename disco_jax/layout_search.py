@@ -121,8 +121,18 @@ def candidate_plans(
     return list(unique.values())
 
 
+# The debug tables XLA prints before the computations (where in Python each op was traced): two
+# lowerings of one program from different call sites differ only there and in ops' metadata.
+_DEBUG_TABLES = re.compile(r"^(FileNames|FunctionNames|FileLocations|StackFrames)\n(?:.+\n)*", re.M)
+
+
 def _fingerprint(text: str) -> str:
+    """The program's identity: its module text without its name, ops' metadata (op names, source
+    lines) and the stack-frame tables, so that the same program lowered by two paths (a
+    hand-written configuration and disco-jax's plan) is one program."""
     body = re.sub(r"^HloModule \S+", "HloModule m", text, count=1)
+    body = _DEBUG_TABLES.sub("", body)
+    body = re.sub(r", metadata=\{[^}]*\}", "", body)
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 

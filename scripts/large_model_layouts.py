@@ -118,6 +118,9 @@ def main(argv=None) -> int:
     plans = layout_search.candidate_plans(found, cluster.gpus_per_node, hand=not args.no_hand)
     if args.only:
         wanted = set(args.only.split(";"))
+        unknown = wanted - {p.label for p in plans}
+        if unknown:  # a label that names no candidate would be skipped silently
+            parser.error(f"--only names no candidate: {sorted(unknown)}; candidates: {[p.label for p in plans]}")
         plans = [p for p in plans if p.label in wanted or isinstance(p, handwritten.HandPlan)]
     print(f"{len(plans)} plans to compile (program time, peak, compile seconds as each is done):", flush=True)
     result = layout_search.search_layouts(

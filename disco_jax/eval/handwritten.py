@@ -144,20 +144,29 @@ def megatron_step(spec: zoo.ModelSpec, optimizer, devices, data: int, model: int
 class HandPlan:
     """A configuration of `configurations` as a candidate of the layout search
     (`layout_search.candidate_plans`): `megatron_spec` on every parameter and state leaf by its
-    path, the batch over "data", no activation constraint; lowered from the user's step itself
-    (`relower`), so that it is compiled and costed as disco-jax's plans are."""
+    path, the batch over "data" and, where `constrained` (the default), the activation constraints
+    the Flax guide writes in the model (`guide_rule`); lowered from the user's step itself
+    (`relower`), so that it is compiled and costed as disco-jax's plans are. `constrained=False`:
+    shardings on parameters and state only, XLA's partitioner left to propagate them (the
+    configuration this module wrote before; kept for the comparison in docs/operator-parallelism.md)."""
 
     name: str
     data: int
     model: int
     fsdp: bool
+    constrained: bool = True
 
     @property
     def label(self) -> str:
-        return f"{self.data}x{self.model} by hand: {self.name}"
+        return f"{self.data}x{self.model} by hand: {self.name}" + ("" if self.constrained else " (no constraint)")
 
     def to_json(self) -> dict:
-        return {"mesh": {DATA_AXIS: self.data, "model": self.model}, "by_hand": self.name, "fsdp": self.fsdp}
+        return {
+            "mesh": {DATA_AXIS: self.data, "model": self.model},
+            "by_hand": self.name,
+            "fsdp": self.fsdp,
+            "activation_constraints": self.constrained,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,15 +185,50 @@ class HandEnacted:
         }
 
 
-def hand_plans(num_devices: int, devices_per_node: int) -> list[HandPlan]:
-    """`configurations` as `HandPlan`s."""
-    return [HandPlan(name, *shape) for name, shape in configurations(num_devices, devices_per_node).items()]
+def hand_plans(num_devices: int, devices_per_node: int, constrained: bool = True) -> list[HandPlan]:
+    """`configurations` as `HandPlan`s (`constrained`: with the guide's activation constraints)."""
+    return [
+        HandPlan(name, *shape, constrained=constrained)
+        for name, shape in configurations(num_devices, devices_per_node).items()
+    ]
+
+
+def guide_rule(found, specs: dict[int, P], data: int, model: int):
+    """The activation constraints a user writes following Flax's "Scale up Flax Modules on multiple
+    devices" guide (google/flax docs/guides/parallel_training/flax_on_pjit: its `DotReluDot`
+    writes `with_sharding_constraint(y, P('data', 'model'))` after the column dense and
+    `with_sharding_constraint(z, P('data', None))` after the row dense), as MaxText and Flax's lm1b
+    example do through logical axes ('activation_batch' -> the data / fsdp axes): on the output of
+    every dense layer of the forward pass, the batch over "data", and where the layer's kernel is
+    split on an output dimension over "model" (a column kernel, the vocabulary-parallel head),
+    that dimension of the output over "model"; everything else replicated. As a
+    `constrain.Rule`: the user's step is not edited, the constraints are inserted on the forward
+    dots that read each parameter (`found.roles`). Written from the leaves' specs alone, apart
+    from `sharding.operators.activation_spec`, so that the baseline is the guide's, not
+    disco-jax's (on FSDP and TP without sequence parallelism the two agree)."""
+
+    def rule(dot):
+        role = found.roles.get(dot.parameter)
+        if role is None or dot.contracted != role.contracted:
+            return None  # a dot of the backward pass: the user's constraints sit in the forward model
+        entries = [None] * len(dot.out_shape)
+        batch = dot.other_free_positions[0] if dot.other_free_positions else None
+        if batch is not None and data > 1 and dot.out_shape[batch] % data == 0:
+            entries[batch] = DATA_AXIS
+        if model > 1:
+            for dim, axis in enumerate(specs[dot.parameter]):
+                if axis == "model" and dim in dot.parameter_positions:
+                    entries[dot.parameter_positions[dim]] = "model"
+        return P(*entries)
+
+    return rule
 
 
 def relower(step, args: tuple, found, plan: HandPlan) -> tuple:
     """(lowered, args on the plan's mesh, `HandEnacted`): the user's function (`step.__wrapped__`)
     jitted as a user writes `plan` (`megatron_spec` by each leaf's path; a batch leaf of the step,
-    `found.batch`, over "data"; each new state leaf as its input), lowered on `args` moved there."""
+    `found.batch`, over "data"; each new state leaf as its input; the guide's activation
+    constraints, `guide_rule`, where `plan.constrained`), lowered on `args` moved there."""
     from disco_jax.sharding import operators
     from disco_jax.sharding.layouts import put
 
@@ -204,8 +248,13 @@ def relower(step, args: tuple, found, plan: HandPlan) -> tuple:
     in_shardings = [NamedSharding(mesh, specs[i]) for i in range(len(with_paths))]
     moved = jax.tree.unflatten(tree, [put(x, s) for (_, x), s in zip(with_paths, in_shardings)])
     out_tree = jax.tree.structure(jax.eval_shape(step.__wrapped__, *args))
+    fn = step.__wrapped__
+    if plan.constrained:
+        from disco_jax.sharding import constrain
+
+        fn = constrain.constrained(fn, guide_rule(found, specs, plan.data, plan.model), mesh)
     jitted = jax.jit(
-        step.__wrapped__,
+        fn,
         in_shardings=jax.tree.unflatten(tree, in_shardings),
         out_shardings=jax.tree.unflatten(out_tree, [NamedSharding(mesh, outputs[j]) for j in range(found.num_outputs)]),
         donate_argnums=found.donate_argnums,

@@ -105,7 +105,8 @@ def blocks(out: str | Path) -> list[str]:
         "InfiniBand ones); peak per GPU from XLA's memory analysis; MFU = the model's FLOPs per step (6 per "
         "parameter per token plus attention's 12 x layers x width x sequence, no recomputation) over the GPUs' "
         "dense BF16 peak (989 TFLOP/s) times the step. The hand-written configurations (data parallel, FSDP, "
-        "TP over a node, data x TP, FSDP x TP, as `eval.handwritten` writes them) are candidates of the same "
+        "TP over a node, data x TP, FSDP x TP, as `eval.handwritten` writes them: shardings on parameters and "
+        "state by name, and Flax's guide's activation constraints on each dense output) are candidates of the same "
         "search, so the plan is never costlier than the best of them that fits. Plans with the same compiled "
         "program are one row (the others named in the last column)."
     )
