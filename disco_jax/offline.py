@@ -71,12 +71,18 @@ STATE_SHARDED = "optimizer state sharded"  # ZeRO-1
 ALL_SHARDED = "parameters and state sharded"  # ZeRO-3 / FSDP: all-gathered before use
 REGATHERED = "parameters and state sharded, gathered again for each use"  # FSDP, reshard after forward
 AT_USE = "parameters and state sharded, gathered where used"  # FSDP as users write it (NamedSharding only)
+AT_USE_SPLIT = f"{AT_USE}, loop state split over the batch"  # and the scans' per-example carries on the data axis
 SPLIT = "parameters and state sharded, split over several dimensions"  # where no one dimension divides
 WHOLE_LAYERS = "parameters and state sharded, whole layers per device"  # stacked leaves split on the layer axis
 
 
 def _sharded_update(
-    parameters: bool, regather: bool = False, split: bool = False, whole_layers: bool = False, at_use: bool = False
+    parameters: bool,
+    regather: bool = False,
+    split: bool = False,
+    whole_layers: bool = False,
+    at_use: bool = False,
+    split_carries: bool = False,
 ) -> Callable:
     """A builder of the step lowered again with every optimizer-state group sharded over the data
     axis (`sharding.update`), and with `parameters` their parameters too (`sharding.params`),
@@ -85,7 +91,10 @@ def _sharded_update(
     there are such leaves: `find_layout(split=True)`), with `whole_layers` a scanned step's
     stacked leaves split on their layer axis (only where there are such leaves), with `at_use`
     the parameters left sharded inside the step (`Layout.at_use`: XLA gathers each where used),
-    each leaf split on its largest dimension the axis divides, as FSDP guides write it."""
+    each leaf split on its largest dimension the axis divides, as FSDP guides write it, and with
+    `split_carries` (at use, a scanned step only) the loops' per-example carries constrained to the
+    data axis (`Layout.split_carries`: XLA's partitioner otherwise may split them on features and
+    gather activations in every iteration; docs/scanned-layers.md)."""
 
     def build(step, args: tuple, kwargs: dict, replicated_compiled) -> tuple:
         """(lowered, layout, why) of the sharded step; (None, None, why not) where it does not apply."""
@@ -105,7 +114,11 @@ def _sharded_update(
                 None,
                 "no leaf is split over several dimensions (none needs it, or the mesh's axes are Explicit)",
             )
-        layout = layout.subset(layout.all_leaves(parameters=parameters), regather, at_use)
+        if split_carries and not layout.stacked:
+            return None, None, "no scanned loop reads a stacked leaf"
+        layout = layout.subset(
+            layout.all_leaves(parameters=parameters), regather=regather, at_use=at_use, split_carries=split_carries
+        )
         return update.relower(step, layout, args, kwargs, (args, kwargs), replicated_compiled)[0], layout, reason
 
     return build
@@ -118,6 +131,7 @@ SHARDED_UPDATES: dict[str, Callable] = {
     ALL_SHARDED: _sharded_update(parameters=True),
     REGATHERED: _sharded_update(parameters=True, regather=True),
     AT_USE: _sharded_update(parameters=True, at_use=True),
+    AT_USE_SPLIT: _sharded_update(parameters=True, at_use=True, split_carries=True),
     SPLIT: _sharded_update(parameters=True, split=True),
     # A scanned step's stacks split on their layer axis: gathered whole around the loops, no
     # resharding of the loop bodies' activations (docs/sharded-update.md, "Stacked parameters").

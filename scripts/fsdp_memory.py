@@ -28,7 +28,12 @@ from disco_jax import offline, targets, zoo  # noqa: E402
 from disco_jax.eval import handwritten  # noqa: E402
 from disco_jax.sharding import choice, update  # noqa: E402
 
-UPDATES = {"at_use": offline.AT_USE, "zero3": offline.ALL_SHARDED, "regather": offline.REGATHERED}
+UPDATES = {
+    "at_use": offline.AT_USE,
+    "at_use_split": offline.AT_USE_SPLIT,
+    "zero3": offline.ALL_SHARDED,
+    "regather": offline.REGATHERED,
+}
 
 
 def main(argv=None) -> int:

@@ -107,3 +107,10 @@ def test_prefetch_on_a_scanned_gpt_computes_what_the_unmodified_step_computes_an
     record = json.loads(json.dumps(rotated.to_json(layout, held, None)))
     assert record["prefetch"] and record["at_use"] and "next layer prefetched" in record["label"]
     assert rules.require("loop_rotation").name in update.cited_rules(rotated.layout)
+    # The search's candidate before it (`choice.parameter_candidates`): the loops' state split only.
+    split = layout.subset(leaves, at_use=True, split_carries=True)
+    assert split.gathering() == {"regather": False, "at_use": True, "prefetch": False, "split_carries": True}
+    assert layout.subset(leaves, **rotated.layout.gathering()).gathering() == rotated.layout.gathering()
+    label = choice.Candidate(leaves, rotated.step, split, rotated.memory).label
+    assert "loop state split over the batch" in label and "prefetched" not in label
+    assert split.to_json()["split_carries"] and "prefetch" not in split.to_json()

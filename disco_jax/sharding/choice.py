@@ -36,7 +36,7 @@ import jax
 from disco_jax import _distributed, _plan, _profile_phase, _strategy, _validate, _warnings
 from disco_jax._compile import Captured
 from disco_jax.cost.allreduce import communication_bytes
-from disco_jax.sharding import params, rules, state_search, update
+from disco_jax.sharding import layouts, params, rules, state_search, update
 
 # Memory-analysis fields a program's per-device footprint adds up (aliased bytes counted once).
 FOOTPRINT = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")
@@ -88,6 +88,9 @@ class Candidate:
             again = ", gathered again for each use" if self.layout.regather else ""
             again += ", gathered where used" if self.layout.at_use else ""
             again += ", next layer prefetched" if self.layout.prefetch else ""
+            again += (
+                ", loop state split over the batch" if self.layout.split_carries and not self.layout.prefetch else ""
+            )
             again += ", some split over several dimensions" if self.layout.step_mesh is not self.layout.mesh else ""
             return (
                 f"parameters and state sharded ({len(self.layout.gathered)} parameters, "
@@ -104,9 +107,7 @@ class Candidate:
         return {
             "label": self.label,
             "leaves": [] if self.layout is None else sorted(self.layout.paths.values()),
-            "regather": self.layout is not None and self.layout.regather,
-            "at_use": self.layout is not None and self.layout.at_use,
-            "prefetch": self.layout is not None and self.layout.prefetch,
+            **{k: self.layout is not None and getattr(self.layout, k) for k in layouts.GATHERING},
             "state_bytes_per_device": state,
             "choices": {} if self.layout is None else self.layout.choices(),
             "params_and_state_bytes_per_device": self.memory.get("params_and_state_bytes_per_device"),
@@ -183,9 +184,10 @@ def choose(
             wide = None if within(candidates[-1], memory_limit) else split_layout(fn, args, kwargs, step, layout)
             if wide is not None:  # the last resort: leaves no dimension of which N divides, split over several
                 ui.say("weight update: still over the limit; splitting leaves over several dimensions too")
-                last = candidates[-1].layout
-                gathering = (last.regather, last.at_use, last.prefetch)
-                candidates.append(candidate(fn, step, wide, wide.all_leaves(), args, kwargs, backend, held, *gathering))
+                gathering = candidates[-1].layout.gathering()
+                candidates.append(
+                    candidate(fn, step, wide, wide.all_leaves(), args, kwargs, backend, held, **gathering)
+                )
                 layout = wide  # the records' account of the state: every leaf that can be sharded
     if memory_limit is not None and beyond is not None and not any(within(c, memory_limit) for c in candidates):
         ui.say(f"weight update: no one-axis candidate fits {memory_limit} bytes per device; trying two-axis plans")
@@ -238,14 +240,12 @@ def candidate(
     kwargs,
     backend,
     held: dict,
-    regather: bool = False,
-    at_use: bool = False,
-    prefetch: bool = False,
+    **gathering: bool,
 ) -> Candidate:
-    """The step lowered again with `leaves` sharded (its parameters among them gathered again for
-    each use with `regather`, gathered only where used with `at_use`, each loop's next layer
-    gathered one iteration early with `prefetch`), compiled, its memory read."""
-    sub = layout.subset(leaves, regather, at_use, prefetch)
+    """The step lowered again with `leaves` sharded, its parameters gathered as `gathering` says
+    (`layouts.GATHERING`: again for each use, only where used, each loop's next layer one iteration
+    early, the loops' per-example state split over the batch), compiled, its memory read."""
+    sub = layout.subset(leaves, **gathering)
     program = update.relowered(fn, step, sub, args, kwargs, backend)
     return Candidate(tuple(leaves), program, sub, update.memory(program.default_compiled, held))
 
@@ -295,8 +295,8 @@ def parameter_candidates(fn, step, layout, args, kwargs, backend, held: dict, li
         if widest is not None and not params.explicit_axes(widest.mesh):
             at_use = functools.partial(candidate, fn, step, widest, widest.all_leaves(), args, kwargs, backend, held)
             out.append(at_use(at_use=True))
-            if within(out[-1], limit) and widest.stacked:
-                out.append(at_use(at_use=True, prefetch=True))
+            if within(out[-1], limit) and widest.stacked:  # loops: their state split, then also rotated
+                out += [at_use(at_use=True, split_carries=True), at_use(at_use=True, prefetch=True)]
     if out and not any(within(c, limit) for c in out[-2:]):
         leaves = next(c.leaves for c in reversed(out) if not c.layout.at_use)
         out.append(candidate(fn, step, layout, leaves, args, kwargs, backend, held, regather=True))
@@ -460,8 +460,8 @@ def recall(
             _plan.PlanWarning,
         )
         return step, None, {"mode": "replicated", "requested": "search", "reason": "stored decision does not fit"}
-    gathering = (bool(decided.get(k)) for k in ("regather", "at_use", "prefetch"))
-    layout = layout.subset((by_path[path] for path in wanted), *gathering)
+    gathering = {k: bool(decided.get(k)) for k in layouts.GATHERING}
+    layout = layout.subset((by_path[path] for path in wanted), **gathering)
     recalled = {**decided, **layout.to_json(), "rules": update.cited_rules(layout)}
     return update.relowered(fn, step, layout, args, kwargs, backend), layout, recalled
 
@@ -482,7 +482,7 @@ def rechoose(decided: dict, limit: int | None) -> dict:
         f"per device (the stored decision, {decided.get('mode')}, was made for {old}): {why}"
     )
     fits = limit is None or (chosen.get("footprint_bytes") or 0) <= limit
-    gathering = ("regather", "at_use", "prefetch")
+    gathering = layouts.GATHERING
     moved = any(bool(chosen.get(k)) != bool(decided.get(k)) for k in gathering)
     if chosen["leaves"] != stored or moved or not fits:
         again = "run once with ENABLE_SEARCH=1 to measure the candidates for this limit"

@@ -17,6 +17,9 @@ from jax.sharding import PartitionSpec as P
 
 from disco_jax.sharding.params import Parameter
 
+# How a layout's sharded parameters are gathered: the flags `Layout.subset` takes, as plans record them.
+GATHERING = ("regather", "at_use", "prefetch", "split_carries")
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -99,6 +102,10 @@ class Layout:
         if self.step_mesh is self.mesh or not isinstance(sharding, NamedSharding) or sharding.mesh != self.mesh:
             return sharding
         return self.sharding(sharding.spec)
+
+    def gathering(self) -> dict[str, bool]:
+        """How its sharded parameters are gathered (`GATHERING`), as `subset` takes it."""
+        return {k: getattr(self, k) for k in GATHERING}
 
     def subset(
         self, leaves, regather: bool = False, at_use: bool = False, prefetch: bool = False, split_carries: bool = False
