@@ -20,8 +20,8 @@ with that evidence.
 
 Multi-process jobs: timing and tracing run the step (collectives), so every process measures the
 same candidates in the same order. Process 0 alone searches and picks; it broadcasts each
-candidate before it is measured (None ends the loop), and per-pair ratios count with their
-slowest process.
+candidate before it is measured (None ends the loop), and a pair's ratio is that of the job's
+steps, each at its slowest process (`_distributed.slowest_pairs`).
 """
 
 from __future__ import annotations
