@@ -101,12 +101,7 @@ def main() -> None:
             kept = json.load(f)
         config = kept["config"]
         print(f"A/A (kept run {args.rejudge}): {config['model']} tiny, {where(config)}")
-        kept["summary"] = judge(kept["comparisons"], config["pairs"], config["report_pairs"])
-        if "own_ratios" in kept["comparisons"][0]:
-            print("process 0's own ratios (no merge across processes):")
-            kept["summary_process0"] = judge(kept["comparisons"], config["pairs"], config["report_pairs"], "own_ratios")
-            print("the job's step at its slowest process, max(q) / max(d) per pair:")
-            kept["summary_job"] = judge(kept["comparisons"], config["pairs"], config["report_pairs"], "job_ratios")
+        judge_all(kept)
         if args.json:  # the kept ratios with the new verdicts
             with open(args.json, "w") as f:
                 json.dump(kept, f, indent=1)
@@ -148,13 +143,13 @@ def main() -> None:
         d, q = _validate._pairs(runner, runner, total)
         own = [float(r) for r in np.array(q) / np.array(d)]
         record = {"ratios": own, "median_us": float(np.median(d + q))}
-        if scope is not None:  # each pair at its slowest process, as a row and the acceptance rule judge it
-            merged = _distributed.slowest_pairs(f"{scope}/{c}")(own)
-            # Every process's times too, to judge other merges: the job's step as long as its
-            # slowest process, max(q) / max(d) per pair, beside the slowest ratio max(q / d).
+        if scope is not None:  # each pair as the job's steps, as a row and the acceptance rule judge it
+            merged = _distributed.slowest_pairs(f"{scope}/{c}")(d, q)
+            # Every process's times too, to judge other merges: the slowest of the processes'
+            # ratios, max(q / d), the merge before 2026-11-29.
             times = _distributed.gather_json(f"{scope}/{c}/times", [d, q])
-            job = [float(r) for r in np.max([t[1] for t in times], 0) / np.max([t[0] for t in times], 0)]
-            record = {**record, "ratios": merged, "own_ratios": own, "job_ratios": job, "times": times}
+            slowest = [float(r) for r in np.max([np.array(t[1]) / np.array(t[0]) for t in times], 0)]
+            record = {**record, "ratios": merged, "own_ratios": own, "max_ratio_ratios": slowest, "times": times}
         records.append(record)
         low, high = _validate.ratio_interval(record["ratios"][: args.report_pairs])
         if main_process:
@@ -172,17 +167,35 @@ def main() -> None:
         f"median step {np.median([r['median_us'] for r in records]) / 1e3:.2f} ms, "
         f"{time.perf_counter() - started:.0f} s"
     )
-    if scope is not None:
-        print("each pair at its slowest process (`_distributed.slowest_pairs`, as the rows judge):")
-    kept = {"config": vars(args), "summary": judge(records, args.pairs, args.report_pairs), "comparisons": records}
-    if scope is not None:
-        print("process 0's own ratios (no merge across processes):")
-        kept["summary_process0"] = judge(records, args.pairs, args.report_pairs, "own_ratios")
-        print("the job's step at its slowest process, max(q) / max(d) per pair:")
-        kept["summary_job"] = judge(records, args.pairs, args.report_pairs, "job_ratios")
+    kept = {"config": vars(args), "comparisons": records}
+    judge_all(kept)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(kept, f, indent=1)
+
+
+# The per-pair ratios a run keeps, by field (those of a multi-process run), and what each is.
+MERGES = {
+    "ratios": "as the rows and the acceptance rule judge",
+    "own_ratios": "process 0's own ratios, no merge across processes",
+    "max_ratio_ratios": "the slowest of the processes' ratios, max(q / d) (the merge before 2026-11-29)",
+    # Runs kept before that day: "ratios" held max(q / d) and this field the job's steps.
+    "job_ratios": "the job's steps, max(q) / max(d)",
+}
+
+
+def judge_all(kept: dict) -> None:
+    """`kept["summary"]` (the judged ratios) and, for a multi-process run, `kept["summaries"]`:
+    every merge it kept, judged."""
+    config, records = kept["config"], kept["comparisons"]
+    fields = [f for f in MERGES if f in records[0]]
+    kept["summaries"] = {}
+    for field in fields:
+        if len(fields) > 1:
+            old = field == "ratios" and "job_ratios" in fields  # a run kept before 2026-11-29
+            print(f"{field}: {MERGES['max_ratio_ratios'] if old else MERGES[field]}")
+        kept["summaries"][field] = judge(records, config["pairs"], config["report_pairs"], field)
+    kept["summary"] = kept["summaries"]["ratios"]
 
 
 def where(config: dict) -> str:
