@@ -149,15 +149,24 @@ def gather_json(key: str, value: Any, timeout_s: float | None = None) -> list[An
     return [_get(f"{key}/{i}", deadline, i, timeout_s) for i in range(jax.process_count())]
 
 
-def slowest_pairs(key: str) -> Callable[[list[float]], list[float]]:
-    """A `merge` for `_validate.time_until_decided` in a multi-process job: every process's per-pair
-    plan/default ratios, gathered after each look, combined pair by pair by their maximum (the
-    plan is judged by the process on which it did worst), the same list on every process."""
+def slowest_pairs(key: str) -> Callable[[list[float], list[float]], list[float]]:
+    """A `merge` for `_validate.time_until_decided` and `time_interleaved` in a multi-process job:
+    every process's per-pair default and plan times, gathered after each look, and per pair the
+    ratio of the job's steps: the plan's time at its slowest process over the default's at its
+    slowest (a job's step lasts as long as its slowest process); the same list on every process.
+
+    Not the slowest of the processes' ratios, max(plan / default), which the rows and the
+    acceptance rule took before: that is biased above 1 where the processes' times scatter, and an
+    A/A run over gloo (`scripts/aa_calibration.py --processes 2`, MLP, 40 comparisons) read 1.074
+    for one executable against itself, its acceptance rule deciding "slower" 12 times in 40; the
+    job's step read 1.000 with 1 false decision."""
     looks = itertools.count()
 
-    def merge(ratios: list[float]) -> list[float]:
-        everyone = gather_json(f"{key}/{next(looks)}", ratios)
-        return [max(pair) for pair in zip(*everyone)]
+    def merge(default_us: list[float], plan_us: list[float]) -> list[float]:
+        everyone = gather_json(f"{key}/{next(looks)}", [list(default_us), list(plan_us)])
+        default = [max(times) for times in zip(*(d for d, _ in everyone))]
+        plan = [max(times) for times in zip(*(p for _, p in everyone))]
+        return [p / d for d, p in zip(default, plan)]
 
     return merge
 

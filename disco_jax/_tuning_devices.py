@@ -58,10 +58,9 @@ def device_measure(step: Captured, default_runner: Runner, tuning: TuningConfig)
             merge_key=None if step.scope is None else f"{step.scope}/tuning/{index}/outputs",
             rerun=runner.on,
         )
-        timing = _validate.time_interleaved(default_runner, runner, pairs=tuning.pairs)
-        if step.scope is not None:  # judged by the slowest process, as validation does
-            ratios = _distributed.slowest_pairs(f"{step.scope}/tuning/{index}/timing")(timing.ratios)
-            timing = _validate.summarize([timing.default_us], [timing.plan_us], ratios)
+        # With several processes each pair is judged as the job's steps, as validation judges it.
+        merge = None if step.scope is None else _distributed.slowest_pairs(f"{step.scope}/tuning/{index}/timing")
+        timing = _validate.time_interleaved(default_runner, runner, pairs=tuning.pairs, merge=merge)
         times = _profile_phase.kernel_times(step, runner, strategy, steps=tuning.kernel_steps)
         names = kernel_members(graph, strategy, step.backend.rewriter.rewrite(step.program, strategy))
         kernels = {names[n]: t for n, t in times.items() if n in names}

@@ -422,12 +422,19 @@ def summarize(
 
 
 def time_interleaved(
-    default: Callable[[], Any], plan: Callable[[], Any], *, pairs: int = 20, warmup: int = 3
+    default: Callable[[], Any],
+    plan: Callable[[], Any],
+    *,
+    pairs: int = 20,
+    warmup: int = 3,
+    merge: Callable[[list[float], list[float]], list[float]] | None = None,
 ) -> Timing:
-    """Median step times, the median plan/default ratio and its 95% interval over interleaved pairs."""
+    """Median step times, the median plan/default ratio and its 95% interval over interleaved pairs
+    (`merge`: the multi-process pair merge of `time_until_decided`, or None)."""
     for _ in range(warmup):
         _timed(default), _timed(plan)
-    return summarize(*_pairs(default, plan, pairs))
+    d, p = _pairs(default, plan, pairs)
+    return summarize(d, p, merge(d, p) if merge is not None else None)
 
 
 def time_until_decided(
@@ -436,14 +443,15 @@ def time_until_decided(
     *,
     looks: Sequence[int] = (20, 40, 80),
     warmup: int = 3,
-    merge: Callable[[list[float]], list[float]] | None = None,
+    merge: Callable[[list[float], list[float]], list[float]] | None = None,
 ) -> Timing:
     """A sequential test: time interleaved pairs until the plan is faster or slower with confidence,
     looking after `looks[i]` pairs in all; undecided after the last look. Each look uses
     confidence 1 - 0.05 / len(looks) (Bonferroni), so the decision holds at 95% overall.
 
-    `merge(ratios) -> ratios` combines this process's per-pair ratios with the other processes'
-    (multi-process jobs run the same pairs everywhere and must take the same decision)."""
+    `merge(default_us, plan_us) -> ratios` combines this process's per-pair times with the other
+    processes' into the ratios judged (`_distributed.slowest_pairs`: multi-process jobs run the
+    same pairs everywhere and must take the same decision)."""
     confidence = 1.0 - (1.0 - CONFIDENCE) / len(looks)
     for _ in range(warmup):
         _timed(default), _timed(plan)
@@ -454,8 +462,7 @@ def time_until_decided(
         more_d, more_p = _pairs(default, plan, look - len(d), start=len(d))
         d += more_d
         p += more_p
-        ratios = list(np.array(p) / np.array(d))
-        timing = summarize(d, p, merge(ratios) if merge is not None else ratios, confidence)
+        timing = summarize(d, p, merge(d, p) if merge is not None else None, confidence)
         if timing.faster or timing.slower:
             break
     return timing

@@ -4,6 +4,7 @@ The loop's logic runs on a fake `measure` (synthetic timings: what the loop does
 measurement is tested, not the machine); the end-to-end tests run it on the devices through
 `optimize_distributed`, in one process and in a two-process job. No timing figure is asserted."""
 
+import dataclasses
 import itertools
 import json
 import random
@@ -61,6 +62,16 @@ def first_search(program, model) -> _search.SearchResult:
         return None if r is None else r.iteration_us
 
     return _search.backtracking_search(program, simulated, SEARCH)
+
+
+def without_packing(result: _search.SearchResult) -> _search.SearchResult:
+    """`result` as a search that offered no packing (a backend that does not pack): for the tests
+    that count the candidates the loop measures, the packing candidate it owes aside."""
+    return dataclasses.replace(
+        result,
+        candidates=[(c, s) for c, s in result.candidates if not _tuning.packs(s)],
+        start_costs={k: v for k, v in result.start_costs.items() if "packed" not in k},
+    )
 
 
 def timing(ratio: float, pairs: int = 8) -> _validate.Timing:
@@ -158,7 +169,8 @@ def test_no_candidate_faster_keeps_xla_with_the_evidence(program, graph):
     def measure(s):
         return _tuning.Measurement(timing(1.1), {}, len(s.buckets))
 
-    tuned = _tuning.measured_search(program, model, first_search(program, model), SEARCH, tuning, measure)
+    first = without_packing(first_search(program, model))
+    tuned = _tuning.measured_search(program, model, first, SEARCH, tuning, measure)
     assert tuned.best.key() == _strategy.xla_default(graph).key()
     assert "no measured candidate was faster" in tuned.reason
     assert tuned.evidence["ratio"] == pytest.approx(1.1) and tuned.evidence["source"] == "measured candidates"
@@ -168,13 +180,52 @@ def test_no_candidate_faster_keeps_xla_with_the_evidence(program, graph):
     assert a["predicted_ratio"] * b["predicted_us"] == pytest.approx(b["predicted_ratio"] * a["predicted_us"])
 
 
+def run_loop(loop: _tuning.MeasuredSearch, ratio) -> _tuning.Tuned:
+    while (s := loop.next()) is not None:
+        loop.record(_tuning.Measurement(timing(ratio(s)), {}, len(s.buckets)))
+    return loop.finish()
+
+
+def test_the_packing_candidate_is_measured_whatever_the_budget(program, graph):
+    """Issue 46: on gloo the measured loop spent its budget on the model's favourite, and the
+    packing candidate the simulator costs above XLA's plan was offered but never timed. Where the
+    search offered packing, its cheapest packing candidate is owed a measurement; where it did not,
+    a spent budget still ends the loop after the first candidate."""
+    model = cost_model()
+    first = first_search(program, model)
+    assert "xla+packed-allreduce" in first.start_costs  # the CPU backend packs: packing offered
+    cheapest_packed = next(s for _, s in first.candidates if _tuning.packs(s))
+    spent = _tuning.TuningConfig(candidates=4, budget_s=0.0, max_rounds=3)
+    loop = _tuning.MeasuredSearch(program, model, first, SEARCH, spent)
+    assert not any(_tuning.packs(s) for s, _, _ in loop.queue)  # ranked out of the model's top 4
+    tuned = run_loop(loop, lambda s: 0.7 if s.packed else 1.1)
+    assert [r.strategy.key() for r in tuned.records][1:] == [cheapest_packed.key()]
+    assert not tuned.records[0].strategy.packed and tuned.best.key() == cheapest_packed.key()
+    stored = json.loads(json.dumps(tuned.to_json()))["measured_candidates"]
+    assert [r["packed"] for r in stored] == [False, True] and stored[1]["picked"]
+    # The packed start, rebuilt where the search's kept candidates hold no packing one.
+    crowded = dataclasses.replace(first, candidates=without_packing(first).candidates)
+    tuned = run_loop(_tuning.MeasuredSearch(program, model, crowded, SEARCH, spent), lambda s: 1.1)
+    assert [(r.strategy.origin, r.strategy.packed) for r in tuned.records][1:] == [("xla+packed-allreduce", True)]
+    assert tuned.records[1].strategy.key() == dataclasses.replace(_strategy.xla_default(graph), packed=True).key()
+    assert tuned.records[1].predicted_us == first.start_costs["xla+packed-allreduce"]
+    # Packing measured already in the model's order: nothing owed, nothing timed twice.
+    packed_first = dataclasses.replace(first, candidates=[(c, s) for c, s in first.candidates if s.packed])
+    tuned = run_loop(_tuning.MeasuredSearch(program, model, packed_first, SEARCH, spent), lambda s: 1.1)
+    assert len(tuned.records) == 1 and tuned.records[0].strategy.packed
+    # Packing not offered (a backend that does not pack): the spent budget ends the loop.
+    tuned = run_loop(_tuning.MeasuredSearch(program, model, without_packing(first), SEARCH, spent), lambda s: 1.1)
+    assert len(tuned.records) == 1 and not _tuning.packs(tuned.records[0].strategy)
+    assert tuned.stop_reason == "time budget of 0 s spent"
+
+
 def test_a_candidate_whose_outputs_fail_the_check_is_never_chosen(program, graph):
     model = cost_model()
     tuning = _tuning.TuningConfig(candidates=2, budget_s=60, max_rounds=1)
     wrong = _validate.Comparison(False, False, 1.0, 1.0, 3, 0, _validate.FLOAT64_CHECK)
     right = _validate.Comparison(False, True, 1e-7, 1e-6, 3, 0, _validate.FLOAT64_CHECK)
     measured = iter([(0.8, wrong), (0.9, right)])  # the first candidate measures fastest, and is wrong
-    loop = _tuning.MeasuredSearch(program, model, first_search(program, model), SEARCH, tuning)
+    loop = _tuning.MeasuredSearch(program, model, without_packing(first_search(program, model)), SEARCH, tuning)
     while (s := loop.next()) is not None:
         ratio, outputs = next(measured)
         loop.record(_tuning.Measurement(timing(ratio), {}, len(s.buckets), outputs))
@@ -193,7 +244,7 @@ def test_when_no_candidate_can_be_chosen_the_reason_says_why_for_each(program, g
     tuning = _tuning.TuningConfig(candidates=3, budget_s=60, max_rounds=1)
     wrong = _validate.Comparison(False, False, 1.0, 1.0, 3, 0, _validate.FLOAT64_CHECK)
     outcomes = iter(["fails", "wrong", "merged"])
-    loop = _tuning.MeasuredSearch(program, model, first_search(program, model), SEARCH, tuning)
+    loop = _tuning.MeasuredSearch(program, model, without_packing(first_search(program, model)), SEARCH, tuning)
     while (s := loop.next()) is not None:
         outcome = next(outcomes)
         if outcome == "fails":

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from disco_jax import _compile, _search_phase, _strategy, _validate, backends
+from disco_jax import _compile, _distributed, _search_phase, _strategy, _validate, backends
 from disco_jax._compile import capture
 from disco_jax._output_check import Float64Run
 
@@ -104,12 +104,36 @@ def test_multi_process_merge_judges_each_pair_by_its_slowest_process(monkeypatch
     default, plan = _fake_clock(monkeypatch, itertools.repeat(100.0), itertools.repeat(80.0))
     seen = []
 
-    def merge(ratios):  # another process on which the plan is 10% slower in every pair
-        seen.append(len(ratios))
-        return [max(r, 1.1) for r in ratios]
+    def merge(default_us, plan_us):  # another process on which the plan is 10% slower in every pair
+        seen.append(len(default_us))
+        assert default_us == [100.0] * len(plan_us) and plan_us == [80.0] * len(default_us)
+        return [1.1] * len(default_us)
 
     timing = _validate.time_until_decided(default, plan, looks=(20, 40), warmup=0, merge=merge)
     assert seen == [20] and timing.slower and timing.ratio == pytest.approx(1.1)
+    timing = _validate.time_interleaved(default, plan, pairs=10, warmup=0, merge=merge)
+    assert seen[-1] == 10 and timing.ratio == pytest.approx(1.1) and timing.plan_us == 80.0
+
+
+def test_the_slowest_pairs_merge_is_the_ratio_of_the_jobs_steps(monkeypatch):
+    """Each configuration at its slowest process, then the ratio: one executable against itself
+    reads 1 however its processes' times scatter, where the slowest of the per-process ratios
+    (the merge before, max(q / d)) read above 1 (A/A over gloo: 1.074, 12 false "slower" in 40)."""
+    rng = np.random.default_rng(0)
+    times = rng.lognormal(0.0, 0.5, size=(2, 2, 200)) * 1000.0  # process x (default, plan) x pair
+    sent = []
+
+    def gather(key, value):
+        sent.append((key, value))
+        return [[list(t[0]), list(t[1])] for t in times]
+
+    monkeypatch.setattr(_distributed, "gather_json", gather)
+    merge = _distributed.slowest_pairs("aa")
+    ratios = merge(list(times[0][0]), list(times[0][1]))
+    assert sent[0][0] == "aa/0" and merge([1.0], [1.0]) and sent[1][0] == "aa/1"  # one key per look
+    assert ratios == pytest.approx(list(times[:, 1].max(0) / times[:, 0].max(0)))
+    assert np.median(ratios) == pytest.approx(1.0, abs=0.1)
+    assert np.median((times[:, 1] / times[:, 0]).max(0)) > 1.3  # the old merge's bias on the same times
 
 
 def test_pipeline_rejects_a_plan_that_is_not_faster_with_confidence(monkeypatch):

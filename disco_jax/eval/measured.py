@@ -25,9 +25,9 @@ calibrated simulator of the search phase, which gives the simulated-vs-measured 
 Table 2).
 
 In a job of several processes every process runs `measured_row` (each compile and each timed run
-is a collective, so they run in the same order everywhere): a per-pair ratio counts with the
-slowest process (as the acceptance rule does), each process compares its own output shards and
-the verdicts are merged, and process 0 alone returns the row.
+is a collective, so they run in the same order everywhere): a pair's ratio is that of the job's
+steps, each configuration at its slowest process (as the acceptance rule judges), each process
+compares its own output shards and the verdicts are merged, and process 0 alone returns the row.
 """
 
 from __future__ import annotations
@@ -70,13 +70,10 @@ class Job:
         self.count = itertools.count()
 
     def time(self, reference: Callable, runner: Callable, pairs: int) -> _validate.Timing:
-        """`runner` in interleaved pairs against `reference`; with several processes, each pair at
-        its slowest."""
-        timing = _validate.time_interleaved(reference, runner, pairs=pairs)
-        if self.scope is None:
-            return timing
-        ratios = _distributed.slowest_pairs(f"{self.scope}/timing/{next(self.count)}")(timing.ratios)
-        return _validate.summarize([timing.default_us], [timing.plan_us], ratios)
+        """`runner` in interleaved pairs against `reference`; with several processes, each pair as
+        the job's steps, each at its slowest process (`_distributed.slowest_pairs`)."""
+        merge = None if self.scope is None else _distributed.slowest_pairs(f"{self.scope}/timing/{next(self.count)}")
+        return _validate.time_interleaved(reference, runner, pairs=pairs, merge=merge)
 
     def agree(self, b: baselines.Baseline, graph) -> baselines.Baseline:
         """Process 0's version of a baseline: its strategy can depend on measured kernel times

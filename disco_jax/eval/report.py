@@ -78,8 +78,10 @@ def aa_coverage_text(calibration: dict | None) -> str:
         )
     config, summary = calibration["config"], calibration["summary"]["ratio_interval"]
     n = len(calibration["comparisons"])
+    processes = config.get("processes", 1)  # 2: a gloo job, each pair at its slowest process
+    platform = f"{processes} processes x {config['devices']}" if processes > 1 else f"{config['devices']}"
     return (
-        f"A/A calibration ({config['model']} tiny on {config['devices']} CPU devices, one executable timed "
+        f"A/A calibration ({config['model']} tiny on {platform} CPU devices, one executable timed "
         f"against itself {n} times): the acceptance rule's intervals held 1 in "
         f"{summary['acceptance_coverage']:.1%} of the comparisons and the report's in "
         f"{summary['report_coverage']:.1%} (stated: 95%)"
