@@ -1,8 +1,9 @@
 """Issue 45's row checks over the stored simulated rows costed on the compiled program
 (`report/rows/*.paper.*.json` whose cost model is the compiled program's): no disco-jax program
 costs more than XLA's own (JAX_default's compiled cost), and each part's own gain over XLA's
-program per model and cluster (the weight update, the rewrite, XLA:GPU's collective options),
-with the weight-update choice as it was made (how many gradients' updates each compiled program
+program per model and cluster (the weight update, the rewrite, XLA:GPU's collective options, and
+the sharded update compiled under the searched options: "combined", "not searched" in rows made
+before it was), with the weight-update choice as it was made (how many gradients' updates each compiled program
 shards, the graph simulator's figure that proposed it and the compiled figure that decided).
 Reads the rows only; exits 1 when a check fails.
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from disco_jax.eval.ranked import COMPILED_MODEL
 from disco_jax.eval.rows import ALL_MODELS, DISCO
 
-PARTS = ("weight_update", "rewrite", "collective_options")  # the order the header names them
+PARTS = ("weight_update", "rewrite", "collective_options", "combined")  # the order the header names them
 
 
 def gain(g: float | None) -> str:
@@ -32,7 +33,8 @@ def main() -> int:
     p.add_argument("--platforms", nargs="+", default=["8xH100-NVLink", "4x8xH100-IB400"])
     a = p.parse_args()
     failures = []
-    print(f"{'model':12} {'cluster':16} {'XLA ms':>8} {'disco ms':>9} {'ratio':>6}  weight update / rewrite / options")
+    parts = "weight update / rewrite / options / combined"
+    print(f"{'model':12} {'cluster':16} {'XLA ms':>8} {'disco ms':>9} {'ratio':>6}  {parts}")
     for platform in a.platforms:
         for model in ALL_MODELS:
             path = Path(a.rows) / f"{model}.paper.jit.{platform}.json"
@@ -46,7 +48,7 @@ def main() -> int:
                 continue
             xla, disco = row["time_us"]["JAX_default"], row["time_us"][DISCO]
             parts = row.get("parts")
-            cells = "parts not recorded" if parts is None else " / ".join(gain(parts[k]) for k in PARTS)
+            cells = "parts not recorded" if parts is None else " / ".join(gain(parts.get(k)) for k in PARTS)
             print(f"{model:12} {platform:16} {xla / 1e3:8.2f} {disco / 1e3:9.2f} {xla / disco:6.3f}  {cells}")
             entry = row["strategies"][DISCO]
             choices = entry.get("weight_update_choice")

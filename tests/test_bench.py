@@ -471,7 +471,9 @@ def test_gpu_cluster_row_costs_every_strategy_on_the_program_xla_gpu_compiled(gp
     assert row["parts"]["collective_options"] == searched["gain"] >= 1.0
     # The weight-update record is of the program disco-jax took (none sharded under options).
     assert row["weight_update"]["sharded_gradients"] == disco["sharded_gradients"]
-    assert set(row["parts"]) == {"weight_update", "rewrite", "collective_options"}
+    assert set(row["parts"]) == {"weight_update", "rewrite", "collective_options", "combined"}
+    # No sharded update without `relower`: nothing to combine with the options.
+    assert row["parts"]["combined"] is None and searched["combined"] is None
     # FO: the baselines' compiled bounds only.
     assert row["fo_us"] == min(row["strategies"][b]["simulated"]["full_overlap_us"] for b in rows.BASELINE_ORDER)
     json.dumps(row)
@@ -556,6 +558,50 @@ def test_a_gpu_row_ranks_a_sharded_update_by_lowering_the_step_again(gpu_mlp):
     every = [c for c in choice if c["sharded_gradients"] == len(shardable)]
     assert len(every) == 1 and every[0]["compiled_us"] == pytest.approx(costs(relowered).iteration_us)
     assert all(c["graph_simulated_us"] is not None and c["compiled_us"] >= row["time_us"][rows.DISCO] for c in choice)
+    json.dumps(row)
+
+
+def test_a_gpu_row_compiles_the_sharded_update_under_the_searched_options(gpu_mlp):
+    """The weight update and the collective options are searched apart (the options on XLA's
+    replicated program); the row also compiles the cheapest sharded update under the searched
+    options (the chosen set, else the cheapest other distinct one), costs it as compiled, records
+    it beside each part's own gain, and takes it where it is the cheapest compiled program."""
+    lowered, program, _, programs = gpu_mlp
+    graph = program.graph
+    relower = functools.partial(rows.sharded_paper_program, "mlp", "jit", "h100-sxm", graph, config="tiny")
+    off = {schedule_options.SCHEDULER: False}
+    row = rows.simulated_row(
+        program,
+        clusters.get_cluster("8xH100-NVLink"),
+        budget_s=1.0,
+        lowered=lowered,
+        relower=relower,
+        programs=programs,
+        schedule=[("latency-hiding scheduler", [off])],
+    )
+    disco, parts, searched = row["strategies"][rows.DISCO], row["parts"], row["schedule_options"]
+    off_program = searched["candidates"][1]
+    assert off_program["options"] == {schedule_options.SCHEDULER: "False"} and off_program["same_program_as"] is None
+    combined = searched["combined"]
+    assert combined is not None and combined["options"] == {schedule_options.SCHEDULER: "False"}
+    assert combined["options_chosen"] == (searched["options"] != {})
+    # The cheapest sharded update ranked, compiled again under the options: its own program.
+    updates = [r for r in disco["ranked"] if r["program"]["enacted_by"].startswith("relowered")]
+    best = min((r for r in updates if r["compiled_us"] is not None), key=lambda r: r["compiled_us"])
+    assert combined["update_compiled_us"] == best["compiled_us"] and combined["sharded_gradients"] > 0
+    assert combined["program"]["compiler_options"] == {schedule_options.SCHEDULER: "False"}
+    assert combined["program"]["status"] in _compile.ENACTED and combined["same_program_as"] is None
+    assert combined["fingerprint"] not in {c["fingerprint"] for c in searched["candidates"]}
+    assert combined["compiled_us"] > 0 and combined["compiled_us"] != best["compiled_us"]
+    xla_us = row["time_us"]["JAX_default"]
+    assert parts["combined"] == pytest.approx(xla_us / combined["compiled_us"])
+    assert parts["collective_options"] == pytest.approx(xla_us / searched["chosen"]["compiled_us"])
+    # disco-jax's program: the cheapest compiled of the ranked one, the options' and the combination.
+    figures = [disco["ranked"][0]["compiled_us"], searched["chosen"]["compiled_us"], combined["compiled_us"]]
+    assert row["time_us"][rows.DISCO] == min(figures) <= xla_us
+    if min(figures) == combined["compiled_us"]:
+        assert disco["chosen"] == combined["label"] and disco["sharded_gradients"] == combined["sharded_gradients"]
+    assert row["weight_update"]["sharded_gradients"] == disco["sharded_gradients"]
     json.dumps(row)
 
 

@@ -16,6 +16,7 @@ from disco_jax._ranking import (
     RANKED_CANDIDATES,
     XLA_PROGRAM,
     ProgramCosts,
+    Ranked,
     rank_by_compiled_cost,
     rewrite_floor_us,
 )
@@ -85,12 +86,13 @@ def ranked_plan(
     strategies: dict[str, dict],
     relower: Callable | None,
     costs: ProgramCosts,
-) -> tuple[dict, frozenset[int]]:
-    """disco-jax's entry of a compiled row and the gradients whose updates it shards: the
-    search's best distinct candidates (besides XLA's plan) compiled (by the rewriter, or by
-    `relower` for one that shards updates) and ranked with XLA's own program (`xla`, JAX_default's)
-    by compiled cost (`costs`, the row's: programs its baselines compiled to are not costed again);
-    the cheapest is disco-jax's figure, every ranked one is recorded."""
+) -> tuple[dict, frozenset[int], Ranked | None]:
+    """disco-jax's entry of a compiled row, the gradients whose updates it shards, and the
+    cheapest sharded update compiled (None: none was; `collective_parts` compiles it under the
+    searched options): the search's best distinct candidates (besides XLA's plan) compiled (by
+    the rewriter, or by `relower` for one that shards updates) and ranked with XLA's own program
+    (`xla`, JAX_default's) by compiled cost (`costs`, the row's: programs its baselines compiled
+    to are not costed again); the cheapest is disco-jax's figure, every ranked one is recorded."""
 
     relowered: dict[frozenset[int], CompiledProgram | None] = {}  # one program per sharded set
 
@@ -138,14 +140,16 @@ def ranked_plan(
         "weight_update_choice": weight_update_choice(ranked, XLA_PROGRAM),
         "searched_best_graph_us": result.best_cost,
     }
-    return disco, frozenset() if plan is None else plan.sharded
+    updates = [r for r in ranked if r.strategy is not None and r.strategy.sharded and r.cost is not None]
+    best_update = min(updates, key=lambda r: r.compiled_us, default=None)
+    return disco, frozenset() if plan is None else plan.sharded, best_update
 
 
 def ranked_parts(xla_us: float, disco: dict) -> dict:
     """The gain over XLA's program (`xla_us`) of the part of a plan disco-jax's ranked program
     (`disco`, its row entry) is: a relowered sharded update's or a rewrite's; 1.0 for the other
     parts, and for both where XLA's program ranked first. `collective_options`: None (not
-    searched; `collective_parts` fills it)."""
+    searched; `collective_parts` fills it) and `combined` (None: not compiled)."""
     ranked_us = disco["simulated"]["iteration_us"] if disco.get("simulated") else None
     enacted_by = (disco.get("program") or {}).get("enacted_by", "")
     gain = None if not ranked_us else xla_us / ranked_us
@@ -153,22 +157,83 @@ def ranked_parts(xla_us: float, disco: dict) -> dict:
         "weight_update": gain if enacted_by.startswith("relowered") else 1.0,
         "rewrite": gain if enacted_by == "rewrite" else 1.0,
         "collective_options": None,
+        "combined": None,
     }
 
 
+def combined_options(found: schedule_options.OptionsChoice) -> schedule_options.OptionsCandidate | None:
+    """The option set a sharded update is compiled under (`collective_parts`): the search's choice
+    where it is not XLA's defaults, else its cheapest other distinct program's (options that lose
+    on the replicated program may still win on the sharded one, whose collectives differ); None
+    where no option set compiled to a program of its own."""
+    if found.options:
+        return found.chosen
+    others = [c for c in found.candidates if c.options and c.same_as is None and c.cost is not None]
+    return min(others, key=lambda c: c.compiled_us, default=None)
+
+
+def combine(
+    best_update: Ranked, found: schedule_options.OptionsChoice, relower: Callable, costs: ProgramCosts
+) -> tuple[dict, CompiledProgram, object] | None:
+    """The cheapest sharded update (`best_update`, ranked) compiled again by `relower` under the
+    searched options (`combined_options`), costed as compiled: its record (options, sharded
+    gradients, compiled cost, fingerprint and the earlier program it equals, if any, collectives),
+    the program and its cost; None where there is no option set to combine with."""
+    with_options = combined_options(found)
+    if with_options is None:
+        return None
+    program = relower(best_update.strategy.sharded, options=with_options.options)
+    if program is None:
+        return None
+    cost = costs(program)
+    fingerprint = None if program.text is None else schedule_options.program_fingerprint(program.text)
+    earlier = {schedule_options.program_fingerprint(best_update.program.text): best_update.label}
+    earlier.update({c.fingerprint: c.label for c in found.candidates if c.fingerprint and c.same_as is None})
+    record = {
+        "label": f"{best_update.label} under {with_options.label}",
+        "options": {k: str(v) for k, v in with_options.options.items()},
+        "options_chosen": bool(found.options),
+        "sharded_gradients": len(best_update.strategy.sharded),
+        "update_compiled_us": best_update.compiled_us,
+        "options_compiled_us": with_options.compiled_us,
+        "compiled_us": None if cost is None else cost.iteration_us,
+        "fingerprint": fingerprint,
+        "same_program_as": earlier.get(fingerprint),
+        "program": program.to_json(),
+        "collectives": None if program.text is None else schedule_options.collective_summary(program.text),
+    }
+    return record, program, cost
+
+
 def collective_parts(
-    disco: dict, xla: CompiledProgram, strategies: dict, lowered, costs: ProgramCosts, schedule: bool | list
-) -> tuple[dict, dict, dict | None]:
+    disco: dict,
+    xla: CompiledProgram,
+    strategies: dict,
+    lowered,
+    costs: ProgramCosts,
+    schedule: bool | list,
+    best_update: Ranked | None = None,
+    relower: Callable | None = None,
+) -> tuple[dict, dict, dict | None, frozenset[int] | None]:
     """disco-jax's entry after the collective options search (`schedule`, see `simulated_row`),
-    each part's own gain over XLA's program (XLA's compiled cost over the part's), and the search's
-    record (None where not searched)."""
+    each part's own gain over XLA's program (XLA's compiled cost over the part's), the search's
+    record (None where not searched) and, where disco-jax's program changed to one that shards
+    updates or none, the gradients whose updates it shards (None: as ranked). With
+    `best_update` (`ranked_plan`'s) and `relower`, the sharded update compiled under the searched
+    options (`combine`) is a candidate too: its gain is `parts["combined"]`, its record
+    `schedule_options["combined"]`. disco-jax's program is the cheapest compiled of the ranked
+    one, XLA's program under the searched options and the combination."""
     ranked_us = disco["simulated"]["iteration_us"] if disco["simulated"] else None
-    parts = ranked_parts(strategies["JAX_default"]["simulated"]["iteration_us"], disco)
+    xla_us = strategies["JAX_default"]["simulated"]["iteration_us"]
+    parts = ranked_parts(xla_us, disco)
     if schedule is False:
-        return disco, parts, None
+        return disco, parts, None, None
     found = schedule_options.search_options(lowered, costs, dims=None if schedule is True else schedule, default=xla)
     parts["collective_options"] = found.gain
-    if found.options and found.chosen.cost is not None and (not ranked_us or found.chosen.compiled_us < ranked_us):
+    searched = found.to_json()
+    best_us, sharded = ranked_us, None
+    if found.options and found.chosen.cost is not None and (not best_us or found.chosen.compiled_us < best_us):
+        best_us, sharded = found.chosen.compiled_us, frozenset()
         disco = {
             **disco,
             "simulated": found.chosen.cost.to_json(),
@@ -178,4 +243,20 @@ def collective_parts(
             "sharded_gradients": 0,
             "collectives": schedule_options.collective_summary(found.chosen.program.text),
         }
-    return disco, parts, found.to_json()
+    combined = None if best_update is None or relower is None else combine(best_update, found, relower, costs)
+    searched["combined"] = None if combined is None else combined[0]
+    if combined is not None and combined[2] is not None:
+        record, program, cost = combined
+        parts["combined"] = xla_us / cost.iteration_us
+        if not best_us or cost.iteration_us < best_us:
+            sharded = best_update.strategy.sharded
+            disco = {
+                **disco,
+                "simulated": cost.to_json(),
+                "description": f"{disco['description']}; the sharded update under searched compile options cheaper",
+                "chosen": record["label"],
+                "program": program.to_json(),
+                "sharded_gradients": len(sharded),
+                "collectives": record["collectives"],
+            }
+    return disco, parts, searched, sharded

@@ -300,10 +300,12 @@ def simulated_row(
     one target; a fresh one when None.
     `schedule`: also search XLA:GPU's collective options on XLA's program
     (`schedule_options.search_options`; a list: the dimensions to search, False: none); the row
-    records the search (`schedule_options`), disco-jax's figure is the options' program where it
-    compiles cheaper than the ranked plan, and `parts` gives each part's own gain over XLA's
-    program: the weight update (a relowered sharded update ranked first), the rewrite (a rewritten
-    plan ranked first) and the collective options (None where not searched). Every compiled
+    records the search (`schedule_options`), the cheapest sharded update ranked is compiled again
+    under the searched options (`ranked.combine`), disco-jax's figure is the cheapest compiled of
+    the ranked plan, the options' program and that combination, and `parts` gives each part's own
+    gain over XLA's program: the weight update (a relowered sharded update ranked first), the
+    rewrite (a rewritten plan ranked first), the collective options (None where not searched) and
+    the combination (`combined`; None where not compiled). Every compiled
     strategy records its program's collectives (`collectives`: count, bytes, async per kind).
 
     Without `lowered` (XLA:CPU's module), every strategy is costed by the graph simulator, XLA's
@@ -372,10 +374,11 @@ def simulated_row(
     parts = None
     if programs is not None:
         xla = compiled["JAX_default"]
-        disco, chosen = ranked_plan(programs, result, xla, strategies, relower, costs)
-        disco, parts, searched = collective_parts(disco, xla, strategies, lowered, costs, schedule)
-        if not disco["sharded_gradients"]:  # XLA's program under searched options: nothing sharded
-            chosen = frozenset()
+        disco, chosen, best_update = ranked_plan(programs, result, xla, strategies, relower, costs)
+        disco, parts, searched, changed = collective_parts(
+            disco, xla, strategies, lowered, costs, schedule, best_update, relower
+        )
+        chosen = chosen if changed is None else changed  # the options' program or the combination's
         for name, enacted in compiled.items():
             if enacted.text is not None:
                 strategies[name]["collectives"] = schedule_options.collective_summary(enacted.text)
@@ -419,13 +422,19 @@ def _paper_step(name: str, style: str, target: str, config: str) -> tuple:
 
 
 def sharded_paper_program(
-    name: str, style: str, target: str, graph: Graph, gradients: frozenset[int], config: str = "paper"
+    name: str,
+    style: str,
+    target: str,
+    graph: Graph,
+    gradients: frozenset[int],
+    config: str = "paper",
+    options: dict | None = None,
 ) -> CompiledProgram | None:
     """XLA:GPU's program (deviceless, `target`) of a model's paper step lowered again with the
     optimizer state of `gradients` (of `graph`, the replicated step's module) sharded over the
-    data axis (`sharding.update`), compiled with XLA's defaults and XLA:GPU's hook rules, as the
-    decorator captures it (`compile_program`); None where
-    the step has no such state."""
+    data axis (`sharding.update`), compiled with XLA's defaults (or `options`, XLA:GPU compile
+    options: the sharded update under searched collective options) and XLA:GPU's hook rules, as
+    the decorator captures it (`compile_program`); None where the step has no such state."""
     step, args, compiled = _paper_step(name, style, target, config)
     avals = dict(enumerate(jax.tree.leaves(args)))
 
@@ -434,7 +443,8 @@ def sharded_paper_program(
         return {i for g in gradients for i in leaves_of.get(g, ())}
 
     lowered, _, _ = update.relower_positional(step, args, compiled, leaves)
-    return None if lowered is None else compile_program(lowered, None, "sharded update", None, {}, backends.GPU)
+    label = "sharded update" if not options else "sharded update under options"
+    return None if lowered is None else compile_program(lowered, None, label, None, dict(options or {}), backends.GPU)
 
 
 def capture_paper_model(name: str, style: str, target: str | None = None) -> tuple[Program, dict, jax.stages.Lowered]:
