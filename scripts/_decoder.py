@@ -1,13 +1,16 @@
 """The GPT decoder the large-model scripts build from the same flags (`fsdp_memory.py`,
 `large_model_layouts.py`, `scanned_fsdp_baselines.py`): `add_arguments` declares them with a
-script's defaults, `spec` makes the paper-size GPT (`zoo.resized`) they describe. A module beside
+script's defaults, `spec` makes the paper-size GPT (`zoo.resized`) they describe, `target_step` its
+AdamW step for a cluster. A module beside
 the scripts, found because a script's own folder is on `sys.path`."""
 
 from __future__ import annotations
 
 import argparse
 
-from disco_jax import zoo
+import optax
+
+from disco_jax import targets, zoo
 
 REMAT = ("none", "dots", "full")
 
@@ -49,3 +52,12 @@ def spec(args: argparse.Namespace) -> zoo.ModelSpec:
         scan_layers=getattr(args, "scan", True),
         remat=getattr(args, "remat", "none"),
     )
+
+
+def target_step(args: argparse.Namespace, cluster) -> tuple:
+    """(spec, the donated AdamW step lowered for `cluster`'s devices, its abstract (state, batch)):
+    the decoder of the parsed flags on the cluster's mesh, from shapes only (deviceless)."""
+    model = spec(args)
+    optimizer, mesh = optax.adamw(1e-4), targets.mesh(cluster.target, cluster.num_devices)
+    step = zoo.build_train_step(model, optimizer, mesh, "jit", donate=True)
+    return model, step, zoo.abstract_state_and_batch(model, optimizer, mesh)

@@ -25,9 +25,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
 
 import _decoder  # noqa: E402
-import optax  # noqa: E402
 
-from disco_jax import layout_search, targets, zoo  # noqa: E402
+from disco_jax import layout_search  # noqa: E402
 from disco_jax.cost.compiled import COLLECTIVE_METHOD  # noqa: E402
 from disco_jax.eval import clusters, handwritten  # noqa: E402
 from disco_jax.sharding import mesh_step  # noqa: E402
@@ -87,11 +86,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     cluster = clusters.get_cluster(args.cluster)
     n = cluster.num_devices
-    mesh = targets.mesh(cluster.target, n)
-    spec = _decoder.spec(args)
-    optimizer = optax.adamw(1e-4)
-    step = zoo.build_train_step(spec, optimizer, mesh, "jit", donate=True)
-    state, batch = zoo.abstract_state_and_batch(spec, optimizer, mesh)
+    spec, step, (state, batch) = _decoder.target_step(args, cluster)
     found = mesh_step.structure(step, (state, batch))
     wanted = (args.plans or f"{n}x1 by hand: FSDP;{n}x1 Embed: fsdp, blocks: fsdp").split(";")
     plans = {p.label: p for p in layout_search.candidate_plans(found, cluster.gpus_per_node)}

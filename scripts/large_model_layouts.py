@@ -35,9 +35,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
 
 import _decoder  # noqa: E402
-import optax  # noqa: E402
 
-from disco_jax import layout_search, targets, zoo  # noqa: E402
+from disco_jax import layout_search  # noqa: E402
 from disco_jax.eval import clusters, handwritten  # noqa: E402
 from disco_jax.sharding import mesh_step  # noqa: E402
 
@@ -62,9 +61,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     cluster = clusters.get_cluster(args.cluster)
     n = cluster.num_devices
-    mesh = targets.mesh(cluster.target, n)
-    spec = _decoder.spec(args)
-    optimizer = optax.adamw(1e-4)
+    spec, step, (state, batch) = _decoder.target_step(args, cluster)
     params = spec.param_count()
     flops = model_flops({"batch": args.batch, "seq": args.seq, "layers": args.layers, "width": args.width}, params)
     peak_flops = (cluster.device.dot16_flops or cluster.device.dot_flops).value
@@ -112,8 +109,6 @@ def main(argv=None) -> int:
             json.dump(record, out, indent=1)
         os.replace(args.json + ".tmp", args.json)
 
-    step = zoo.build_train_step(spec, optimizer, mesh, "jit", donate=True)
-    state, batch = zoo.abstract_state_and_batch(spec, optimizer, mesh)
     found = mesh_step.structure(step, (state, batch))
     plans = layout_search.candidate_plans(found, cluster.gpus_per_node, hand=not args.no_hand)
     if args.only:
