@@ -73,14 +73,21 @@ def test_fsdp_at_use_peaks_no_higher_than_hand_written_fsdp_and_gathers_in_the_l
     assert in_loops >= 2, gathers  # the forward and the backward body each gather their layer
 
 
-def test_fsdp_at_use_on_cpu_devices_computes_what_the_replicated_step_computes():
-    spec = zoo.resized("gpt", num_layers=2, scan_layers=True, remat="dots")
+def scanned_gpt_at_use(**gpt) -> tuple:
+    """(step, args, its capture on the CPU devices, the layout splitting each leaf on its largest
+    dimension, the leaves the replicated step holds) of a scanned zoo GPT with Adam and remat of
+    dots (`gpt`: `zoo.resized` fields); `choice.candidate(..., at_use=True)` lowers it at use."""
+    spec = zoo.resized("gpt", scan_layers=True, remat="dots", **gpt)
     step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(), "jit")
     args = (state, batch)
     program = capture(step.lower(*args), backends.CPU, args, {})
     shardings = [x.sharding for x in jax.tree.leaves(args)]
     layout, _ = update.find_layout(step, args, {}, args, {}, shardings, largest=True)
-    held = update.held_leaves(program)
+    return step, args, program, layout, update.held_leaves(program)
+
+
+def test_fsdp_at_use_on_cpu_devices_computes_what_the_replicated_step_computes():
+    step, args, program, layout, held = scanned_gpt_at_use(num_layers=2)
     at_use = choice.candidate(step, program, layout, layout.all_leaves(), args, {}, backends.CPU, held, at_use=True)
     assert at_use.layout.at_use and not at_use.layout.regather and "gathered where used" in at_use.label
     check = update.check_outputs(program, at_use.step)

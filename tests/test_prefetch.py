@@ -12,12 +12,11 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_fsdp_at_use import scanned_gpt_at_use
 
 from disco_jax import backends, zoo
-from disco_jax._compile import capture
 from disco_jax.sharding import choice, prefetch, rules, update
 from disco_jax.sharding.layouts import Layout
 from disco_jax.sharding.params import Parameter
@@ -80,13 +79,7 @@ def test_a_rotated_scan_and_its_gradient_compute_the_same_and_carry_the_gathered
 
 def test_prefetch_on_a_scanned_gpt_computes_what_the_unmodified_step_computes_and_is_recorded():
     d = 32
-    spec = zoo.resized("gpt", num_layers=3, d_model=d, scan_layers=True, remat="dots")
-    step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(), "jit")
-    args = (state, batch)
-    program = capture(step.lower(*args), backends.CPU, args, {})
-    shardings = [x.sharding for x in jax.tree.leaves(args)]
-    layout, _ = update.find_layout(step, args, {}, args, {}, shardings, largest=True)
-    held = update.held_leaves(program)
+    step, args, program, layout, held = scanned_gpt_at_use(num_layers=3, d_model=d)
     leaves = layout.all_leaves()
     rotated = choice.candidate(step, program, layout, leaves, args, {}, backends.CPU, held, at_use=True, prefetch=True)
     assert rotated.layout.prefetch and "next layer prefetched" in rotated.label
