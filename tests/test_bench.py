@@ -521,23 +521,15 @@ def test_a_gpu_row_ranks_a_sharded_update_by_lowering_the_step_again(gpu_mlp):
     """The search may shard weight updates (`Strategy.sharded`); a GPU row compiles such a
     candidate as the step lowered again with that state sharded (XLA:GPU's own program of it),
     and reports the optimizer-state bytes per device of what it took."""
-    lowered, program, _, programs = gpu_mlp
+    program = gpu_mlp[1]
     graph = program.graph
     shardable = sharded.regions_of(graph).shardable
-    relower = functools.partial(rows.sharded_paper_program, "mlp", "jit", "h100-sxm", graph, config="tiny")
+    relower = _mlp_relower(graph)
     relowered = relower(shardable)
     assert relowered.enacted and relowered.compiler_options == {}
     opcodes = {k.collective for k in backends.GPU.read_kernels(relowered.text) if k.is_collective}
     assert "all-gather" in opcodes  # the updated parameters, gathered
-    row = rows.simulated_row(
-        program,
-        clusters.get_cluster("8xH100-NVLink"),
-        budget_s=1.0,
-        lowered=lowered,
-        relower=relower,
-        programs=programs,
-        schedule=False,
-    )
+    row = _mlp_row(gpu_mlp, schedule=False)
     disco, update = row["strategies"][rows.DISCO], row["weight_update"]
     assert update["shardable_gradients"] == len(shardable) > 0
     state = update["state_bytes_per_device"]
@@ -561,24 +553,32 @@ def test_a_gpu_row_ranks_a_sharded_update_by_lowering_the_step_again(gpu_mlp):
     json.dumps(row)
 
 
+def _mlp_relower(graph):
+    """The tiny MLP's step lowered again for 8 H100s with a set of its gradients' updates sharded."""
+    return functools.partial(rows.sharded_paper_program, "mlp", "jit", "h100-sxm", graph, config="tiny")
+
+
+def _mlp_row(gpu_mlp, schedule) -> dict:
+    """The tiny MLP's simulated 8xH100-NVLink row, its weight update relowered (`_mlp_relower`)."""
+    lowered, program, _, programs = gpu_mlp
+    return rows.simulated_row(
+        program,
+        clusters.get_cluster("8xH100-NVLink"),
+        budget_s=1.0,
+        lowered=lowered,
+        relower=_mlp_relower(program.graph),
+        programs=programs,
+        schedule=schedule,
+    )
+
+
 def test_a_gpu_row_compiles_the_sharded_update_under_the_searched_options(gpu_mlp):
     """The weight update and the collective options are searched apart (the options on XLA's
     replicated program); the row also compiles the cheapest sharded update under the searched
     options (the chosen set, else the cheapest other distinct one), costs it as compiled, records
     it beside each part's own gain, and takes it where it is the cheapest compiled program."""
-    lowered, program, _, programs = gpu_mlp
-    graph = program.graph
-    relower = functools.partial(rows.sharded_paper_program, "mlp", "jit", "h100-sxm", graph, config="tiny")
     off = {schedule_options.SCHEDULER: False}
-    row = rows.simulated_row(
-        program,
-        clusters.get_cluster("8xH100-NVLink"),
-        budget_s=1.0,
-        lowered=lowered,
-        relower=relower,
-        programs=programs,
-        schedule=[("latency-hiding scheduler", [off])],
-    )
+    row = _mlp_row(gpu_mlp, schedule=[("latency-hiding scheduler", [off])])
     disco, parts, searched = row["strategies"][rows.DISCO], row["parts"], row["schedule_options"]
     off_program = searched["candidates"][1]
     assert off_program["options"] == {schedule_options.SCHEDULER: "False"} and off_program["same_program_as"] is None
