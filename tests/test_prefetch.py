@@ -101,9 +101,17 @@ def test_prefetch_on_a_scanned_gpt_computes_what_the_unmodified_step_computes_an
     assert record["prefetch"] and record["at_use"] and "next layer prefetched" in record["label"]
     assert rules.require("loop_rotation").name in update.cited_rules(rotated.layout)
     # The search's candidate before it (`choice.parameter_candidates`): the loops' state split only.
-    split = layout.subset(leaves, at_use=True, split_carries=True)
-    assert split.gathering() == {"regather": False, "at_use": True, "prefetch": False, "split_carries": True}
+    split_only = {"at_use": True, "split_carries": True}
+    split = choice.candidate(step, program, layout, leaves, args, {}, backends.CPU, held, **split_only)
+    assert split.layout.gathering() == {"regather": False, "at_use": True, "prefetch": False, "split_carries": True}
+    assert "loop state split over the batch" in split.label and "prefetched" not in split.label
+    assert split.layout.to_json()["split_carries"] and "prefetch" not in split.layout.to_json()
     assert layout.subset(leaves, **rotated.layout.gathering()).gathering() == rotated.layout.gathering()
-    label = choice.Candidate(leaves, rotated.step, split, rotated.memory).label
-    assert "loop state split over the batch" in label and "prefetched" not in label
-    assert split.to_json()["split_carries"] and "prefetch" not in split.to_json()
+    check = update.check_outputs(program, split.step)
+    assert check.within_tolerance, check
+    # Enacted: at use, XLA's partitioner splits the forward loop's stacked activations (16
+    # sequences of 8 tokens, 3 layers) on their features (96 / 8); split, they are on the batch.
+    split_tuples = _while_tuples(split.step.default_compiled.as_text())
+    plain_tuples = _while_tuples(plain.default_compiled.as_text())
+    assert "f32[3,16,8,12]" in plain_tuples[0] and "f32[3,16,8,12]" not in split_tuples[0]
+    assert "f32[3,2,8,96]" in split_tuples[0], split_tuples
