@@ -72,6 +72,8 @@ ALL_SHARDED = "parameters and state sharded"  # ZeRO-3 / FSDP: all-gathered befo
 REGATHERED = "parameters and state sharded, gathered again for each use"  # FSDP, reshard after forward
 AT_USE = "parameters and state sharded, gathered where used"  # FSDP as users write it (NamedSharding only)
 AT_USE_SPLIT = f"{AT_USE}, loop state split over the batch"  # and the scans' per-example carries on the data axis
+# And the loops' residuals recomputed in the backward loops (`sharding.remat`), per policy.
+AT_USE_REMAT = {policy: f"{AT_USE_SPLIT}, loops rematerialized ({policy})" for policy in ("dots", "full")}
 SPLIT = "parameters and state sharded, split over several dimensions"  # where no one dimension divides
 WHOLE_LAYERS = "parameters and state sharded, whole layers per device"  # stacked leaves split on the layer axis
 
@@ -83,6 +85,7 @@ def _sharded_update(
     whole_layers: bool = False,
     at_use: bool = False,
     split_carries: bool = False,
+    remat: str = "",
 ) -> Callable:
     """A builder of the step lowered again with every optimizer-state group sharded over the data
     axis (`sharding.update`), and with `parameters` their parameters too (`sharding.params`),
@@ -94,7 +97,8 @@ def _sharded_update(
     each leaf split on its largest dimension the axis divides, as FSDP guides write it, and with
     `split_carries` (at use, a scanned step only) the loops' per-example carries constrained to the
     data axis (`Layout.split_carries`: XLA's partitioner otherwise may split them on features and
-    gather activations in every iteration; docs/scanned-layers.md)."""
+    gather activations in every iteration; docs/scanned-layers.md), and with `remat` (a policy of
+    `sharding.remat`) the loops' residuals recomputed in the backward loops."""
 
     def build(step, args: tuple, kwargs: dict, replicated_compiled) -> tuple:
         """(lowered, layout, why) of the sharded step; (None, None, why not) where it does not apply."""
@@ -117,7 +121,11 @@ def _sharded_update(
         if split_carries and not layout.stacked:
             return None, None, "no scanned loop reads a stacked leaf"
         layout = layout.subset(
-            layout.all_leaves(parameters=parameters), regather=regather, at_use=at_use, split_carries=split_carries
+            layout.all_leaves(parameters=parameters),
+            regather=regather,
+            at_use=at_use,
+            split_carries=split_carries,
+            remat=remat,
         )
         return update.relower(step, layout, args, kwargs, (args, kwargs), replicated_compiled)[0], layout, reason
 
@@ -132,6 +140,10 @@ SHARDED_UPDATES: dict[str, Callable] = {
     REGATHERED: _sharded_update(parameters=True, regather=True),
     AT_USE: _sharded_update(parameters=True, at_use=True),
     AT_USE_SPLIT: _sharded_update(parameters=True, at_use=True, split_carries=True),
+    **{
+        label: _sharded_update(parameters=True, at_use=True, split_carries=True, remat=policy)
+        for policy, label in AT_USE_REMAT.items()
+    },
     SPLIT: _sharded_update(parameters=True, split=True),
     # A scanned step's stacks split on their layer axis: gathered whole around the loops, no
     # resharding of the loop bodies' activations (docs/sharded-update.md, "Stacked parameters").

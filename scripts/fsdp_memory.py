@@ -1,11 +1,13 @@
 """Per-device peaks of a decoder's fully sharded step: FSDP as a user writes it (`NamedSharding`
 on parameters and state, `eval.handwritten.fsdp_step`) against disco-jax's sharded updates of the
 same step (`offline.SHARDED_UPDATES`: ZeRO-3 gathered at the step's entry, gathered again for each
-use, and gathered where used, `Layout.at_use`), compiled deviceless for a GPU target with the
+use, and gathered where used, `Layout.at_use`, with the loops' state split and their residuals
+recomputed, `sharding.remat`), compiled deviceless for a GPU target with the
 state donated; each peak is XLA's memory analysis (arguments + outputs + temporaries - aliased).
 
     python scripts/fsdp_memory.py [--layers 32] [--width 4096] [--seq 2048] [--batch 8]
-        [--scan] [--remat none|dots|full] [--updates at_use,zero3,regather] [--json out.json]
+        [--scan] [--remat none|dots|full] [--updates at_use,zero3,regather,at_use_split,remat_dots,remat_full]
+        [--json out.json]
 
 Issue 44's check: on the 32-layer width-4096 GPT (Adam, 8 H100s), unrolled and scanned with
 remat, disco-jax's fully sharded plan (`at_use`) peaks no higher than the hand-written FSDP.
@@ -31,6 +33,8 @@ from disco_jax.sharding import choice, update  # noqa: E402
 UPDATES = {
     "at_use": offline.AT_USE,
     "at_use_split": offline.AT_USE_SPLIT,
+    "remat_dots": offline.AT_USE_REMAT["dots"],
+    "remat_full": offline.AT_USE_REMAT["full"],
     "zero3": offline.ALL_SHARDED,
     "regather": offline.REGATHERED,
 }

@@ -73,11 +73,11 @@ def test_fsdp_at_use_peaks_no_higher_than_hand_written_fsdp_and_gathers_in_the_l
     assert in_loops >= 2, gathers  # the forward and the backward body each gather their layer
 
 
-def scanned_gpt_at_use(**gpt) -> tuple:
+def scanned_gpt_at_use(remat: str = "dots", **gpt) -> tuple:
     """(step, args, its capture on the CPU devices, the layout splitting each leaf on its largest
-    dimension, the leaves the replicated step holds) of a scanned zoo GPT with Adam and remat of
-    dots (`gpt`: `zoo.resized` fields); `choice.candidate(..., at_use=True)` lowers it at use."""
-    spec = zoo.resized("gpt", scan_layers=True, remat="dots", **gpt)
+    dimension, the leaves the replicated step holds) of a scanned zoo GPT with Adam and `nn.remat`
+    of dots (`remat`; `gpt`: `zoo.resized` fields); `choice.candidate(..., at_use=True)` lowers it at use."""
+    spec = zoo.resized("gpt", scan_layers=True, remat=remat, **gpt)
     step, state, batch = zoo.make_train_step(spec, optax.adam(1e-3), zoo.data_mesh(), "jit")
     args = (state, batch)
     program = capture(step.lower(*args), backends.CPU, args, {})

@@ -47,14 +47,15 @@ def every_update(gpt_step):
 @pytest.fixture(scope="module")
 def candidates(every_update):
     """The updates that apply to the GPT: every one but `SPLIT` (each leaf has a dimension 8 divides),
-    `WHOLE_LAYERS` and `AT_USE_SPLIT` (its layers are not scanned)."""
+    `WHOLE_LAYERS`, `AT_USE_SPLIT` and `AT_USE_REMAT` (its layers are not scanned)."""
     return {label: c for label, c in every_update.items() if c.why_not is None}
 
 
 def test_every_weight_update_is_compiled_for_the_target_with_its_peak(every_update, candidates):
     replicated = candidates[offline.REPLICATED]
     assert list(every_update)[0] == offline.REPLICATED and set(offline.SHARDED_UPDATES) <= set(every_update)
-    assert set(every_update) - set(candidates) == {offline.SPLIT, offline.WHOLE_LAYERS, offline.AT_USE_SPLIT}
+    scanned_only = {offline.AT_USE_SPLIT, *offline.AT_USE_REMAT.values()}
+    assert set(every_update) - set(candidates) == {offline.SPLIT, offline.WHOLE_LAYERS, *scanned_only}
     assert "no leaf is split" in every_update[offline.SPLIT].why_not
     assert "no scanned loop" in every_update[offline.AT_USE_SPLIT].why_not
     assert "no leaf is stacked" in every_update[offline.WHOLE_LAYERS].why_not

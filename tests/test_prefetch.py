@@ -103,7 +103,13 @@ def test_prefetch_on_a_scanned_gpt_computes_what_the_unmodified_step_computes_an
     # The search's candidate before it (`choice.parameter_candidates`): the loops' state split only.
     split_only = {"at_use": True, "split_carries": True}
     split = choice.candidate(step, program, layout, leaves, args, {}, backends.CPU, held, **split_only)
-    assert split.layout.gathering() == {"regather": False, "at_use": True, "prefetch": False, "split_carries": True}
+    assert split.layout.gathering() == {
+        "regather": False,
+        "at_use": True,
+        "prefetch": False,
+        "split_carries": True,
+        "remat": "",
+    }
     assert "loop state split over the batch" in split.label and "prefetched" not in split.label
     assert split.layout.to_json()["split_carries"] and "prefetch" not in split.layout.to_json()
     assert layout.subset(leaves, **rotated.layout.gathering()).gathering() == rotated.layout.gathering()

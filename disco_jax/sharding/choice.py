@@ -36,7 +36,7 @@ import jax
 from disco_jax import _distributed, _plan, _profile_phase, _strategy, _validate, _warnings
 from disco_jax._compile import Captured
 from disco_jax.cost.allreduce import communication_bytes
-from disco_jax.sharding import layouts, params, rules, state_search, update
+from disco_jax.sharding import layouts, params, remat, rules, state_search, update
 
 # Memory-analysis fields a program's per-device footprint adds up (aliased bytes counted once).
 FOOTPRINT = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")
@@ -85,16 +85,9 @@ class Candidate:
         if self.layout is None:
             return "replicated"
         if self.layout.gathered:
-            again = ", gathered again for each use" if self.layout.regather else ""
-            again += ", gathered where used" if self.layout.at_use else ""
-            again += ", next layer prefetched" if self.layout.prefetch else ""
-            again += (
-                ", loop state split over the batch" if self.layout.split_carries and not self.layout.prefetch else ""
-            )
-            again += ", some split over several dimensions" if self.layout.step_mesh is not self.layout.mesh else ""
             return (
                 f"parameters and state sharded ({len(self.layout.gathered)} parameters, "
-                f"{len(self.layout.groups)} groups, {len(self.leaves)} leaves{again})"
+                f"{len(self.layout.groups)} groups, {len(self.leaves)} leaves{self.layout.gathering_label()})"
             )
         return f"sharded ({len(self.layout.groups)} groups, {len(self.leaves)} leaves)"
 
@@ -278,7 +271,8 @@ def parameter_candidates(fn, step, layout, args, kwargs, backend, held: dict, li
     (the last: every parameter sharded); when none fits, every parameter gathered only where it
     is used (`Layout.at_use`: FSDP as users write it, each leaf split on its largest dimension,
     XLA gathers per use and frees after; where that fits, also with each loop's next layer
-    prefetched, `sharding.prefetch`), then gathered again for each use (`sharding.regather`)."""
+    prefetched, `sharding.prefetch`; where it does not, with the loops' residuals recomputed,
+    `sharding.remat`), then gathered again for each use (`sharding.regather`)."""
     layers = layers_by_size(layout, held)
     state = layout.all_leaves(parameters=False)
     out, k = [], 1
@@ -297,6 +291,10 @@ def parameter_candidates(fn, step, layout, args, kwargs, backend, held: dict, li
             out.append(at_use(at_use=True))
             if within(out[-1], limit) and widest.stacked:  # loops: their state split, then also rotated
                 out += [at_use(at_use=True, split_carries=True), at_use(at_use=True, prefetch=True)]
+            for policy in remat.POLICIES if widest.stacked and not within(out[-1], limit) else ():
+                out.append(at_use(at_use=True, split_carries=True, remat=policy))  # recomputed in the backward
+                if within(out[-1], limit):
+                    break
     if out and not any(within(c, limit) for c in out[-2:]):
         leaves = next(c.leaves for c in reversed(out) if not c.layout.at_use)
         out.append(candidate(fn, step, layout, leaves, args, kwargs, backend, held, regather=True))
@@ -460,7 +458,7 @@ def recall(
             _plan.PlanWarning,
         )
         return step, None, {"mode": "replicated", "requested": "search", "reason": "stored decision does not fit"}
-    gathering = {k: bool(decided.get(k)) for k in layouts.GATHERING}
+    gathering = {k: decided.get(k) or False for k in layouts.GATHERING}  # flags, and remat's policy
     layout = layout.subset((by_path[path] for path in wanted), **gathering)
     recalled = {**decided, **layout.to_json(), "rules": update.cited_rules(layout)}
     return update.relowered(fn, step, layout, args, kwargs, backend), layout, recalled
@@ -483,7 +481,7 @@ def rechoose(decided: dict, limit: int | None) -> dict:
     )
     fits = limit is None or (chosen.get("footprint_bytes") or 0) <= limit
     gathering = layouts.GATHERING
-    moved = any(bool(chosen.get(k)) != bool(decided.get(k)) for k in gathering)
+    moved = any((chosen.get(k) or False) != (decided.get(k) or False) for k in gathering)
     if chosen["leaves"] != stored or moved or not fits:
         again = "run once with ENABLE_SEARCH=1 to measure the candidates for this limit"
         _warnings.warn(f"disco-jax: {reason}; {again}", _plan.PlanWarning)
@@ -491,7 +489,7 @@ def rechoose(decided: dict, limit: int | None) -> dict:
     return {
         "mode": "sharded" if leaves else "replicated",
         "leaves": leaves,
-        **{k: True for k in gathering if chosen.get(k)},
+        **{k: chosen[k] for k in gathering if chosen.get(k)},
         "forced": forced,
         "reason": reason,
         "candidates": candidates,

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from disco_jax.sharding.params import Parameter
 
 # How a layout's sharded parameters are gathered: the flags `Layout.subset` takes, as plans record them.
-GATHERING = ("regather", "at_use", "prefetch", "split_carries")
+GATHERING = ("regather", "at_use", "prefetch", "split_carries", "remat")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +69,10 @@ class Layout:
     # partitioner may split a wide model's activations on their features instead and gather them
     # for each dot inside the loop bodies (docs/scanned-layers.md).
     split_carries: bool = False
+    # With `at_use`: the loops' residuals recomputed in the backward loops under this policy
+    # (`sharding.remat`: "dots" keeps the dots' outputs, "full" only each layer's input), where the
+    # user's step stacks every layer's activations; "" keeps them.
+    remat: str = ""
 
     @functools.cached_property  # a frozen dataclass's own `__dict__` holds it; `replace` makes a new one
     def step_mesh(self) -> Any:
@@ -107,13 +111,31 @@ class Layout:
         """How its sharded parameters are gathered (`GATHERING`), as `subset` takes it."""
         return {k: getattr(self, k) for k in GATHERING}
 
+    def gathering_label(self) -> str:
+        """How its parameters are gathered, as candidates' labels say it (", gathered where used, ...")."""
+        again = ", gathered again for each use" if self.regather else ""
+        again += ", gathered where used" if self.at_use else ""
+        again += ", next layer prefetched" if self.prefetch else ""
+        again += ", loop state split over the batch" if self.split_carries and not self.prefetch else ""
+        again += f", loops rematerialized ({self.remat})" if self.remat else ""
+        return again + (", some split over several dimensions" if self.step_mesh is not self.mesh else "")
+
     def subset(
-        self, leaves, regather: bool = False, at_use: bool = False, prefetch: bool = False, split_carries: bool = False
+        self,
+        leaves,
+        regather: bool = False,
+        at_use: bool = False,
+        prefetch: bool = False,
+        split_carries: bool = False,
+        remat: str | bool = "",
     ) -> Layout:
         """This layout with only the input leaves `leaves` sharded: a union of `groups`, plus the
         parameters (`parameters`) of some of those groups for parameters and state sharded,
         gathered again for each use with `regather`, gathered only where used with `at_use`, and
-        with `prefetch` (at use only) each loop's next layer gathered one iteration early."""
+        with `prefetch` (at use only) each loop's next layer gathered one iteration early; with
+        `remat` (at use only; a policy of `sharding.remat`) the loops' residuals recomputed."""
+        if remat and remat not in ("dots", "full"):
+            raise ValueError(f"unknown remat policy {remat!r}; expected 'dots' or 'full'")
         keep = set(leaves)
         for p in keep & self.parameters.keys():
             if not set(self.parameters[p].group) <= keep:
@@ -133,6 +155,7 @@ class Layout:
             at_use=at_use,
             prefetch=prefetch and at_use,
             split_carries=(split_carries or prefetch) and at_use,
+            remat=remat if at_use and remat else "",
         )
 
     def all_leaves(self, parameters: bool = True) -> tuple[int, ...]:
@@ -226,6 +249,7 @@ class Layout:
             **({"at_use": True} if self.at_use and self.gathered else {}),
             **({"prefetch": True} if self.prefetch and self.gathered else {}),
             **({"split_carries": True} if self.split_carries and self.gathered else {}),
+            **({"remat": self.remat} if self.remat and self.gathered else {}),
             **({"stacked": sorted(self.paths[i] for i in self.stacked if i in self.inputs)} if self.stacked else {}),
         }
 

@@ -101,7 +101,7 @@ class _Rotation:
     def _scan(self, eqn, inputs, in_origins):
         params = dict(eqn.params)
         body = params["jaxpr"]
-        consts_n, carry_n = _scan_counts(params, len(inputs))
+        consts_n, carry_n = scan_counts(params, len(inputs))
         body_jaxpr, body_consts = (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, ())
         xs_at = range(consts_n + carry_n, len(inputs))
         prefetched = [
@@ -208,6 +208,18 @@ def _only_converted_to(jaxpr, var):
 def _eval_converted(jaxpr, consts, args, converted: set):
     """`jaxpr` evaluated on `args`, where each input in `converted` is given already converted:
     its conversions pass it through."""
+
+    def passed(eqn, inputs):
+        given = eqn.primitive.name == "convert_element_type" and not isinstance(eqn.invars[0], jex_core.Literal)
+        return [inputs[0]] if given and eqn.invars[0] in converted else None
+
+    return evaluate(jaxpr, consts, args, passed)
+
+
+def evaluate(jaxpr, consts, args, override: Callable | None = None) -> list:
+    """`jaxpr`'s outputs on `args` (`consts`: the values of its constvars), each equation bound as
+    it is, or where `override(eqn, inputs)` gives a list, that list as its outputs: the
+    interpreter the jaxpr rewrites (`_Rotation`, `remat`) run bodies with."""
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
@@ -216,18 +228,16 @@ def _eval_converted(jaxpr, consts, args, converted: set):
 
     for eqn in jaxpr.eqns:
         inputs = [read(v) for v in eqn.invars]
-        if eqn.primitive.name == "convert_element_type" and not isinstance(eqn.invars[0], jex_core.Literal):
-            if eqn.invars[0] in converted:
-                env[eqn.outvars[0]] = inputs[0]
-                continue
-        with eqn.ctx.manager:
-            outs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(eqn.params))
-        for v, x in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]):
-            env[v] = x
+        outs = None if override is None else override(eqn, inputs)
+        if outs is None:
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(eqn.params))
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
 
-def _scan_counts(params: dict, num_inputs: int) -> tuple[int, int]:
+def scan_counts(params: dict, num_inputs: int) -> tuple[int, int]:
     """(consts, carry) operand counts of a scan equation (jax >= 0.12 groups them in `ft_in`)."""
     if "ft_in" in params:
         consts, carry, _ = params["ft_in"].update(list(range(num_inputs))).unpack()
@@ -257,6 +267,22 @@ def rotating(inner: Callable, info, layout) -> Callable:
     stored = {
         i: NamedSharding(layout.step_mesh, P(*tuple(layout.sharding(layout.inputs[i]).spec)[1:])) for i in targets
     }
+
+    def transform(closed, leaves):
+        origins = [(i, 0) for i in range(len(leaves))]
+        sharded = set(layout.inputs) | set(layout.parameters)
+        sizes = frozenset(x.shape[0] for i, x in enumerate(leaves) if i not in sharded and jnp.ndim(x) >= 2)
+        split = NamedSharding(layout.step_mesh, P(layout.sharding(P(layout.axis)).spec[0]))
+        walk = _Rotation(targets, (sizes, split) if sizes else None, stored)
+        return walk.run(closed.jaxpr, closed.consts, leaves, origins)[0]
+
+    return dynamic_call(inner, info, transform)
+
+
+def dynamic_call(inner: Callable, info, transform: Callable) -> Callable:
+    """`inner` (jit options `info`) as a function whose dynamic arguments' jaxpr is run by
+    `transform(closed_jaxpr, flat_dynamic_leaves) -> flat outputs`: the seam the jaxpr rewrites
+    of a user's step (`rotating`, `remat.rematerializing`) share."""
     static_names = set(info.static_argnames)
 
     def step(*args, **kwargs):
@@ -270,13 +296,7 @@ def rotating(inner: Callable, info, layout) -> Callable:
             return inner(*full, **{**kwargs, **dyn_kwargs})
 
         closed, shape = jax.make_jaxpr(call, return_shape=True)(*dynamic)
-        leaves = jax.tree.leaves(dynamic)
-        origins = [(i, 0) for i in range(len(leaves))]
-        sharded = set(layout.inputs) | set(layout.parameters)
-        sizes = frozenset(x.shape[0] for i, x in enumerate(leaves) if i not in sharded and jnp.ndim(x) >= 2)
-        split = NamedSharding(layout.step_mesh, P(layout.sharding(P(layout.axis)).spec[0]))
-        walk = _Rotation(targets, (sizes, split) if sizes else None, stored)
-        outs, _ = walk.run(closed.jaxpr, closed.consts, leaves, origins)
+        outs = transform(closed, jax.tree.leaves(dynamic))
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return step

@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 
 from disco_jax import _validate, _warnings
 from disco_jax._compile import Captured, capture
-from disco_jax.sharding import apply, params, prefetch, rules
+from disco_jax.sharding import apply, params, prefetch, remat, rules
 from disco_jax.sharding.layouts import Layout, put
 from disco_jax.sharding.leaves import (  # noqa: F401  (the layout's reading of the jaxpr, re-exported)
     choose_layout,
@@ -235,6 +235,8 @@ def relower(fn, layout: Layout, args: tuple, kwargs: dict, dynamic: tuple, defau
     for j, spec in layout.outputs.items():
         out_leaves[j] = layout.sharding(spec)
     inner = params.gathering(fn.__wrapped__, fn._jit_info, layout)
+    if layout.remat:  # the loops' residuals recomputed in the backward loops (`sharding.remat`)
+        inner = remat.rematerializing(inner, fn._jit_info, layout.remat)
     if layout.prefetch or layout.split_carries:  # loops rotated / their carries split (`sharding.prefetch`)
         inner = prefetch.rotating(inner, fn._jit_info, layout)
     jitted = jax.jit(
