@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from disco_jax import backends, cost
-from disco_jax.sharding import choice, mesh_step, operators, update
+from disco_jax.sharding import choice, mesh_step, operators, remat, update
 from disco_jax.sharding.mesh_step import dot_groups
 
 
@@ -175,28 +175,53 @@ def search_layouts(
     say=print,
     after=None,
 ) -> LayoutSearch:
-    """Compile and cost every plan (default `candidate_plans`), choose the cheapest within the limit.
-    `after(search)`, where given, is called with the search so far after each plan (a long run
-    keeps its partial result)."""
+    """Compile and cost every plan (default `candidate_plans`), choose the cheapest within the limit;
+    where none is within it, the cheapest `REMAT_TRIED` distinct programs again with their loops
+    rematerialized (`rematerialized`), then choose. `after(search)`, where given, is called with
+    the search so far after each plan (a long run keeps its partial result)."""
     start = time.perf_counter()
     plans = plans if plans is not None else candidate_plans(found, cluster.gpus_per_node)
     costs = (cluster.kernel_estimator(), cluster.grouped_collectives(), cluster.simulator_params())
     done: list[LayoutCandidate] = []
     by_program: dict[str, LayoutCandidate] = {}
-    for plan in plans:
-        c = compile_candidate(step, args, found, plan, cluster, costs)
-        if c.fingerprint is not None and c.fingerprint in by_program:
-            by_program[c.fingerprint].same_program.append(plan.label)
-        elif c.fingerprint is not None:
-            by_program[c.fingerprint] = c
-        done.append(c)
-        if say is not None:
-            us = "-" if c.iteration_us is None else f"{c.iteration_us / 1e3:.2f} ms"
-            gb = "-" if c.peak_bytes is None else f"{c.peak_bytes / 1e9:.2f} GB"
-            say(f"{plan.label:60s} {us:>10s} {gb:>10s} ({c.compile_s:.0f} s){' ' + c.why_not if c.why_not else ''}")
-        if after is not None and len(done) < len(plans):
-            after(choose(done, list(by_program.values()), memory_limit_bytes, time.perf_counter() - start))
-    return choose(done, list(by_program.values()), memory_limit_bytes, time.perf_counter() - start)
+
+    def run(plans, total):
+        for plan in plans:
+            c = compile_candidate(step, args, found, plan, cluster, costs)
+            if c.fingerprint is not None and c.fingerprint in by_program:
+                by_program[c.fingerprint].same_program.append(plan.label)
+            elif c.fingerprint is not None:
+                by_program[c.fingerprint] = c
+            done.append(c)
+            if say is not None:
+                us = "-" if c.iteration_us is None else f"{c.iteration_us / 1e3:.2f} ms"
+                gb = "-" if c.peak_bytes is None else f"{c.peak_bytes / 1e9:.2f} GB"
+                why = " " + c.why_not if c.why_not else ""
+                say(f"{plan.label:60s} {us:>10s} {gb:>10s} ({c.compile_s:.0f} s){why}")
+            if after is not None and len(done) < total:
+                after(choose(done, list(by_program.values()), memory_limit_bytes, time.perf_counter() - start))
+        return choose(done, list(by_program.values()), memory_limit_bytes, time.perf_counter() - start)
+
+    result = run(plans, len(plans))
+    if result.chosen is None and memory_limit_bytes is not None:
+        again = rematerialized(list(by_program.values()))
+        if again and say is not None:
+            say(f"no plan fits {memory_limit_bytes} bytes per device; {len(again)} plans again, loops rematerialized")
+        result = run(again, len(plans) + len(again)) if again else result
+    return result
+
+
+# How many of the cheapest distinct programs are compiled again with their loops rematerialized
+# (each with every policy) where no plan fits the memory limit.
+REMAT_TRIED = 4
+
+
+def rematerialized(distinct: list[LayoutCandidate]) -> list[operators.OperatorPlan]:
+    """The cheapest `REMAT_TRIED` compiled plans (`operators.OperatorPlan`s without remat) with each
+    `sharding.remat` policy: "dots" recomputes least, "full" keeps only each layer's input."""
+    costed = [c for c in distinct if isinstance(c.plan, operators.OperatorPlan) and not c.plan.remat and c.cost]
+    cheapest = sorted(costed, key=lambda c: c.iteration_us)[:REMAT_TRIED]
+    return [dataclasses.replace(c.plan, remat=policy) for c in cheapest for policy in remat.POLICIES]
 
 
 def _repeated(search: LayoutSearch) -> set[str]:

@@ -19,10 +19,13 @@ GPU): GELU MLP of 4 x 4096 (two matrices, 134 M parameters per layer) for SwiGLU
 135 M), a tied embedding, learned positions, LayerNorm; XLA's attention (no cuDNN flash kernel:
 deviceless compiles cannot call cuDNN); remat "dots" (`dots_with_no_batch_dims_saveable`,
 MaxText's `minimal` without saving the flash kernel's output); the layers scanned (MaxText
-unrolls: the compile would take far longer here); FSDP 8 as a user writes it
-(`eval.handwritten.fsdp_step`).
+unrolls: the compile would take far longer here); FSDP 8 as a user writes it following the Flax
+guide (`eval.handwritten.guide_fsdp_lowered`: shardings on parameters and state and the guide's
+activation constraints, the batch on "data"; MaxText's logical axes constrain its activations the
+same way), or with `--unconstrained` the shardings on parameters and state only
+(`eval.handwritten.fsdp_step`, the configuration of the first prediction).
 
-    python scripts/maxtext_anchor.py [--remat dots] [--json report/large_model/maxtext_anchor.json]
+    python scripts/maxtext_anchor.py [--remat dots] [--unconstrained] [--json report/large_model/maxtext_anchor.json]
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def main(argv=None) -> int:
     parser.add_argument("--remat", default="dots")
     parser.add_argument("--per-device-batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--unconstrained", action="store_true", help="no activation constraint (the first run)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     cluster = clusters.get_cluster("8xH100-NVLink")
@@ -107,8 +111,11 @@ def main(argv=None) -> int:
     )
     print(f"{spec.description}; {spec.param_count() / 1e9:.2f}B parameters; FSDP {n} by hand", flush=True)
     start = time.perf_counter()
-    step, abstract = handwritten.fsdp_step(spec, optax.adamw(1e-4), mesh)
-    compiled = step.lower(*abstract).compile()
+    if args.unconstrained:
+        step, abstract = handwritten.fsdp_step(spec, optax.adamw(1e-4), mesh)
+        compiled = step.lower(*abstract).compile()
+    else:
+        compiled = handwritten.guide_fsdp_lowered(spec, optax.adamw(1e-4), mesh).compile()
     compile_s = time.perf_counter() - start
     text = compiled.as_text()
     program = cost.compiled_program(text, backends.GPU)
@@ -126,6 +133,7 @@ def main(argv=None) -> int:
         "parameters": spec.param_count(),
         "cluster": cluster.name,
         "remat": args.remat,
+        "activation_constraints": not args.unconstrained,
         "compile_s": round(compile_s, 1),
         "predicted_step_ms": costed.iteration_us / 1e3,
         "predicted_compute_ms": costed.compute_us / 1e3,

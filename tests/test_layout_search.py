@@ -178,3 +178,19 @@ def test_meshes_of_32_gpus_keep_the_model_axis_inside_a_node():
             assert grouped.for_group(ids).nodes == 1
         if data > 1:  # a data-axis group spans the nodes
             assert len({d.id // 8 for d in grid[:, 0]}) == min(4, data)
+
+
+def test_where_no_plan_fits_the_cheapest_are_compiled_again_with_their_loops_rematerialized(tiny):
+    step, args, found = tiny
+    plans = [operators.OperatorPlan(8, 1, {"blocks": "fsdp", "Embed": "fsdp"})]
+    cluster = clusters.node_of("h100-sxm", 8)
+    free = layout_search.search_layouts(step, args, found, cluster, None, plans, say=None)
+    limit = free.candidates[0].peak_bytes - 1
+    tight = layout_search.search_layouts(step, args, found, cluster, limit, plans, say=None)
+    assert [c.plan.remat for c in tight.candidates] == ["", "dots", "full"]
+    assert tight.chosen is not None and tight.chosen.plan.remat and tight.chosen.peak_bytes <= limit
+    assert tight.to_json()["chosen"]["remat"] == tight.chosen.plan.remat
+    # "full" recomputes the dots too: costlier than "dots" (which, at this size, the model costs
+    # below the program kept whole: no residual stacked per iteration), so "dots" is the choice.
+    dots, full = tight.candidates[1:]
+    assert full.iteration_us > dots.iteration_us and tight.chosen is dots

@@ -5,6 +5,7 @@ parallelism. Its outputs pass the output check against the unmodified step, its 
 back in the plan's layout (per-device shard shapes), and the compiled module holds the plan's
 collectives over the model axis' groups."""
 
+import dataclasses
 import re
 
 import jax
@@ -13,7 +14,7 @@ import pytest
 
 from disco_jax import backends, zoo
 from disco_jax._compile import capture
-from disco_jax.sharding import constrain, mesh_step, operators, rules, update
+from disco_jax.sharding import choice, constrain, mesh_step, operators, rules, update
 
 # 8 heads of 8, vocabulary 128: every split of the plans below divides.
 GPT = {"d_model": 64, "num_heads": 8, "vocab_size": 128, "num_layers": 2, "seq_len": 16, "scan_layers": True}
@@ -151,3 +152,19 @@ def _regions(jaxpr) -> list[tuple[str, int]]:
             out.append((eqn.primitive.name, _constraints(body)))
         out += _regions(body)
     return out
+
+
+def test_a_two_dimensional_plan_with_its_loops_rematerialized_computes_the_same_and_needs_less(gpt):
+    step, args, program, found = gpt
+    plain = operators.OperatorPlan(2, 4, {"blocks": "fsdp_tp", "Embed": "tp"})
+    full = dataclasses.replace(plain, remat="full")
+    assert full.label.endswith("loops rematerialized (full)") and full.to_json()["remat"] == "full"
+    planned, _, enacted = _run(gpt, full)
+    check = update.check_outputs(program, planned)
+    assert check.within_tolerance, check
+    kept, _, _ = _run(gpt, plain)
+    peak = lambda p: choice.executable_peak(p.default_compiled)  # noqa: E731
+    assert peak(planned) < peak(kept)
+    # The recomputed forward in the backward loop is constrained as the forward is: the model
+    # axis' groups still carry the tensor-parallel collectives.
+    assert 4 in _group_sizes(planned.default_compiled.as_text())

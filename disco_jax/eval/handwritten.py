@@ -262,6 +262,18 @@ def relower(step, args: tuple, found, plan: HandPlan) -> tuple:
     return jitted.lower(*moved), moved, HandEnacted(plan, mesh, specs)
 
 
+def guide_fsdp_lowered(spec: zoo.ModelSpec, optimizer, mesh) -> Any:
+    """`spec`'s donated train step written as FSDP over all of `mesh`'s devices by the Flax guide
+    (`HandPlan` "FSDP": the leaves' FSDP specs and the guide's activation constraints), lowered
+    from shapes (deviceless for a GPU target): the hand-written FSDP the large-model rows compare to."""
+    from disco_jax.sharding import mesh_step
+
+    step = zoo.build_train_step(spec, optimizer, mesh, "jit", donate=True)
+    args = zoo.abstract_state_and_batch(spec, optimizer, mesh)
+    found = mesh_step.structure(step, args)
+    return relower(step, args, found, HandPlan("FSDP", len(found.devices), 1, True))[0]
+
+
 def _one_axis(devices):
     import numpy as np
     from jax.sharding import AxisType, Mesh

@@ -106,7 +106,9 @@ def forced_plan(value: Any, found: mesh_step.Structure) -> operators.OperatorPla
 
 def plan_from_json(data: dict) -> operators.OperatorPlan:
     mesh = data["mesh"]
-    return operators.OperatorPlan(int(mesh[operators.DATA]), int(mesh[operators.MODEL]), dict(data["choices"]))
+    return operators.OperatorPlan(
+        int(mesh[operators.DATA]), int(mesh[operators.MODEL]), dict(data["choices"]), data.get("remat", "")
+    )
 
 
 def memory_candidates(found: mesh_step.Structure) -> list[operators.OperatorPlan]:

@@ -25,7 +25,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from disco_jax.sharding import constrain, operators, rules, update
+from disco_jax.sharding import constrain, operators, remat, rules, update
 from disco_jax.sharding.layouts import put
 
 
@@ -144,9 +144,10 @@ def rule_for(found: Structure, enacted: Enacted) -> constrain.Rule:
 
 
 def relower(step, args: tuple, found: Structure, plan: operators.OperatorPlan) -> tuple:
-    """(lowered, args on the plan's mesh, `Enacted`): the user's function (`step.__wrapped__`)
-    with the plan's activation constraints, jitted with the plan's shardings and the step's
-    donation, lowered on `args` moved to the plan's mesh."""
+    """(lowered, args on the plan's mesh, `Enacted`): the user's function (`step.__wrapped__`),
+    its loops rematerialized where the plan says (`sharding.remat`), with the plan's activation
+    constraints, jitted with the plan's shardings and the step's donation, lowered on `args`
+    moved to the plan's mesh."""
     enacted = enact(found, plan)
     mesh = enacted.mesh
     leaves, tree = jax.tree.flatten(args)
@@ -156,8 +157,11 @@ def relower(step, args: tuple, found: Structure, plan: operators.OperatorPlan) -
     out_shardings = jax.tree.unflatten(
         out_tree, [NamedSharding(mesh, enacted.output_specs[j]) for j in range(found.num_outputs)]
     )
+    fn = step.__wrapped__
+    if plan.remat:  # the loops' residuals recomputed in the backward loops, before the constraints
+        fn = remat.rematerializing(fn, step._jit_info, plan.remat)
     jitted = jax.jit(
-        constrain.constrained(step.__wrapped__, rule_for(found, enacted), mesh),
+        constrain.constrained(fn, rule_for(found, enacted), mesh),
         in_shardings=jax.tree.unflatten(tree, in_shardings),
         out_shardings=out_shardings,
         donate_argnums=found.donate_argnums,

@@ -119,11 +119,13 @@ def _largest_free(shape, taken: set[int], n: int, stacked: bool) -> int | None:
 @dataclasses.dataclass(frozen=True)
 class OperatorPlan:
     """A mesh shape and a choice per layer group (`CHOICES`; groups not named are replicated,
-    or FSDP where the plan has FSDP anywhere)."""
+    or FSDP where the plan has FSDP anywhere), and the rematerialization of the scanned layer
+    groups' loops (`sharding.remat` policy; "" keeps what the step stacks)."""
 
     data: int
     model: int
     choices: dict[str, str]
+    remat: str = ""
 
     def choice(self, group: str) -> str:
         if group in self.choices:
@@ -132,10 +134,15 @@ class OperatorPlan:
 
     @property
     def label(self) -> str:
-        return f"{self.data}x{self.model} " + ", ".join(f"{g}: {c}" for g, c in sorted(self.choices.items()))
+        groups = ", ".join(f"{g}: {c}" for g, c in sorted(self.choices.items()))
+        return f"{self.data}x{self.model} {groups}" + (f", loops rematerialized ({self.remat})" if self.remat else "")
 
     def to_json(self) -> dict:
-        return {"mesh": {DATA: self.data, MODEL: self.model}, "choices": dict(self.choices)}
+        return {
+            "mesh": {DATA: self.data, MODEL: self.model},
+            "choices": dict(self.choices),
+            **({"remat": self.remat} if self.remat else {}),
+        }
 
 
 def parameter_specs(
