@@ -1,6 +1,8 @@
 """The report's large-model section (`eval.report_large`) from a record as
 `scripts/large_model_layouts.py --json` writes it."""
 
+import json
+
 from disco_jax.eval import report_large
 
 
@@ -54,3 +56,20 @@ def test_the_section_names_the_choice_its_ratio_and_what_does_not_fit():
     assert "\n| 8x1 Embed: replicated, blocks: replicated |" not in text
     assert text.count("\n| ") == 1 + 3
     assert "| 8x1 by hand: data parallel | by hand | 500.0 | 111.00 | 20.0% | **no** |" in text
+
+
+def test_the_remat_comparison_is_its_own_table(tmp_path):
+    folder = tmp_path / "large_model"
+    folder.mkdir()
+    args = {"layers": 32, "width": 4096, "seq": 2048, "batch": 8, "cluster": "8xH100-NVLink"}
+    record = {
+        "args": args,
+        "by hand: nn.remat dots": {"iteration_us": 310770.0, "peak_bytes": 22.45e9},
+        "disco-jax: remat dots": {"iteration_us": 313570.0, "peak_bytes": 22.59e9},
+    }
+    (folder / "remat_gpt32.json").write_text(json.dumps(record))
+    (folder / "gpt.json").write_text(json.dumps(_record()))
+    intro, first, second = report_large.blocks(tmp_path)
+    remat = first if "Rematerialization" in first else second
+    assert "| disco-jax: remat dots | 313.57 | 22.59 |" in remat and "remat_choice.py --layers 32" in remat
+    assert "(chosen)" in (second if remat is first else first)

@@ -1,8 +1,9 @@
 """The report's large-model section: decoders of about 1.3B and 6.7B parameters on the H100
 clusters, every configuration a user writes by hand and every plan of disco-jax's layout search
 compiled deviceless and costed the same way (`scripts/large_model_layouts.py --json
-report/large_model/NAME.json`), and the published anchor (`scripts/maxtext_anchor.py --json
-report/large_model/maxtext_anchor.json`).
+report/large_model/NAME.json`), the published anchor (`scripts/maxtext_anchor.py --json
+report/large_model/maxtext_anchor.json`), and rematerialization by hand against disco-jax's
+(`scripts/remat_choice.py --json report/large_model/remat_NAME.json`).
 
 `blocks(out)` reads `out/large_model/*.json` and returns the section's markdown blocks (none where
 the folder is missing); `write_report` appends them to README.md, and `python -m
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 ANCHOR = "maxtext_anchor.json"
+REMAT = "remat_"  # `scripts/remat_choice.py --json report/large_model/remat_NAME.json`
 
 
 def _row(label: str, r: dict, limit: float, chosen: str | None) -> str:
@@ -88,6 +90,23 @@ def anchor(record: dict) -> str:
     )
 
 
+def remat(record: dict) -> str:
+    """Rematerialization written into the model (`nn.remat`) against disco-jax's after
+    differentiation (`sharding.remat`), one row per program (`scripts/remat_choice.py`)."""
+    args = record["args"]
+    rows = {label: r for label, r in record.items() if isinstance(r, dict) and "iteration_us" in r}
+    lines = [f"| {label} | {r['iteration_us'] / 1e3:.2f} | {r['peak_bytes'] / 1e9:.2f} |" for label, r in rows.items()]
+    return (
+        f"### Rematerialization: `nn.remat` by hand against disco-jax's, {args['layers']} scanned layers of width "
+        f"{args['width']} on {args['cluster']}\n\n"
+        "The same decoder written with `nn.remat` and laid out as the Flax guide's FSDP, and written without it "
+        "and rematerialized by disco-jax after differentiation (`sharding.remat`, at use, loops' state split); "
+        f"`python scripts/remat_choice.py --layers {args['layers']} --width {args['width']} --seq {args['seq']} "
+        f"--batch {args['batch']} --cluster {args['cluster']}`.\n\n"
+        "| program | step ms | peak GB |\n|---|---:|---:|\n" + "\n".join(lines)
+    )
+
+
 def blocks(out: str | Path) -> list[str]:
     folder = Path(out) / "large_model"
     if not folder.is_dir():
@@ -95,7 +114,10 @@ def blocks(out: str | Path) -> list[str]:
     found = []
     for path in sorted(folder.glob("*.json")):
         record = json.loads(path.read_text())
-        found.append(anchor(record) if path.name == ANCHOR else table(record))
+        if path.name == ANCHOR:
+            found.append(anchor(record))
+        else:
+            found.append(remat(record) if path.name.startswith(REMAT) else table(record))
     if not found:
         return []
     intro = (
