@@ -155,6 +155,30 @@ def test_a_stored_layout_is_stale_under_a_limit_it_does_not_meet_or_no_longer_ne
     assert mesh_plan.stale({**decided, "forced": False}, 600, 500) is None  # faster: kept
 
 
+def test_a_stored_layout_over_a_new_limit_is_chosen_again_from_its_measured_candidates():
+    def candidate(label, footprint, ratio=None, verdict="faster", within=True):
+        measured = {"ratio": ratio, "ratio_iqr": [ratio, ratio], "ratio_ci95": [ratio, ratio], "verdict": verdict}
+        return {
+            "label": label,
+            "plan": {"mesh": {"data": 2, "model": 4}, "choices": {"blocks": "tp"}},
+            "footprint_bytes": footprint,
+            **({"measured": measured, "check": {"within_tolerance": within}} if ratio is not None else {}),
+        }
+
+    records = [
+        candidate("2x4 fast", 100, 0.8),
+        candidate("1x8 slower", 60, 1.2, "slower"),
+        candidate("4x2 small, never measured", 40),
+        candidate("2x4 wrong outputs", 50, 0.5, within=False),
+    ]
+    decided = {**records[0], "candidates": records, "memory_limit_bytes": 120, "forced": False}
+    again = mesh_plan.rechoose(decided, 70)
+    assert again["label"] == "1x8 slower" and again["forced"] == "memory" and again["memory_limit_bytes"] == 70
+    assert again["stored_memory_limit_bytes"] == 120 and "chosen again from the recorded candidates" in again["reason"]
+    assert mesh_plan.plan_from_json(again["plan"]).model == 4
+    assert mesh_plan.rechoose(decided, 45) is None  # only an unmeasured or a wrong candidate fits
+
+
 def _footprints(step, state, batch) -> tuple[int, int]:
     """(the smallest per-device peak of the FSDP at-use candidate, of the 1x8 TP plan), read from
     XLA's memory analysis of each compiled on the CPU devices; the search records the others."""

@@ -320,6 +320,38 @@ def stale(decided: dict, limit: int | None, default_peak: int | None) -> str | N
     return None
 
 
+def rechoose(decided: dict, limit: int) -> dict | None:
+    """A stored two-axis decision whose plan is over `limit`, made again from the candidates its
+    search recorded, measuring nothing: the fastest of those measured with outputs within the
+    check whose footprint is within `limit` (forced by memory where it was not faster with
+    confidence), as the decision the enact phase applies; None where none is (the one-axis step
+    runs). Only a candidate measured when the decision was made is ever chosen."""
+    eligible = [
+        c
+        for c in decided.get("candidates") or []
+        if c.get("measured")
+        and (c.get("check") or {}).get("within_tolerance")
+        and c.get("footprint_bytes") is not None
+        and c["footprint_bytes"] <= limit
+    ]
+    if not eligible:
+        return None
+    best = min(eligible, key=_ratio)
+    faster = best["measured"]["verdict"] == "faster"
+    return {
+        **best,
+        "candidates": decided["candidates"],
+        "forced": False if faster else "memory",
+        "memory_limit_bytes": limit,
+        "stored_memory_limit_bytes": decided.get("memory_limit_bytes"),
+        "reason": (
+            f"{best['label']}: chosen again from the recorded candidates for memory_limit_bytes={limit} (the stored "
+            f"plan, {decided.get('label')}, needs {decided.get('footprint_bytes')}); {measured_ratio(best['measured'])}"
+            + ("" if faster else "; applied because memory forces it")
+        ),
+    }
+
+
 def recall(fn, step: Captured, found, backend, options, ui) -> tuple[Any, dict] | None:
     """The enact phase's side: (MeshRun or None, record) of the stored two-axis decision for this
     program, or None where there is none. An offline layout never measured is checked and
@@ -338,7 +370,14 @@ def recall(fn, step: Captured, found, backend, options, ui) -> tuple[Any, dict] 
             _plan.PlanWarning,
         )
         return None
-    if not unmeasured and (why := stale(decided, limit, choice.executable_peak(step.default_compiled))):
+    why = None if unmeasured else stale(decided, limit, choice.executable_peak(step.default_compiled))
+    again = rechoose(decided, limit) if why and "over memory_limit_bytes" in why else None
+    if again is not None:
+        _warnings.warn(
+            f"disco-jax: the stored two-axis plan {decided.get('label')} {why}; {again['reason']}", _plan.PlanWarning
+        )
+        decided = again
+    elif why:
         _warnings.warn(
             f"disco-jax: the stored two-axis plan {decided.get('label')} {why}; running the one-axis step "
             "(search again with ENABLE_SEARCH=1 to choose for this limit)",
