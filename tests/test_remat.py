@@ -16,7 +16,7 @@ import pytest
 from test_fsdp_at_use import scanned_gpt_at_use
 
 from disco_jax import backends
-from disco_jax.sharding import choice, remat, update
+from disco_jax.sharding import choice, mesh_plan, operators, remat, update
 
 NO_STATICS = types.SimpleNamespace(static_argnums=(), static_argnames=())
 
@@ -116,3 +116,23 @@ def test_the_memory_choice_rematerializes_where_fsdp_at_use_does_not_fit(unremat
     assert records[1]["remat"] == "dots" and records[1]["measured"]
     again = choice.rechoose({"mode": "replicated", "candidates": records, "leaves": {}}, limit)
     assert again["mode"] == "sharded" and again["remat"] == "dots" and again["forced"]
+
+
+def test_the_two_axis_memory_search_rematerializes_where_no_plan_fits(unrematerialized_gpt, monkeypatch):
+    step, _, program, _, _ = unrematerialized_gpt
+    plain = operators.OperatorPlan(2, 4, {"blocks": "fsdp_tp", "Embed": "tp"})
+    monkeypatch.setattr(mesh_plan, "memory_candidates", lambda found: [plain])
+    said: list[str] = []
+    ui = types.SimpleNamespace(say=said.append)
+    assert mesh_plan.choose_for_memory(step, program, backends.CPU, 1, 4, 1, ui) is None
+    peaks = {
+        m.group(1): int(m.group(2)) for m in map(re.compile(r"layout: (.*): (\d+) bytes per device").match, said) if m
+    }
+    assert list(peaks) == [plain.label, *(f"{plain.label}, loops rematerialized ({p})" for p in remat.POLICIES)]
+    full = peaks[f"{plain.label}, loops rematerialized (full)"]
+    assert full < peaks[plain.label]
+    chosen = mesh_plan.choose_for_memory(step, program, backends.CPU, (full + peaks[plain.label]) // 2, 4, 1, ui)
+    assert chosen is not None, said[-1]
+    _, info = chosen
+    assert info["plan"]["remat"] in remat.POLICIES and info["check"]["within_tolerance"]
+    assert mesh_plan.plan_from_json(info["plan"]).remat == info["plan"]["remat"]

@@ -39,6 +39,7 @@ optimizer state, a mesh whose size is not the step's device count.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -46,7 +47,7 @@ import jax
 
 from disco_jax import _plan, _warnings
 from disco_jax._compile import Captured, capture
-from disco_jax.sharding import choice, mesh_step, operators, update
+from disco_jax.sharding import choice, mesh_step, operators, remat, update
 from disco_jax.sharding.layouts import put
 
 LAYOUT_MODES = ("search", "data")
@@ -235,25 +236,36 @@ def choose_for_memory(fn, step: Captured, backend, limit: int, pairs: int, measu
     """(program, record) of the two-axis plan for a memory limit no one-axis weight update meets:
     `memory_candidates` compiled on the step's devices, their peaks read (XLA's memory analysis),
     those within `limit` measured (at most `measured`, fewest collectives first: on CPU devices
-    collectives are what a layout adds), the fastest measured chosen. None where none fits or
-    passes the output check."""
+    collectives are what a layout adds), the fastest measured chosen; where none fits, the same
+    plans with their loops rematerialized (`sharding.remat`: "dots", then "full"). None where none
+    fits or passes the output check."""
     found, why = structure_of(fn, step)
     if found is None:
         ui.say(f"layout: no two-axis plan ({why})")
         return None
-    records, fitting = [], []
-    for plan in memory_candidates(found):
+    records, fitting, compiled = [], [], []
+
+    def consider(plan: operators.OperatorPlan) -> None:
         try:
             program, enacted = relowered(fn, step, found, plan, backend)
         except Exception as e:  # a plan XLA refuses is a candidate that does not apply
             records.append({"label": plan.label, "why_not": f"{type(e).__name__}: {e}"[:300]})
-            continue
+            return
         rec = record(program, enacted, found)
         rec["within_limit"] = rec["footprint_bytes"] is not None and rec["footprint_bytes"] <= limit
         ui.say(f"layout: {plan.label}: {rec['footprint_bytes']} bytes per device")
         records.append(rec)
+        compiled.append(plan)
         if rec["within_limit"]:
             fitting.append((sum(rec["collectives"].values()), rec["footprint_bytes"], len(records) - 1, program))
+
+    for plan in memory_candidates(found):
+        consider(plan)
+    for policy in remat.POLICIES:  # none fits: the same plans with their loops rematerialized
+        if fitting:
+            break
+        for plan in [p for p in compiled if not p.remat]:
+            consider(dataclasses.replace(plan, remat=policy))
     ranked = sorted(fitting, key=lambda f: f[:3])[: max(1, measured)]
     best = None
     for _, _, i, program in ranked:
