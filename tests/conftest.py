@@ -40,6 +40,7 @@ LONGEST_FILES = (
     "test_gpu_records.py",
     "test_mesh_plan.py",
     "test_fsdp_at_use.py",
+    "test_remat.py",
     "test_faults.py",
     "test_zoo.py",
     "test_scanned_layers.py",
