@@ -136,17 +136,24 @@ def _fingerprint(text: str) -> str:
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
+def lower_plan(step, args, found, plan) -> tuple:
+    """(lowered, enacted layout) of the step on `plan`'s mesh with its layout: disco-jax's plan
+    by `mesh_step.relower`, a configuration written by hand by `eval.handwritten.relower`."""
+    if isinstance(plan, operators.OperatorPlan):
+        lowered, _, enacted = mesh_step.relower(step, args, found, plan)
+    else:  # a configuration written by hand (`eval.handwritten.HandPlan`)
+        from disco_jax.eval import handwritten
+
+        lowered, _, enacted = handwritten.relower(step, args, found, plan)
+    return lowered, enacted
+
+
 def compile_candidate(step, args, found, plan, cluster, costs=None) -> LayoutCandidate:
     """`plan` lowered, compiled for the target and costed (`why_not` where it does not compile)."""
     c = LayoutCandidate(plan)
     start = time.perf_counter()
     try:
-        if isinstance(plan, operators.OperatorPlan):
-            lowered, _, c.enacted = mesh_step.relower(step, args, found, plan)
-        else:  # a configuration written by hand (`eval.handwritten.HandPlan`)
-            from disco_jax.eval import handwritten
-
-            lowered, _, c.enacted = handwritten.relower(step, args, found, plan)
+        lowered, c.enacted = lower_plan(step, args, found, plan)
         compiled = lowered.compile()
     except Exception as e:  # a plan XLA refuses is a candidate that does not apply
         c.why_not, c.compile_s = f"{type(e).__name__}: {e}"[:300], time.perf_counter() - start

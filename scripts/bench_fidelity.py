@@ -280,32 +280,13 @@ def run_job(models: list[str], pairs: int, budget_s: float) -> None:
 # --------------------------------------------------------------------------- statistics
 
 
-def spearman(x: list[float], y: list[float]) -> float | None:
-    """Spearman's rank correlation (average ranks for ties); None for fewer than 3 pairs."""
-    if len(x) < 3:
-        return None
-
-    def ranks(v):
-        v = np.asarray(v, dtype=float)
-        order = np.argsort(v, kind="stable")
-        r = np.empty(len(v))
-        r[order] = np.arange(len(v), dtype=float)
-        for value in np.unique(v):  # ties share their mean rank
-            tied = v == value
-            r[tied] = r[tied].mean()
-        return r
-
-    rx, ry = ranks(x), ranks(y)
-    if rx.std() == 0 or ry.std() == 0:
-        return None
-    return float(np.corrcoef(rx, ry)[0, 1])
-
-
 def summarize(results: list[dict]) -> dict:
     """Median relative error and Spearman correlations over every (model, configuration); the
     same for the ratio to JAX default (simulated ratio against measured ratio: free of the drift
     of the machine's speed between calibration and measurement), and over the configurations
     the simulator was not calibrated on."""
+    from disco_jax.eval.ranks import spearman  # here: the workers set up JAX before any import of it
+
     measured, simulated, errors, ratio_errors, held_out, within, old_errors = [], [], [], [], [], [], []
     for r in results:
         rows = [x for x in r["rows"] if x["simulated_us"] is not None]

@@ -2,15 +2,17 @@
 tiny scanned GPT's plans lowered on their meshes, compiled by XLA:GPU, costed by the compiled-
 program model with collectives per replica group (`eval.clusters.GroupedCollectives`), their
 peaks from XLA's memory analysis; plans that compile to one program are costed once; the choice
-respects the memory limit."""
+respects the memory limit. The graph simulator's step time of each distinct program against its
+compiled cost (`eval.layout_ranks`) and the rank correlations between them (`eval.ranks`)."""
 
 import dataclasses
+import math
 
 import optax
 import pytest
 
 from disco_jax import cost, layout_search, targets, zoo
-from disco_jax.eval import clusters, handwritten
+from disco_jax.eval import clusters, handwritten, layout_ranks, ranks
 from disco_jax.sharding import constrain, mesh_step, operators
 
 GPT = {
@@ -194,3 +196,42 @@ def test_where_no_plan_fits_the_cheapest_are_compiled_again_with_their_loops_rem
     # below the program kept whole: no residual stacked per iteration), so "dots" is the choice.
     dots, full = tight.candidates[1:]
     assert full.iteration_us > dots.iteration_us and tight.chosen is dots
+
+
+def test_rank_correlations_on_hand_computed_examples():
+    # x ranks 0 1 2 3, y ranks 0 2 1 3: d = 0 1 1 0, rho = 1 - 6 * 2 / (4 * 15) = 0.8; of the 6
+    # pairs one is discordant, tau = (5 - 1) / 6.
+    x, y = [1.0, 2.0, 3.0, 4.0], [10.0, 30.0, 20.0, 40.0]
+    assert ranks.spearman(x, y) == pytest.approx(0.8)
+    assert ranks.kendall_tau(x, y) == pytest.approx(4 / 6)
+    assert ranks.spearman(x, y[::-1]) == pytest.approx(-0.8)
+    # Ties share their mean rank: y ranks 0.5 0.5 2, rho = Pearson of (0 1 2) and (0.5 0.5 2).
+    assert ranks.spearman([1, 2, 3], [5, 5, 7]) == pytest.approx(math.sqrt(3) / 2)
+    # tau-b: 2 concordant pairs, none discordant, one tied in y: 2 / sqrt(3 * 2).
+    assert ranks.kendall_tau([1, 2, 3], [5, 5, 7]) == pytest.approx(2 / math.sqrt(6))
+    assert ranks.spearman([1, 2], [2, 1]) is None and ranks.kendall_tau([1, 2, 3], [4, 4, 4]) is None
+
+
+def test_the_graph_simulator_times_each_distinct_program_of_a_search(tiny, searched):
+    # The searched plans (two of them one program) and a third program, 1x8 TP: three points.
+    step, args, found = tiny
+    _, plans, free, _, _ = searched
+    cluster = clusters.node_of("h100-sxm", 8)
+    tp = layout_search.compile_candidate(
+        step, args, found, operators.OperatorPlan(1, 8, {"blocks": "tp", "Embed": "tp"}), cluster
+    )
+    assert tp.fingerprint not in {c.fingerprint for c in free.candidates}
+    result = layout_ranks.layout_ranks(step, args, found, [*free.candidates, tp], cluster, say=None)
+    assert [p.label for p in result.points] == [plans[0].label, plans[2].label, tp.plan.label]
+    assert result.points[0].same_program == [plans[1].label] and result.not_compiled == 0
+    for p, c in zip(result.points, [free.candidates[0], free.candidates[2], tp], strict=True):
+        assert p.compiled_us == c.iteration_us
+        assert p.why_not is None and p.graph_us is not None, p.why_not
+        assert math.isfinite(p.graph_us) and p.graph_us > 0
+    compiled, graph = [p.compiled_us for p in result.points], [p.graph_us for p in result.points]
+    assert result.spearman == pytest.approx(ranks.spearman(compiled, graph))
+    assert result.kendall == pytest.approx(ranks.kendall_tau(compiled, graph))
+    assert -1 <= result.spearman <= 1 and -1 <= result.kendall <= 1
+    assert 1 <= result.graph_rank_of_compiled_best() <= 3
+    record = result.to_json()
+    assert record["programs"] == record["simulated"] == 3 and record["left_out"] == 0
