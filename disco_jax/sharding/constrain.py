@@ -69,11 +69,30 @@ class ParameterDot:
 Rule = Callable[[ParameterDot], Any]
 
 
-def _sub_jaxpr(eqn):
+def sub_jaxpr(eqn):
+    """(jaxpr, consts) of an equation's body (a scan's, a jit's, a remat region's), None where it
+    has none: what the jaxpr rewrites (`constrain`, `prefetch`, `remat`) run again."""
     value = eqn.params.get("jaxpr")
     if value is None:
         return None
     return (value.jaxpr, value.consts) if hasattr(value, "consts") else (value, ())
+
+
+def scan_counts(params: dict, num_inputs: int) -> tuple[int, int]:
+    """(consts, carry) operand counts of a scan equation (jax >= 0.12 groups them in `ft_in`)."""
+    if "ft_in" in params:
+        consts, carry, _ = params["ft_in"].update(list(range(num_inputs))).unpack()
+        return len(list(consts)), len(list(carry))
+    return params["num_consts"], params["num_carry"]
+
+
+def bind(eqn, inputs, params: dict | None = None) -> list:
+    """The outputs (a list) of `eqn` bound again on `inputs`, with `params` in place of its own
+    where given, under its own context (the one way the jaxpr rewrites re-emit an equation)."""
+    params = eqn.params if params is None else params
+    with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(params))
+    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 class _Walk:
@@ -101,17 +120,15 @@ class _Walk:
             inputs = [read(v) for v in eqn.invars]
             in_origins = [origin(v) for v in eqn.invars]
             name = eqn.primitive.name
-            if name in INLINED and _sub_jaxpr(eqn) is not None:
-                inner, inner_consts = _sub_jaxpr(eqn)
+            if name in INLINED and sub_jaxpr(eqn) is not None:
+                inner, inner_consts = sub_jaxpr(eqn)
                 outs, out_origins = self.run(inner, inner_consts, inputs, in_origins, scope)
             elif name == SCAN:
                 outs, out_origins = self._scan(eqn, inputs, in_origins, scope)
             elif name in REMAT:
                 outs, out_origins = self._remat(eqn, inputs, in_origins, scope)
             else:
-                with eqn.ctx.manager:
-                    outs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(eqn.params))
-                outs = outs if eqn.primitive.multiple_results else [outs]
+                outs = bind(eqn, inputs)
                 out_origins = self._propagate(eqn, in_origins)
                 if name == "dot_general":
                     outs = [self._dot(eqn, in_origins, outs[0], scope)]
@@ -179,13 +196,8 @@ class _Walk:
     def _scan(self, eqn, inputs, in_origins, scope):
         params = dict(eqn.params)
         body = params["jaxpr"]
-        if "ft_in" in params:  # jax >= 0.12: the body is open, its inputs a flat tree (consts, carry, xs)
-            consts, carry, _ = params["ft_in"].update(list(range(len(inputs)))).unpack()
-            consts_n, carry_n = len(list(consts)), len(list(carry))
-            body_jaxpr, body_consts = (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, ())
-        else:
-            consts_n, carry_n = params["num_consts"], params["num_carry"]
-            body_jaxpr, body_consts = body.jaxpr, body.consts
+        consts_n, carry_n = scan_counts(params, len(inputs))
+        body_jaxpr, body_consts = sub_jaxpr(eqn)
         origins = []
         for i, o in enumerate(in_origins):
             if i >= consts_n + carry_n and o.parameter is not None:  # one layer of a stacked leaf
@@ -205,9 +217,7 @@ class _Walk:
             raise ValueError("the transformed scan body closes over constants")
         else:
             params["jaxpr"] = new.jaxpr
-        with eqn.ctx.manager:
-            outs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(params))
-        return outs, [None] * len(eqn.outvars)
+        return bind(eqn, inputs, params), [None] * len(eqn.outvars)
 
     def _remat(self, eqn, inputs, in_origins, scope):
         params = dict(eqn.params)
@@ -222,9 +232,7 @@ class _Walk:
         if new.consts:
             raise ValueError("the transformed remat region closes over constants")
         params["jaxpr"] = new.jaxpr
-        with eqn.ctx.manager:
-            outs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(params))
-        return outs, [None] * len(eqn.outvars)
+        return bind(eqn, inputs, params), [None] * len(eqn.outvars)
 
 
 def constrained(fn, rule: Rule, mesh) -> Callable:

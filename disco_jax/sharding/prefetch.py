@@ -37,7 +37,7 @@ from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from disco_jax.sharding.constrain import INLINED, PASS_THROUGH, SCAN
+from disco_jax.sharding.constrain import INLINED, PASS_THROUGH, SCAN, bind, scan_counts, sub_jaxpr
 
 RULE = "loop_rotation"
 
@@ -80,15 +80,12 @@ class _Rotation:
         for eqn in jaxpr.eqns:
             inputs, in_origins = [read(v) for v in eqn.invars], [origin(v) for v in eqn.invars]
             name = eqn.primitive.name
-            if name in INLINED and eqn.params.get("jaxpr") is not None:
-                inner = eqn.params["jaxpr"]
-                outs, out_origins = self.run(inner.jaxpr, inner.consts, inputs, in_origins)
+            if name in INLINED and sub_jaxpr(eqn) is not None:
+                outs, out_origins = self.run(*sub_jaxpr(eqn), inputs, in_origins)
             elif name == SCAN:
                 outs, out_origins = self._scan(eqn, inputs, in_origins)
             else:
-                with eqn.ctx.manager:
-                    outs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(eqn.params))
-                outs = outs if eqn.primitive.multiple_results else [outs]
+                outs = bind(eqn, inputs)
                 # A leaf stays itself through a dtype conversion or a copy (bf16 compute).
                 passes = name in PASS_THROUGH and len(eqn.outvars) == 1 and in_origins
                 out_origins = [in_origins[0] if passes else None] + [None] * (len(eqn.outvars) - 1)
@@ -99,18 +96,16 @@ class _Rotation:
         return [read(v) for v in jaxpr.outvars], [origin(v) for v in jaxpr.outvars]
 
     def _scan(self, eqn, inputs, in_origins):
-        params = dict(eqn.params)
-        body = params["jaxpr"]
+        params = eqn.params
         consts_n, carry_n = scan_counts(params, len(inputs))
-        body_jaxpr, body_consts = (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, ())
+        body_jaxpr, body_consts = sub_jaxpr(eqn)
         xs_at = range(consts_n + carry_n, len(inputs))
         prefetched = [
             k for k in xs_at if in_origins[k] is not None and in_origins[k][0] in self.targets and in_origins[k][1] == 0
         ]
         unknown = [None] * len(eqn.outvars)
         if not prefetched and self.examples is None:  # the scan as it was (nested loops keep theirs)
-            with eqn.ctx.manager:
-                return eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(params)), unknown
+            return bind(eqn, inputs), unknown
         if not prefetched:  # only its per-example carries split (`Layout.split_carries`)
             xs = inputs[consts_n + carry_n :]
 
@@ -229,20 +224,8 @@ def evaluate(jaxpr, consts, args, override: Callable | None = None) -> list:
     for eqn in jaxpr.eqns:
         inputs = [read(v) for v in eqn.invars]
         outs = None if override is None else override(eqn, inputs)
-        if outs is None:
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(eqn.params))
-            outs = outs if eqn.primitive.multiple_results else [outs]
-        env.update(zip(eqn.outvars, outs))
+        env.update(zip(eqn.outvars, bind(eqn, inputs) if outs is None else outs))
     return [read(v) for v in jaxpr.outvars]
-
-
-def scan_counts(params: dict, num_inputs: int) -> tuple[int, int]:
-    """(consts, carry) operand counts of a scan equation (jax >= 0.12 groups them in `ft_in`)."""
-    if "ft_in" in params:
-        consts, carry, _ = params["ft_in"].update(list(range(num_inputs))).unpack()
-        return len(list(consts)), len(list(carry))
-    return params["num_consts"], params["num_carry"]
 
 
 def rotating(inner: Callable, info, layout) -> Callable:

@@ -32,8 +32,8 @@ from collections.abc import Callable
 import jax
 from jax.extend import core as jex_core
 
-from disco_jax.sharding.constrain import INLINED, SCAN
-from disco_jax.sharding.prefetch import evaluate, scan_counts
+from disco_jax.sharding.constrain import INLINED, SCAN, bind, scan_counts, sub_jaxpr
+from disco_jax.sharding.prefetch import dynamic_call, evaluate
 
 POLICIES = ("dots", "full")
 
@@ -48,25 +48,11 @@ class _Pair:
     kept: tuple[int, ...]  # forward ys positions still stacked
 
 
-def _body(eqn):
-    body = eqn.params["jaxpr"]
-    return (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, ())
-
-
-def _bind(eqn, inputs):
-    with eqn.ctx.manager:
-        outs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(eqn.params))
-    return list(outs) if eqn.primitive.multiple_results else [outs]
-
-
-def _saveable(body, var, policy: str) -> bool:
-    """Whether `policy` keeps the body value `var` stacked rather than recomputing it."""
-    if policy == "full" or isinstance(var, jex_core.Literal):
-        return isinstance(var, jex_core.Literal)
-    producer = next((e for e in body.eqns if var in e.outvars), None)
-    if producer is None or producer.primitive.name != "dot_general":
+def _dot_saved(eqn, policy: str) -> bool:
+    """Whether `policy` keeps `eqn`'s output stacked: "dots" keeps a dot's without batch dimensions."""
+    if policy != "dots" or eqn.primitive.name != "dot_general":
         return False
-    (_, _), (batch_lhs, _) = producer.params["dimension_numbers"]
+    (_, _), (batch_lhs, _) = eqn.params["dimension_numbers"]
     return not batch_lhs
 
 
@@ -85,7 +71,8 @@ def pairs(jaxpr, policy: str) -> list[_Pair]:
         if eqn.primitive.name != SCAN or eqn.params["reverse"]:
             continue
         consts_n, carry_n = scan_counts(eqn.params, len(eqn.invars))
-        body, _ = _body(eqn)
+        body, _ = sub_jaxpr(eqn)
+        saved = {e.outvars[0] for e in body.eqns if _dot_saved(e, policy)}
         readers = {j for v in eqn.outvars[carry_n:] for j in uses.get(v, [])}
         backward = [
             j
@@ -103,7 +90,8 @@ def pairs(jaxpr, policy: str) -> list[_Pair]:
         for y, (v, inner) in enumerate(zip(eqn.outvars[carry_n:], body.outvars[carry_n:])):
             only_backward = uses.get(v) == [backward[0]] and v in b_xs and v not in outputs
             only_backward = only_backward and b.invars.count(v) == 1
-            (dropped if only_backward and not _saveable(body, inner, policy) else kept).append(y)
+            recomputed = only_backward and not isinstance(inner, jex_core.Literal) and inner not in saved
+            (dropped if recomputed else kept).append(y)
         if dropped:
             found.append(_Pair(k, backward[0], tuple(dropped), tuple(kept)))
     return found
@@ -126,8 +114,7 @@ def _eval(eqns, env: dict, wanted: list) -> list:
         return v.val if isinstance(v, jex_core.Literal) else env[v]
 
     for eqn in eqns:
-        for v, x in zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])):
-            env[v] = x
+        env.update(zip(eqn.outvars, bind(eqn, [read(v) for v in eqn.invars])))
     return [read(v) for v in wanted]
 
 
@@ -144,38 +131,30 @@ class _Remat:
 
     def _flat(self, closed):
         jaxpr = closed.jaxpr
-        env = dict(zip(jaxpr.constvars, closed.consts))
-        found = {p.forward: p for p in pairs(jaxpr, self.policy)}
-        backward = {p.backward: p for p in found.values()}
+        found = pairs(jaxpr, self.policy)
+        forward = {id(jaxpr.eqns[p.forward]): p for p in found}
+        backward = {id(jaxpr.eqns[p.backward]): p for p in found}
         saved: dict = {}  # forward index -> what its backward loop needs
 
-        def read(v):
-            return v.val if isinstance(v, jex_core.Literal) else env[v]
+        def rewritten(eqn, inputs):  # a dropped residual's value is None, read by its backward loop only
+            if id(eqn) in forward:
+                return self._forward(eqn, forward[id(eqn)], inputs, saved)
+            if id(eqn) in backward:
+                pair = backward[id(eqn)]
+                return self._backward(eqn, jaxpr.eqns[pair.forward], pair, inputs, saved)
+            return None
 
-        def run(*args):
-            env.update(zip(jaxpr.invars, args))
-            for k, eqn in enumerate(jaxpr.eqns):
-                inputs = [read(v) for v in eqn.invars]
-                if k in found:
-                    outs = self._forward(eqn, found[k], inputs, saved)
-                elif k in backward:
-                    outs = self._backward(eqn, jaxpr.eqns[backward[k].forward], backward[k], inputs, saved)
-                else:
-                    outs = _bind(eqn, inputs)
-                env.update(zip(eqn.outvars, outs))  # a dropped residual: None, read by its backward loop only
-            return [read(v) for v in jaxpr.outvars]
-
-        return run
+        return lambda *args: evaluate(jaxpr, closed.consts, args, rewritten)
 
     def _forward(self, eqn, pair: _Pair, inputs, saved: dict) -> list:
-        body, body_consts = _body(eqn)
+        body, body_consts = sub_jaxpr(eqn)
         consts_n, carry_n = scan_counts(eqn.params, len(inputs))
         consts, init, xs = inputs[:consts_n], inputs[consts_n : consts_n + carry_n], inputs[consts_n + carry_n :]
         kept_vars = [body.outvars[carry_n + y] for y in pair.kept]
         wanted = [body.outvars[carry_n + y] for y in pair.dropped]
         # "dots": the outputs of dots with no batch dimensions the recomputation starts from (a
         # residual is often a reshape of one), stacked too; "full": none.
-        dots = [e.outvars[0] for e in body.eqns if _saveable(body, e.outvars[0], self.policy)]
+        dots = [e.outvars[0] for e in body.eqns if _dot_saved(e, self.policy)]
         eqns = _recomputation(body, wanted, kept_vars + dots)
         used = {v for e in eqns for v in e.invars if not isinstance(v, jex_core.Literal)} | set(wanted)
         stacked_dots = [d for d in dots if d in used and d not in kept_vars]
@@ -212,9 +191,9 @@ class _Remat:
         return list(carry) + ys
 
     def _backward(self, eqn, forward, pair: _Pair, inputs, saved: dict) -> list:
-        fbody, fconsts = _body(forward)
+        fbody, fconsts = sub_jaxpr(forward)
         _, f_carry_n = scan_counts(forward.params, len(forward.invars))
-        body, body_consts = _body(eqn)
+        body, body_consts = sub_jaxpr(eqn)
         consts_n, carry_n = scan_counts(eqn.params, len(inputs))
         state = saved.pop(pair.forward)
         xs_n = len(inputs) - consts_n - carry_n
@@ -253,8 +232,8 @@ def _inlined(jaxpr, consts):
 
 def _inline_eval(jaxpr, consts, args):
     def inline(eqn, inputs):
-        if eqn.primitive.name in INLINED and eqn.params.get("jaxpr") is not None:
-            return _inline_eval(eqn.params["jaxpr"].jaxpr, eqn.params["jaxpr"].consts, inputs)
+        if eqn.primitive.name in INLINED and sub_jaxpr(eqn) is not None:
+            return _inline_eval(*sub_jaxpr(eqn), inputs)
         return None
 
     return evaluate(jaxpr, consts, args, inline)
@@ -266,7 +245,6 @@ def rematerializing(inner: Callable, info, policy: str) -> Callable:
     jits where `layout.remat`."""
     if policy not in POLICIES:
         raise ValueError(f"unknown remat policy {policy!r}; expected one of {POLICIES}")
-    from disco_jax.sharding.prefetch import dynamic_call
 
     def transform(closed, leaves):
         walk = _Remat(policy)
@@ -277,7 +255,8 @@ def rematerializing(inner: Callable, info, policy: str) -> Callable:
 
 def rematerialized_loops(inner: Callable, policy: str, *args) -> list[dict]:
     """The loops `policy` rewrites in `inner(*args)` (positional, abstract arguments): per loop its
-    trip count, the policy and how many stacked residuals it recomputes (for plans and tests)."""
+    trip count, the policy, how many stacked residuals it recomputes and how many dots' outputs
+    it stacks instead (what a test or a reader checks the rewrite by)."""
     closed = jax.make_jaxpr(inner)(*args)
     leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(args)]
     walk = _Remat(policy)
