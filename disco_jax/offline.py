@@ -40,7 +40,7 @@ from disco_jax._program import Program
 from disco_jax._ranking import RANKED_CANDIDATES, XLA_PROGRAM, ProgramCosts, rank_by_compiled_cost, rewrite_floor_us
 from disco_jax.cost import ChainEstimator, simulate
 from disco_jax.cost.compiled import CompiledCost
-from disco_jax.sharding import choice, params, update
+from disco_jax.sharding import choice, params, remat, update
 
 
 def _devices_of(args: tuple, kwargs: dict) -> list:
@@ -73,7 +73,7 @@ REGATHERED = "parameters and state sharded, gathered again for each use"  # FSDP
 AT_USE = "parameters and state sharded, gathered where used"  # FSDP as users write it (NamedSharding only)
 AT_USE_SPLIT = f"{AT_USE}, loop state split over the batch"  # and the scans' per-example carries on the data axis
 # And the loops' residuals recomputed in the backward loops (`sharding.remat`), per policy.
-AT_USE_REMAT = {policy: f"{AT_USE_SPLIT}, loops rematerialized ({policy})" for policy in ("dots", "full")}
+AT_USE_REMAT = {policy: f"{AT_USE_SPLIT}, loops rematerialized ({policy})" for policy in remat.POLICIES}
 SPLIT = "parameters and state sharded, split over several dimensions"  # where no one dimension divides
 WHOLE_LAYERS = "parameters and state sharded, whole layers per device"  # stacked leaves split on the layer axis
 

@@ -97,6 +97,11 @@ def test_the_gpt_rematerialized_at_use_computes_the_same_and_needs_less(unremate
         peaks[policy] = choice.footprint(c.memory)
         assert peaks[policy] < choice.footprint(kept.memory)
     assert peaks["full"] < peaks["dots"]  # "dots" keeps the dots' outputs too
+    layout = unrematerialized_gpt[3]
+    with pytest.raises(ValueError, match="prefetch is not rematerialized"):
+        layout.subset(layout.all_leaves(), at_use=True, prefetch=True, remat="dots")
+    with pytest.raises(ValueError, match="unknown remat policy"):
+        layout.subset(layout.all_leaves(), at_use=True, remat="everything")
 
 
 def test_the_memory_choice_rematerializes_where_fsdp_at_use_does_not_fit(unrematerialized_gpt, at_use_candidates):

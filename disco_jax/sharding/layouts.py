@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from disco_jax.sharding.params import Parameter
+from disco_jax.sharding.remat import POLICIES
 
 # How a layout's sharded parameters are gathered: the flags `Layout.subset` takes, as plans record them.
 GATHERING = ("regather", "at_use", "prefetch", "split_carries", "remat")
@@ -134,8 +135,10 @@ class Layout:
         gathered again for each use with `regather`, gathered only where used with `at_use`, and
         with `prefetch` (at use only) each loop's next layer gathered one iteration early; with
         `remat` (at use only; a policy of `sharding.remat`) the loops' residuals recomputed."""
-        if remat and remat not in ("dots", "full"):
-            raise ValueError(f"unknown remat policy {remat!r}; expected 'dots' or 'full'")
+        if remat and remat not in POLICIES:
+            raise ValueError(f"unknown remat policy {remat!r}; expected one of {POLICIES}")
+        if remat and prefetch:  # two rewrites of the same loops, never combined nor checked together
+            raise ValueError("a layout with prefetch is not rematerialized: choose one")
         keep = set(leaves)
         for p in keep & self.parameters.keys():
             if not set(self.parameters[p].group) <= keep:
