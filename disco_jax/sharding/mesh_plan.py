@@ -383,7 +383,8 @@ def recall(fn, step: Captured, found, backend, options, ui) -> tuple[Any, dict] 
         )
         return None
     why = None if unmeasured else stale(decided, limit, choice.executable_peak(step.default_compiled))
-    again = rechoose(decided, limit) if why and "over memory_limit_bytes" in why else None
+    over = why is not None and (decided.get("footprint_bytes") or 0) > limit  # not: memory no longer forces it
+    again = rechoose(decided, limit) if over else None
     if again is not None:
         _warnings.warn(
             f"disco-jax: the stored two-axis plan {decided.get('label')} {why}; {again['reason']}", _plan.PlanWarning
