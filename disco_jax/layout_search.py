@@ -88,8 +88,14 @@ class LayoutSearch:
     def within(self, memory_limit_bytes: int | None) -> LayoutSearch:
         """The same compiled candidates chosen again under another memory limit (a compile is
         deterministic: nothing is compiled again)."""
-        distinct = [c for c in self.candidates if c.fingerprint is not None and c.plan.label not in _repeated(self)]
-        return choose(self.candidates, distinct, memory_limit_bytes, self.seconds)
+        return choose(self.candidates, distinct(self.candidates), memory_limit_bytes, self.seconds)
+
+
+def distinct(candidates: list[LayoutCandidate]) -> list[LayoutCandidate]:
+    """The compiled candidates whose program no earlier candidate compiled to (`same_program`
+    names the others on the first): one per distinct program, in the search's order."""
+    repeated = {label for c in candidates for label in c.same_program}
+    return [c for c in candidates if c.fingerprint is not None and c.plan.label not in repeated]
 
 
 def candidate_plans(
@@ -229,11 +235,6 @@ def rematerialized(distinct: list[LayoutCandidate]) -> list[operators.OperatorPl
     costed = [c for c in distinct if isinstance(c.plan, operators.OperatorPlan) and not c.plan.remat and c.cost]
     cheapest = sorted(costed, key=lambda c: c.iteration_us)[:REMAT_TRIED]
     return [dataclasses.replace(c.plan, remat=policy) for c in cheapest for policy in remat.POLICIES]
-
-
-def _repeated(search: LayoutSearch) -> set[str]:
-    """Labels of the plans that compiled to a program an earlier plan had (`same_program`)."""
-    return {label for c in search.candidates for label in c.same_program}
 
 
 def choose(done: list[LayoutCandidate], distinct: list[LayoutCandidate], memory_limit_bytes, seconds: float):

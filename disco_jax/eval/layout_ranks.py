@@ -110,10 +110,8 @@ def layout_ranks(step, args, found, candidates, cluster, say=print) -> LayoutRan
     (`layout_search.LayoutCandidate`s of one search of `step` on `cluster`) against its compiled
     cost, and their rank correlations. `say`, where given, is called with a line per program."""
     costs = offline.program_costs(cluster)
-    repeated = {label for c in candidates for label in c.same_program}
-    distinct = [c for c in candidates if c.cost is not None and c.plan.label not in repeated]
     points = []
-    for c in distinct:
+    for c in layout_search.distinct(candidates):
         point = RankPoint(c.plan.label, list(c.same_program), c.iteration_us)
         start = time.perf_counter()
         try:
