@@ -234,15 +234,9 @@ def collective_parts(
     best_us, sharded = ranked_us, None
     if found.options and found.chosen.cost is not None and (not best_us or found.chosen.compiled_us < best_us):
         best_us, sharded = found.chosen.compiled_us, frozenset()
-        disco = {
-            **disco,
-            "simulated": found.chosen.cost.to_json(),
-            "description": f"{disco['description']}; XLA's program under searched compile options cheaper",
-            "chosen": f"XLA's program under {found.chosen.label}",
-            "program": found.chosen.program.to_json(),
-            "sharded_gradients": 0,
-            "collectives": schedule_options.collective_summary(found.chosen.program.text),
-        }
+        chosen = f"XLA's program under {found.chosen.label}"
+        program = found.chosen.program
+        disco = _taken(disco, "XLA's program under searched compile options", chosen, program, found.chosen.cost, 0)
     combined = None if best_update is None or relower is None else combine(best_update, found, relower, costs)
     searched["combined"] = None if combined is None else combined[0]
     if combined is not None and combined[2] is not None:
@@ -250,13 +244,20 @@ def collective_parts(
         parts["combined"] = xla_us / cost.iteration_us
         if not best_us or cost.iteration_us < best_us:
             sharded = best_update.strategy.sharded
-            disco = {
-                **disco,
-                "simulated": cost.to_json(),
-                "description": f"{disco['description']}; the sharded update under searched compile options cheaper",
-                "chosen": record["label"],
-                "program": program.to_json(),
-                "sharded_gradients": len(sharded),
-                "collectives": record["collectives"],
-            }
+            what = "the sharded update under searched compile options"
+            disco = _taken(disco, what, record["label"], program, cost, len(sharded))
     return disco, parts, searched, sharded
+
+
+def _taken(disco: dict, what: str, chosen: str, program: CompiledProgram, cost, sharded: int) -> dict:
+    """disco-jax's row entry with `program` (its compiled `cost`) taken in place of the ranked
+    one because `what` compiles cheaper."""
+    return {
+        **disco,
+        "simulated": cost.to_json(),
+        "description": f"{disco['description']}; {what} cheaper",
+        "chosen": chosen,
+        "program": program.to_json(),
+        "sharded_gradients": sharded,
+        "collectives": schedule_options.collective_summary(program.text),
+    }
