@@ -55,6 +55,17 @@ PIPELINING = {
     "reduce-scatter": "xla_gpu_pipeline_reduce_scatter",
 }
 DOUBLE_BUFFERING = "xla_gpu_enable_while_loop_double_buffering"
+# The combiners' second bound: at most this many collectives in one (every kind). With a bytes
+# threshold it draws bucket boundaries a threshold alone cannot: many small gradients split by
+# count (tiny Transformer's sharded update: 2 reduce-scatters and 2 all-gathers become 23 each).
+COMBINE_COUNT = "xla_gpu_collective_combine_threshold_count"
+COMBINE_COUNT_VALUES = ("4", "16")
+# The order of collectives against the compute that needs them, as XLA's scheduler sets it: how
+# many collectives it keeps in flight at once (a gather issued further ahead of its use), and
+# every collective started as soon as its operands are ready.
+OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
+OVERLAP_LIMIT_VALUES = ("2", "4")
+EARLY_START = "xla_gpu_experimental_collective_start_as_early_as_possible"
 DEFAULTS = "XLA's defaults"
 
 
@@ -65,25 +76,53 @@ def collective_kinds(text: str) -> set[str]:
 
 def dimensions(text: str) -> list[tuple[str, list[dict]]]:
     """The option dimensions that can change this program (XLA's default program's `text`), in
-    the order they are searched: per collective kind it runs, its combine threshold; the
-    latency-hiding scheduler on and off, and on, its memory limit; where the program has a `while`,
-    collective pipelining of the kinds it runs and loop double-buffering. Each dimension: (name,
-    option sets to try on top of the best so far)."""
+    the order they are searched: per collective kind it runs, its combine threshold, then the
+    combiners' count bound; the latency-hiding scheduler on and off, and on, its memory limit; the
+    collectives' order against compute (overlap limit, early start); where the program has a
+    `while`, collective pipelining of the kinds it runs and loop double-buffering. Each dimension:
+    (name, option sets to try on top of the best so far)."""
     kinds = collective_kinds(text)
-    dims: list[tuple[str, list[dict]]] = []
-    for kind, option in THRESHOLDS.items():
-        if kind in kinds:
-            dims.append((f"{kind} combine threshold", [{option: str(v)} for v in THRESHOLD_VALUES]))
+    dims = threshold_dimensions(kinds)
     # Both ways: jax 0.12's XLA:GPU already compiles async, overlapped collectives without the option
     # (the paper MLP: the same program with it on), so off is a program of its own.
     dims.append(("latency-hiding scheduler", [{SCHEDULER: True}, {SCHEDULER: False}]))
     dims.append(("scheduler memory limit", [{SCHEDULER: True, SCHEDULER_MEMORY: v} for v in SCHEDULER_MEMORY_VALUES]))
+    if kinds:
+        dims.append(order_dimension())
     if re.search(r"\swhile\(", text):
         piped = [{PIPELINING[k]: PIPELINE_ON} for k in PIPELINING if k in kinds]
         if piped:
             dims.append(("collective pipelining", [{**p, SCHEDULER: True} for p in piped]))
         dims.append(("loop double-buffering", [{DOUBLE_BUFFERING: True}]))
     return dims
+
+
+def threshold_dimensions(kinds) -> list[tuple[str, list[dict]]]:
+    """The combiners' dimensions for these collective kinds: each kind's bytes threshold (0 and
+    `THRESHOLD_VALUES`), then the count bound every kind shares (`COMBINE_COUNT_VALUES`)."""
+    dims = [
+        (f"{kind} combine threshold", [{option: str(v)} for v in THRESHOLD_VALUES])
+        for kind, option in THRESHOLDS.items()
+        if kind in kinds
+    ]
+    if dims:
+        dims.append(("combine count bound", [{COMBINE_COUNT: v} for v in COMBINE_COUNT_VALUES]))
+    return dims
+
+
+def order_dimension() -> tuple[str, list[dict]]:
+    """When collectives start against the compute that needs them: more in flight at once, or
+    each as early as its operands allow."""
+    return ("collective order", [*({OVERLAP_LIMIT: v} for v in OVERLAP_LIMIT_VALUES), {EARLY_START: True}])
+
+
+def update_dimensions(text: str) -> list[tuple[str, list[dict]]]:
+    """The dimensions a sharded weight update's program (`text`) adds to those searched on the
+    replicated step (`ranked.combine`): the thresholds of the kinds it runs beside all-reduce
+    (its gradients' reduce-scatters, its parameters' all-gathers), the count bound, and the
+    order of those collectives against compute; none where it runs neither kind."""
+    kinds = collective_kinds(text) - {"all-reduce"}
+    return [*threshold_dimensions(kinds), order_dimension()] if kinds else []
 
 
 def program_fingerprint(text: str) -> str:
@@ -191,18 +230,32 @@ def search_options(
     dims: list[tuple[str, list[dict]]] | None = None,
     default: CompiledProgram | None = None,
     progress: Callable[[str], None] | None = None,
+    compile: Callable[[str, dict], CompiledProgram | None] | None = None,
+    start: tuple[str, dict] = (DEFAULTS, {}),
 ) -> OptionsChoice:
     """Search XLA:GPU's collective options for one lowered step (see the module docstring).
     `costs`: the compiled-program model (a cluster's, `offline.program_costs`). `hook_rules_of`:
     the backend whose hook rules the step's programs get (a sharded update's, as the decorator
     captures it). `dims`: the dimensions to search (default: `dimensions` of XLA's default
-    program). `default`: XLA's program already compiled (else compiled here). Returns the choice;
-    `ValueError` where XLA's default program does not compile."""
+    program). `default`: XLA's program already compiled (else compiled here). `compile(label,
+    options)`: how a candidate is compiled where it is not `lowered` with `hook_rules_of` (a
+    sharded update relowered, `ranked.combine`). `start`: the label and options the search starts
+    from, the program `default` was compiled with (XLA's defaults unless given; every candidate
+    adds to them). Returns the choice (`default` is the start's candidate); `ValueError` where the
+    start's program does not compile."""
     by_fingerprint: dict[str, OptionsCandidate] = {}
     candidates: list[OptionsCandidate] = []
 
+    def build(label: str, options: dict) -> CompiledProgram:
+        if compile is not None:
+            built = compile(label, options)
+            if built is None:
+                return CompiledProgram(label, "compile options", dict(options), "not enacted", reason="not lowered")
+            return built
+        return compile_program(lowered, None, label, None, options, hook_rules_of=hook_rules_of)
+
     def compiled(label: str, options: dict, program: CompiledProgram | None = None) -> OptionsCandidate:
-        program = program or compile_program(lowered, None, label, None, options, hook_rules_of=hook_rules_of)
+        program = program or build(label, options)
         c = OptionsCandidate(label, dict(options), program)
         if program.text is not None:
             c.fingerprint = program_fingerprint(program.text)
@@ -217,9 +270,9 @@ def search_options(
             progress(f"{label}: {c.compiled_us} us, peak {c.peak_bytes}" + (f" (= {c.same_as})" if c.same_as else ""))
         return c
 
-    xla = compiled(DEFAULTS, {}, default)
+    xla = compiled(start[0], dict(start[1]), default)
     if xla.cost is None:
-        raise ValueError(f"XLA's default program could not be compiled or costed: {xla.program.reason}")
+        raise ValueError(f"{start[0]}: the program could not be compiled or costed: {xla.program.reason}")
     limit = memory_limit_bytes
 
     def better(a: OptionsCandidate, b: OptionsCandidate) -> bool:

@@ -558,7 +558,7 @@ def _mlp_relower(graph):
     return functools.partial(rows.sharded_paper_program, "mlp", "jit", "h100-sxm", graph, config="tiny")
 
 
-def _mlp_row(gpu_mlp, schedule) -> dict:
+def _mlp_row(gpu_mlp, schedule, update_schedule=False) -> dict:
     """The tiny MLP's simulated 8xH100-NVLink row, its weight update relowered (`_mlp_relower`)."""
     lowered, program, _, programs = gpu_mlp
     return rows.simulated_row(
@@ -569,30 +569,43 @@ def _mlp_row(gpu_mlp, schedule) -> dict:
         relower=_mlp_relower(program.graph),
         programs=programs,
         schedule=schedule,
+        update_schedule=update_schedule,
     )
 
 
 def test_a_gpu_row_compiles_the_sharded_update_under_the_searched_options(gpu_mlp):
     """The weight update and the collective options are searched apart (the options on XLA's
     replicated program); the row also compiles the cheapest sharded update under the searched
-    options (the chosen set, else the cheapest other distinct one), costs it as compiled, records
-    it beside each part's own gain, and takes it where it is the cheapest compiled program."""
+    options (the chosen set, else the cheapest other distinct one), searches its own collectives'
+    options on top (here the all-gather threshold, which the replicated program cannot have),
+    costs each as compiled, records the cheapest beside each part's own gain, and takes it where
+    it is the cheapest compiled program."""
     off = {schedule_options.SCHEDULER: False}
-    row = _mlp_row(gpu_mlp, schedule=[("latency-hiding scheduler", [off])])
+    no_gather_combining = {schedule_options.THRESHOLDS["all-gather"]: "0"}
+    row = _mlp_row(
+        gpu_mlp,
+        schedule=[("latency-hiding scheduler", [off])],
+        update_schedule=[("all-gather combine threshold", [no_gather_combining])],
+    )
     disco, parts, searched = row["strategies"][rows.DISCO], row["parts"], row["schedule_options"]
     off_program = searched["candidates"][1]
     assert off_program["options"] == {schedule_options.SCHEDULER: "False"} and off_program["same_program_as"] is None
     combined = searched["combined"]
-    assert combined is not None and combined["options"] == {schedule_options.SCHEDULER: "False"}
-    assert combined["options_chosen"] == (searched["options"] != {})
-    # The cheapest sharded update ranked, compiled again under the options: its own program.
+    assert combined is not None and combined["options_chosen"] == (searched["options"] != {})
+    # The cheapest sharded update ranked, compiled again under the options, then with the
+    # all-gather threshold on top: two programs of its own, the cheaper taken.
     updates = [r for r in disco["ranked"] if r["program"]["enacted_by"].startswith("relowered")]
     best = min((r for r in updates if r["compiled_us"] is not None), key=lambda r: r["compiled_us"])
     assert combined["update_compiled_us"] == best["compiled_us"] and combined["sharded_gradients"] > 0
-    assert combined["program"]["compiler_options"] == {schedule_options.SCHEDULER: "False"}
+    start, gathered = combined["search"]["candidates"]
+    assert start["options"] == {schedule_options.SCHEDULER: "False"} and start["compiled_us"] != best["compiled_us"]
+    assert gathered["options"] == {schedule_options.SCHEDULER: "False", **no_gather_combining}
+    assert gathered["same_program_as"] is None and gathered["fingerprint"] != start["fingerprint"]
+    cheaper = min((start, gathered), key=lambda c: c["compiled_us"])
+    assert combined["options"] == cheaper["options"] == combined["program"]["compiler_options"]
+    assert combined["compiled_us"] == cheaper["compiled_us"] and combined["fingerprint"] == cheaper["fingerprint"]
     assert combined["program"]["status"] in _compile.ENACTED and combined["same_program_as"] is None
     assert combined["fingerprint"] not in {c["fingerprint"] for c in searched["candidates"]}
-    assert combined["compiled_us"] > 0 and combined["compiled_us"] != best["compiled_us"]
     xla_us = row["time_us"]["JAX_default"]
     assert parts["combined"] == pytest.approx(xla_us / combined["compiled_us"])
     assert parts["collective_options"] == pytest.approx(xla_us / searched["chosen"]["compiled_us"])

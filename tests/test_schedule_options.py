@@ -45,7 +45,13 @@ def test_dimensions_are_the_programs_own():
     """Thresholds only for the kinds a program runs; loop options only where it has a `while`."""
     flat = "  %all-reduce-start.1 = f32[8] all-reduce-start(f32[8] %p)\n"
     names = [name for name, _ in schedule_options.dimensions(flat)]
-    assert names == ["all-reduce combine threshold", "latency-hiding scheduler", "scheduler memory limit"]
+    assert names == [
+        "all-reduce combine threshold",
+        "combine count bound",
+        "latency-hiding scheduler",
+        "scheduler memory limit",
+        "collective order",
+    ]
     values = dict(schedule_options.dimensions(flat))["all-reduce combine threshold"]
     assert [int(v[schedule_options.THRESHOLDS["all-reduce"]]) for v in values] == [
         0,
@@ -61,6 +67,14 @@ def test_dimensions_are_the_programs_own():
         schedule_options.SCHEDULER,
     }
     assert dims["loop double-buffering"] == [{schedule_options.DOUBLE_BUFFERING: True}]
+    # A sharded update's program adds its own kinds' thresholds and their order, not all-reduce's.
+    added = dict(schedule_options.update_dimensions(looped))
+    assert list(added) == ["all-gather combine threshold", "combine count bound", "collective order"]
+    assert schedule_options.update_dimensions(flat) == []
+    assert [name for name, _ in schedule_options.dimensions("  %d = f32[8] dot(f32[8] %p)\n")] == [
+        "latency-hiding scheduler",
+        "scheduler memory limit",
+    ]
 
 
 def test_option_sets_that_compile_to_one_program_are_one_candidate(replicated):

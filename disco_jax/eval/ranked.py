@@ -173,34 +173,61 @@ def combined_options(found: schedule_options.OptionsChoice) -> schedule_options.
 
 
 def combine(
-    best_update: Ranked, found: schedule_options.OptionsChoice, relower: Callable, costs: ProgramCosts
+    best_update: Ranked,
+    found: schedule_options.OptionsChoice,
+    relower: Callable,
+    costs: ProgramCosts,
+    dims: bool | list = True,
 ) -> tuple[dict, CompiledProgram, object] | None:
     """The cheapest sharded update (`best_update`, ranked) compiled again by `relower` under the
-    searched options (`combined_options`), costed as compiled: its record (options, sharded
-    gradients, compiled cost, fingerprint and the earlier program it equals, if any, collectives),
-    the program and its cost; None where there is no option set to combine with."""
+    searched options (`combined_options`), then the options of its own collectives searched on
+    top (`dims`: True, `schedule_options.update_dimensions` of that program: the all-gather and
+    reduce-scatter thresholds, the count bound, their order against compute, which the search on
+    the replicated program never tries; a list: those dimensions; False: none), each candidate
+    relowered and costed as compiled. Returns the cheapest one's record (options, sharded
+    gradients, compiled cost, fingerprint and the earlier program it equals, if any, collectives,
+    and the search on the sharded program), the program and its cost; None where there is
+    nothing to combine or search."""
     with_options = combined_options(found)
-    if with_options is None:
+    sharded = best_update.strategy.sharded
+    start_options = {} if with_options is None else dict(with_options.options)
+    start = best_update.program if not start_options else relower(sharded, options=start_options)
+    if start is None:
         return None
-    program = relower(best_update.strategy.sharded, options=with_options.options)
-    if program is None:
+    searched = schedule_options.update_dimensions(start.text or "") if dims is True else list(dims or [])
+    if not start_options and not searched:
         return None
-    cost = costs(program)
+    cost, search = costs(start), None
+    chosen_options, program = start_options, start
+    if cost is not None and searched:
+        start_label = "sharded update" + (f" under {with_options.label}" if with_options is not None else "")
+        search = schedule_options.search_options(
+            None,
+            costs,
+            dims=searched,
+            default=start,
+            compile=lambda _label, options: relower(sharded, options=options),
+            start=(start_label, start_options),
+        )
+        chosen_options, program, cost = search.options, search.chosen.program, search.chosen.cost
     fingerprint = None if program.text is None else schedule_options.program_fingerprint(program.text)
     earlier = {schedule_options.program_fingerprint(best_update.program.text): best_update.label}
     earlier.update({c.fingerprint: c.label for c in found.candidates if c.fingerprint and c.same_as is None})
+    described = ", ".join(f"{k}={v}" for k, v in sorted(chosen_options.items())) or schedule_options.DEFAULTS
     record = {
-        "label": f"{best_update.label} under {with_options.label}",
-        "options": {k: str(v) for k, v in with_options.options.items()},
+        "label": f"{best_update.label} under {described}",
+        "options": {k: str(v) for k, v in chosen_options.items()},
         "options_chosen": bool(found.options),
-        "sharded_gradients": len(best_update.strategy.sharded),
+        "sharded_gradients": len(sharded),
         "update_compiled_us": best_update.compiled_us,
-        "options_compiled_us": with_options.compiled_us,
+        "options_compiled_us": None if with_options is None else with_options.compiled_us,
         "compiled_us": None if cost is None else cost.iteration_us,
         "fingerprint": fingerprint,
         "same_program_as": earlier.get(fingerprint),
         "program": program.to_json(),
         "collectives": None if program.text is None else schedule_options.collective_summary(program.text),
+        # The options of the sharded program's own collectives, searched from the start above.
+        "search": None if search is None else search.to_json(),
     }
     return record, program, cost
 
@@ -214,13 +241,15 @@ def collective_parts(
     schedule: bool | list,
     best_update: Ranked | None = None,
     relower: Callable | None = None,
+    update_schedule: bool | list = True,
 ) -> tuple[dict, dict, dict | None, frozenset[int] | None]:
     """disco-jax's entry after the collective options search (`schedule`, see `simulated_row`),
     each part's own gain over XLA's program (XLA's compiled cost over the part's), the search's
     record (None where not searched) and, where disco-jax's program changed to one that shards
     updates or none, the gradients whose updates it shards (None: as ranked). With
     `best_update` (`ranked_plan`'s) and `relower`, the sharded update compiled under the searched
-    options (`combine`) is a candidate too: its gain is `parts["combined"]`, its record
+    options, with its own collectives' options searched on top (`combine`, `update_schedule` its
+    `dims`), is a candidate too: its gain is `parts["combined"]`, its record
     `schedule_options["combined"]`. disco-jax's program is the cheapest compiled of the ranked
     one, XLA's program under the searched options and the combination."""
     ranked_us = disco["simulated"]["iteration_us"] if disco["simulated"] else None
@@ -237,7 +266,9 @@ def collective_parts(
         chosen = f"XLA's program under {found.chosen.label}"
         program = found.chosen.program
         disco = _taken(disco, "XLA's program under searched compile options", chosen, program, found.chosen.cost, 0)
-    combined = None if best_update is None or relower is None else combine(best_update, found, relower, costs)
+    combined = (
+        None if best_update is None or relower is None else combine(best_update, found, relower, costs, update_schedule)
+    )
     searched["combined"] = None if combined is None else combined[0]
     if combined is not None and combined[2] is not None:
         record, program, cost = combined

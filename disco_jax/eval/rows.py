@@ -279,6 +279,7 @@ def simulated_row(
     relower: Callable[[frozenset[int]], CompiledProgram | None] | None = None,
     programs: Programs | None = None,
     schedule: bool | list = True,
+    update_schedule: bool | list = True,
 ) -> dict:
     """One cluster row for a captured program: baselines costed, disco-jax searched, jointly over
     fusion, all-reduce buckets and which gradients' weight updates are sharded
@@ -301,12 +302,13 @@ def simulated_row(
     `schedule`: also search XLA:GPU's collective options on XLA's program
     (`schedule_options.search_options`; a list: the dimensions to search, False: none); the row
     records the search (`schedule_options`), the cheapest sharded update ranked is compiled again
-    under the searched options (`ranked.combine`), disco-jax's figure is the cheapest compiled of
-    the ranked plan, the options' program and that combination, and `parts` gives each part's own
-    gain over XLA's program: the weight update (a relowered sharded update ranked first), the
-    rewrite (a rewritten plan ranked first), the collective options (None where not searched) and
-    the combination (`combined`; None where not compiled). Every compiled
-    strategy records its program's collectives (`collectives`: count, bytes, async per kind).
+    under the searched options and its own collectives' options searched on top (`ranked.combine`;
+    `update_schedule`: the dimensions, True: the program's own, False: none), disco-jax's figure
+    is the cheapest compiled of the ranked plan, the options' program and that combination, and
+    `parts` gives each part's own gain over XLA's program: the weight update (a relowered sharded
+    update ranked first), the rewrite (a rewritten plan ranked first), the collective options
+    (None where not searched) and the combination (`combined`; None where not compiled). Every
+    compiled strategy records its program's collectives (`collectives`: count, bytes, async per kind).
 
     Without `lowered` (XLA:CPU's module), every strategy is costed by the graph simulator, XLA's
     all-reduce combining is XLA:GPU's combiner emulated on the graph, and the row says why
@@ -376,7 +378,7 @@ def simulated_row(
         xla = compiled["JAX_default"]
         disco, chosen, best_update = ranked_plan(programs, result, xla, strategies, relower, costs)
         disco, parts, searched, changed = collective_parts(
-            disco, xla, strategies, lowered, costs, schedule, best_update, relower
+            disco, xla, strategies, lowered, costs, schedule, best_update, relower, update_schedule
         )
         chosen = chosen if changed is None else changed  # the options' program or the combination's
         for name, enacted in compiled.items():
