@@ -1,16 +1,20 @@
 """XLA:GPU's own collective and scheduling options, searched per program on the compiled program.
 
 What users of JAX on GPUs tune by hand: how many bytes XLA:GPU's combiners pack into one
-all-reduce, all-gather and reduce-scatter (three thresholds, XLA's default 30 MiB each), the
-latency-hiding scheduler (off by XLA's default) and the memory it may schedule into, and where the
-step has loops, collective pipelining (a loop's collective moved to the previous iteration) and
-loop double-buffering. Each of these changes the program XLA compiles without a rewrite of ours,
+all-reduce, all-gather and reduce-scatter (three thresholds, XLA's default 30 MiB each) and how
+many collectives at most (a count bound every kind shares), the latency-hiding scheduler and the
+memory it may schedule into, when collectives start against the compute that needs them (how many
+in flight at once, or each as early as its operands allow), and where the step has loops,
+collective pipelining (a loop's collective moved to the previous iteration) and loop
+double-buffering. Each of these changes the program XLA compiles without a rewrite of ours,
 and keeps XLA's own passes (all-reduce reassociation among them), which the GPU rewriter has to
 turn off (docs/collectives.md, "Why rewritten GPU candidates lost").
 
 `search_options(lowered, costs)` compiles the step under option sets chosen one dimension at a
-time (`dimensions`: each kind's threshold in powers of two, the scheduler on and off, its memory
-limit, the loop options where the program has loops), starting from XLA's defaults and keeping
+time (`dimensions`: each kind's threshold in powers of two, the count bound, the scheduler on and
+off, its memory limit, the collectives' order, the loop options where the program has loops),
+starting from XLA's defaults (or a given `start`: a sharded update under the replicated step's
+options, `eval.ranked.combine`, which searches `update_dimensions` on top) and keeping
 each dimension's best before the next (coordinate descent, one pass). Every candidate is compiled
 (deviceless for GPU targets: `lowered` on `disco_jax.targets` devices), fingerprinted by its
 compiled text (option sets that compile to the same program are one candidate) and costed by the

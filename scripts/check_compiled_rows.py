@@ -2,9 +2,11 @@
 (`report/rows/*.paper.*.json` whose cost model is the compiled program's): no disco-jax program
 costs more than XLA's own (JAX_default's compiled cost), and each part's own gain over XLA's
 program per model and cluster (the weight update, the rewrite, XLA:GPU's collective options, and
-the sharded update compiled under the searched options: "combined", "not searched" in rows made
-before it was), with the weight-update choice as it was made (how many gradients' updates each compiled program
-shards, the graph simulator's figure that proposed it and the compiled figure that decided).
+the sharded update compiled under the searched options with its own collectives' options searched
+on top: "combined", "not searched" in rows made before it was), with the weight-update choice as
+it was made (how many gradients' updates each compiled program shards, the graph simulator's
+figure that proposed it and the compiled figure that decided) and that search on the sharded
+update (from its start to the cheapest, with the options it added).
 Reads the rows only; exits 1 when a check fails.
 
     python scripts/check_compiled_rows.py [--rows report/rows] [--platforms 8xH100-NVLink 4x8xH100-IB400]
@@ -25,6 +27,26 @@ PARTS = ("weight_update", "rewrite", "collective_options", "combined")  # the or
 
 def gain(g: float | None) -> str:
     return "not searched" if g is None else f"{g:.3f}x"
+
+
+def combined_search(row: dict) -> str:
+    """The sharded update's own collectives' options searched in the row (`ranked.combine`): from
+    the sharded update under the replicated step's options to the cheapest, option sets and
+    distinct programs; what rows made before that search recorded otherwise."""
+    combined = (row.get("schedule_options") or {}).get("combined")
+    if combined is None:
+        return "not compiled"
+    search = combined.get("search")
+    if search is None:
+        return f"{combined['compiled_us'] / 1e3:.2f} ms under {combined['options'] or 'XLA defaults'}, no search on it"
+    sets = search["candidates"]
+    distinct = sum(1 for c in sets if c["same_program_as"] is None and c["compiled_us"] is not None)
+    start, chosen = search["default"]["compiled_us"], search["chosen"]["compiled_us"]
+    added = {k: v for k, v in search["options"].items() if k not in search["default"]["options"]}
+    return (
+        f"{start / 1e3:.2f} -> {chosen / 1e3:.2f} ms ({start / chosen:.4f}x; {len(sets)} sets, {distinct} "
+        f"distinct) adding {added or 'nothing'}; = {combined['same_program_as'] or 'own program'}"
+    )
 
 
 def main() -> int:
@@ -62,6 +84,7 @@ def main() -> int:
                     if c["compiled_us"] is not None
                 )
                 print(f"{'':30} weight-update choice by compiled program: {told}")
+            print(f"{'':30} update under options: {combined_search(row)}")
             if disco > xla:
                 failures.append(f"{model} {platform}: disco-jax {disco:.1f} us > XLA's {xla:.1f} us")
             if parts is None:

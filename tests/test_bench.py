@@ -558,7 +558,7 @@ def _mlp_relower(graph):
     return functools.partial(rows.sharded_paper_program, "mlp", "jit", "h100-sxm", graph, config="tiny")
 
 
-def _mlp_row(gpu_mlp, schedule, update_schedule=False) -> dict:
+def _mlp_row(gpu_mlp, schedule, update_schedule=False, say=None) -> dict:
     """The tiny MLP's simulated 8xH100-NVLink row, its weight update relowered (`_mlp_relower`)."""
     lowered, program, _, programs = gpu_mlp
     return rows.simulated_row(
@@ -570,6 +570,7 @@ def _mlp_row(gpu_mlp, schedule, update_schedule=False) -> dict:
         programs=programs,
         schedule=schedule,
         update_schedule=update_schedule,
+        say=say,
     )
 
 
@@ -582,11 +583,15 @@ def test_a_gpu_row_compiles_the_sharded_update_under_the_searched_options(gpu_ml
     it is the cheapest compiled program."""
     off = {schedule_options.SCHEDULER: False}
     no_gather_combining = {schedule_options.THRESHOLDS["all-gather"]: "0"}
+    told: list[str] = []
     row = _mlp_row(
         gpu_mlp,
         schedule=[("latency-hiding scheduler", [off])],
         update_schedule=[("all-gather combine threshold", [no_gather_combining])],
+        say=told.append,
     )
+    # Each option set compiled is told (the bench logs it): two on XLA's program, two sharded.
+    assert len(told) == 4 and [line.startswith("sharded update") for line in told] == [False, False, True, True]
     disco, parts, searched = row["strategies"][rows.DISCO], row["parts"], row["schedule_options"]
     off_program = searched["candidates"][1]
     assert off_program["options"] == {schedule_options.SCHEDULER: "False"} and off_program["same_program_as"] is None

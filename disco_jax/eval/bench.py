@@ -165,6 +165,7 @@ def run_model(
             if cluster.target
             else None,
             programs=programs.get(cluster.target),
+            say=lambda line, name=name: log(f"{model}: {name}: options {line}"),
         )
         row = {
             **common_fields(

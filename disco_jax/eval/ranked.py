@@ -178,6 +178,7 @@ def combine(
     relower: Callable,
     costs: ProgramCosts,
     dims: bool | list = True,
+    say: Callable[[str], None] | None = None,
 ) -> tuple[dict, CompiledProgram, object] | None:
     """The cheapest sharded update (`best_update`, ranked) compiled again by `relower` under the
     searched options (`combined_options`), then the options of its own collectives searched on
@@ -208,6 +209,7 @@ def combine(
             default=start,
             compile=lambda _label, options: relower(sharded, options=options),
             start=(start_label, start_options),
+            progress=None if say is None else (lambda line: say(f"sharded update: {line}")),
         )
         chosen_options, program, cost = search.options, search.chosen.program, search.chosen.cost
     fingerprint = None if program.text is None else schedule_options.program_fingerprint(program.text)
@@ -242,6 +244,7 @@ def collective_parts(
     best_update: Ranked | None = None,
     relower: Callable | None = None,
     update_schedule: bool | list = True,
+    say: Callable[[str], None] | None = None,
 ) -> tuple[dict, dict, dict | None, frozenset[int] | None]:
     """disco-jax's entry after the collective options search (`schedule`, see `simulated_row`),
     each part's own gain over XLA's program (XLA's compiled cost over the part's), the search's
@@ -257,7 +260,8 @@ def collective_parts(
     parts = ranked_parts(xla_us, disco)
     if schedule is False:
         return disco, parts, None, None
-    found = schedule_options.search_options(lowered, costs, dims=None if schedule is True else schedule, default=xla)
+    dims = None if schedule is True else schedule
+    found = schedule_options.search_options(lowered, costs, dims=dims, default=xla, progress=say)
     parts["collective_options"] = found.gain
     searched = found.to_json()
     best_us, sharded = ranked_us, None
@@ -267,7 +271,9 @@ def collective_parts(
         program = found.chosen.program
         disco = _taken(disco, "XLA's program under searched compile options", chosen, program, found.chosen.cost, 0)
     combined = (
-        None if best_update is None or relower is None else combine(best_update, found, relower, costs, update_schedule)
+        None
+        if best_update is None or relower is None
+        else combine(best_update, found, relower, costs, update_schedule, say)
     )
     searched["combined"] = None if combined is None else combined[0]
     if combined is not None and combined[2] is not None:

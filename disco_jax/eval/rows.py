@@ -280,6 +280,7 @@ def simulated_row(
     programs: Programs | None = None,
     schedule: bool | list = True,
     update_schedule: bool | list = True,
+    say: Callable[[str], None] | None = None,
 ) -> dict:
     """One cluster row for a captured program: baselines costed, disco-jax searched, jointly over
     fusion, all-reduce buckets and which gradients' weight updates are sharded
@@ -312,7 +313,7 @@ def simulated_row(
 
     Without `lowered` (XLA:CPU's module), every strategy is costed by the graph simulator, XLA's
     all-reduce combining is XLA:GPU's combiner emulated on the graph, and the row says why
-    (`NOT_COMPILED`)."""
+    (`NOT_COMPILED`). `say(line)`: told of each option set compiled (long on paper models)."""
     graph, estimator, allreduce = program.graph, ChainEstimator([cluster.kernel_estimator()]), cluster.allreduce_model()
 
     def simulated(s: Strategy):
@@ -378,7 +379,7 @@ def simulated_row(
         xla = compiled["JAX_default"]
         disco, chosen, best_update = ranked_plan(programs, result, xla, strategies, relower, costs)
         disco, parts, searched, changed = collective_parts(
-            disco, xla, strategies, lowered, costs, schedule, best_update, relower, update_schedule
+            disco, xla, strategies, lowered, costs, schedule, best_update, relower, update_schedule, say
         )
         chosen = chosen if changed is None else changed  # the options' program or the combination's
         for name, enacted in compiled.items():
