@@ -182,13 +182,14 @@ def combine(
 ) -> tuple[dict, CompiledProgram, object] | None:
     """The cheapest sharded update (`best_update`, ranked) compiled again by `relower` under the
     searched options (`combined_options`), then the options of its own collectives searched on
-    top (`dims`: True, `schedule_options.update_dimensions` of that program: the all-gather and
-    reduce-scatter thresholds, the count bound, their order against compute, which the search on
-    the replicated program never tries; a list: those dimensions; False: none), each candidate
-    relowered and costed as compiled. Returns the cheapest one's record (options, sharded
-    gradients, compiled cost, fingerprint and the earlier program it equals, if any, collectives,
-    and the search on the sharded program), the program and its cost; None where there is
-    nothing to combine or search."""
+    top of that program or, where it costs more than the ranked one, of XLA's defaults (`dims`:
+    True, `schedule_options.update_dimensions` of that program: the all-gather and reduce-scatter
+    thresholds, the count bound, their order against compute, which the search on the replicated
+    program never tries; a list: those dimensions; False: none), each candidate relowered and
+    costed as compiled. Returns the cheapest one's record (options, sharded gradients, compiled
+    cost, fingerprint and the earlier program it equals, if any, collectives, and the search on
+    the sharded program), the program and its cost; None where there is nothing to combine or
+    search."""
     with_options = combined_options(found)
     sharded = best_update.strategy.sharded
     start_options = {} if with_options is None else dict(with_options.options)
@@ -199,9 +200,14 @@ def combine(
     if not start_options and not searched:
         return None
     cost, search = costs(start), None
+    under_options_us = None if cost is None or not start_options else cost.iteration_us
+    start_label = "sharded update" + (f" under {with_options.label}" if start_options else "")
+    if searched and start_options and (cost is None or best_update.compiled_us < cost.iteration_us):
+        # The replicated step's options slow the sharded program down: its search starts from
+        # XLA's defaults (the ranked program), and may take any of them back.
+        start, start_options, cost, start_label = best_update.program, {}, best_update.cost, "sharded update"
     chosen_options, program = start_options, start
     if cost is not None and searched:
-        start_label = "sharded update" + (f" under {with_options.label}" if with_options is not None else "")
         search = schedule_options.search_options(
             None,
             costs,
@@ -223,6 +229,10 @@ def combine(
         "sharded_gradients": len(sharded),
         "update_compiled_us": best_update.compiled_us,
         "options_compiled_us": None if with_options is None else with_options.compiled_us,
+        # The sharded update under those options (None: not compiled under any), and where the
+        # search on it started: there, or at XLA's defaults where those were cheaper.
+        "under_options_us": under_options_us,
+        "search_start": start_label,
         "compiled_us": None if cost is None else cost.iteration_us,
         "fingerprint": fingerprint,
         "same_program_as": earlier.get(fingerprint),
