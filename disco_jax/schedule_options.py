@@ -93,12 +93,17 @@ def dimensions(text: str) -> list[tuple[str, list[dict]]]:
     dims.append(("scheduler memory limit", [{SCHEDULER: True, SCHEDULER_MEMORY: v} for v in SCHEDULER_MEMORY_VALUES]))
     if kinds:
         dims.append(order_dimension())
-    if re.search(r"\swhile\(", text):
-        piped = [{PIPELINING[k]: PIPELINE_ON} for k in PIPELINING if k in kinds]
-        if piped:
-            dims.append(("collective pipelining", [{**p, SCHEDULER: True} for p in piped]))
-        dims.append(("loop double-buffering", [{DOUBLE_BUFFERING: True}]))
-    return dims
+    return dims + loop_dimensions(text, kinds)
+
+
+def loop_dimensions(text: str, kinds) -> list[tuple[str, list[dict]]]:
+    """Where the program has a `while`: collective pipelining of these kinds (those it runs) and
+    loop double-buffering; none without one."""
+    if not re.search(r"\swhile\(", text):
+        return []
+    piped = [{PIPELINING[k]: PIPELINE_ON} for k in PIPELINING if k in kinds]
+    dims = [("collective pipelining", [{**p, SCHEDULER: True} for p in piped])] if piped else []
+    return [*dims, ("loop double-buffering", [{DOUBLE_BUFFERING: True}])]
 
 
 def threshold_dimensions(kinds) -> list[tuple[str, list[dict]]]:
@@ -123,10 +128,13 @@ def order_dimension() -> tuple[str, list[dict]]:
 def update_dimensions(text: str) -> list[tuple[str, list[dict]]]:
     """The dimensions a sharded weight update's program (`text`) adds to those searched on the
     replicated step (`ranked.combine`): the thresholds of the kinds it runs beside all-reduce
-    (its gradients' reduce-scatters, its parameters' all-gathers), the count bound, and the
-    order of those collectives against compute; none where it runs neither kind."""
+    (its gradients' reduce-scatters, its parameters' all-gathers), the count bound, the order of
+    those collectives against compute and, where it has loops, their pipelining and loop
+    double-buffering; none where it runs neither kind."""
     kinds = collective_kinds(text) - {"all-reduce"}
-    return [*threshold_dimensions(kinds), order_dimension()] if kinds else []
+    if not kinds:
+        return []
+    return [*threshold_dimensions(kinds), order_dimension(), *loop_dimensions(text, kinds)]
 
 
 def program_fingerprint(text: str) -> str:

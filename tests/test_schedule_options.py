@@ -69,7 +69,16 @@ def test_dimensions_are_the_programs_own():
     assert dims["loop double-buffering"] == [{schedule_options.DOUBLE_BUFFERING: True}]
     # A sharded update's program adds its own kinds' thresholds and their order, not all-reduce's.
     added = dict(schedule_options.update_dimensions(looped))
-    assert list(added) == ["all-gather combine threshold", "combine count bound", "collective order"]
+    assert list(added) == [
+        "all-gather combine threshold",
+        "combine count bound",
+        "collective order",
+        "collective pipelining",
+        "loop double-buffering",
+    ]
+    assert [{k for k in p} for p in added["collective pipelining"]] == [
+        {schedule_options.PIPELINING["all-gather"], schedule_options.SCHEDULER}
+    ]
     assert schedule_options.update_dimensions(flat) == []
     assert [name for name, _ in schedule_options.dimensions("  %d = f32[8] dot(f32[8] %p)\n")] == [
         "latency-hiding scheduler",
