@@ -279,7 +279,8 @@ def search_options(
                 c.cost, c.peak_bytes = costs(program), choice.executable_peak(program.compiled)
         candidates.append(c)
         if progress is not None:
-            progress(f"{label}: {c.compiled_us} us, peak {c.peak_bytes}" + (f" (= {c.same_as})" if c.same_as else ""))
+            cost = "not costed" if c.compiled_us is None else f"{c.compiled_us:.1f} us, peak {c.peak_bytes} bytes"
+            progress(f"{label}: {cost}" + (f" (= {c.same_as})" if c.same_as else ""))
         return c
 
     xla = compiled(start[0], dict(start[1]), default)
