@@ -92,7 +92,7 @@ def dimensions(text: str) -> list[tuple[str, list[dict]]]:
     dims.append(("latency-hiding scheduler", [{SCHEDULER: True}, {SCHEDULER: False}]))
     dims.append(("scheduler memory limit", [{SCHEDULER: True, SCHEDULER_MEMORY: v} for v in SCHEDULER_MEMORY_VALUES]))
     if kinds:
-        dims.append(order_dimension())
+        dims.extend(order_dimensions())
     return dims + loop_dimensions(text, kinds)
 
 
@@ -119,10 +119,14 @@ def threshold_dimensions(kinds) -> list[tuple[str, list[dict]]]:
     return dims
 
 
-def order_dimension() -> tuple[str, list[dict]]:
-    """When collectives start against the compute that needs them: more in flight at once, or
-    each as early as its operands allow."""
-    return ("collective order", [*({OVERLAP_LIMIT: v} for v in OVERLAP_LIMIT_VALUES), {EARLY_START: True}])
+def order_dimensions() -> list[tuple[str, list[dict]]]:
+    """When collectives start against the compute that needs them: how many in flight at once,
+    then each as early as its operands allow (two dimensions: the knobs combine, and coordinate
+    descent only combines across dimensions)."""
+    return [
+        ("collectives in flight", [{OVERLAP_LIMIT: v} for v in OVERLAP_LIMIT_VALUES]),
+        ("collectives started early", [{EARLY_START: True}]),
+    ]
 
 
 def update_dimensions(text: str) -> list[tuple[str, list[dict]]]:
@@ -134,7 +138,7 @@ def update_dimensions(text: str) -> list[tuple[str, list[dict]]]:
     kinds = collective_kinds(text) - {"all-reduce"}
     if not kinds:
         return []
-    return [*threshold_dimensions(kinds), order_dimension(), *loop_dimensions(text, kinds)]
+    return [*threshold_dimensions(kinds), *order_dimensions(), *loop_dimensions(text, kinds)]
 
 
 def program_fingerprint(text: str) -> str:

@@ -50,7 +50,8 @@ def test_dimensions_are_the_programs_own():
         "combine count bound",
         "latency-hiding scheduler",
         "scheduler memory limit",
-        "collective order",
+        "collectives in flight",
+        "collectives started early",
     ]
     values = dict(schedule_options.dimensions(flat))["all-reduce combine threshold"]
     assert [int(v[schedule_options.THRESHOLDS["all-reduce"]]) for v in values] == [
@@ -72,7 +73,8 @@ def test_dimensions_are_the_programs_own():
     assert list(added) == [
         "all-gather combine threshold",
         "combine count bound",
-        "collective order",
+        "collectives in flight",
+        "collectives started early",
         "collective pipelining",
         "loop double-buffering",
     ]
