@@ -237,10 +237,13 @@ def combine(
         "fingerprint": fingerprint,
         "same_program_as": earlier.get(fingerprint),
         "program": program.to_json(),
-        "collectives": None if program.text is None else schedule_options.collective_summary(program.text),
+        "collectives": None,
         # The options of the sharded program's own collectives, searched from the start above.
         "search": None if search is None else search.to_json(),
     }
+    if program.text is not None:  # the search's record read them already from the chosen program
+        found_collectives = (record["search"] or {}).get("chosen", {}).get("collectives")
+        record["collectives"] = found_collectives or schedule_options.collective_summary(program.text)
     return record, program, cost
 
 
@@ -279,7 +282,8 @@ def collective_parts(
         best_us, sharded = found.chosen.compiled_us, frozenset()
         chosen = f"XLA's program under {found.chosen.label}"
         program = found.chosen.program
-        disco = _taken(disco, "XLA's program under searched compile options", chosen, program, found.chosen.cost, 0)
+        what, read = "XLA's program under searched compile options", searched["chosen"]["collectives"]
+        disco = _taken(disco, what, chosen, program, found.chosen.cost, 0, read)
     combined = (
         None
         if best_update is None or relower is None
@@ -292,13 +296,15 @@ def collective_parts(
         if not best_us or cost.iteration_us < best_us:
             sharded = best_update.strategy.sharded
             what = "the sharded update under searched compile options"
-            disco = _taken(disco, what, record["label"], program, cost, len(sharded))
+            disco = _taken(disco, what, record["label"], program, cost, len(sharded), record["collectives"])
     return disco, parts, searched, sharded
 
 
-def _taken(disco: dict, what: str, chosen: str, program: CompiledProgram, cost, sharded: int) -> dict:
+def _taken(
+    disco: dict, what: str, chosen: str, program: CompiledProgram, cost, sharded: int, collectives: dict | None = None
+) -> dict:
     """disco-jax's row entry with `program` (its compiled `cost`) taken in place of the ranked
-    one because `what` compiles cheaper."""
+    one because `what` compiles cheaper (`collectives`: its summary where already read)."""
     return {
         **disco,
         "simulated": cost.to_json(),
@@ -306,5 +312,5 @@ def _taken(disco: dict, what: str, chosen: str, program: CompiledProgram, cost, 
         "chosen": chosen,
         "program": program.to_json(),
         "sharded_gradients": sharded,
-        "collectives": schedule_options.collective_summary(program.text),
+        "collectives": collectives or schedule_options.collective_summary(program.text),
     }
