@@ -115,6 +115,19 @@ def test_option_sets_that_compile_to_one_program_are_one_candidate(replicated):
     assert found.chosen is default and found.options == {} and found.gain == 1.0
 
 
+def test_the_count_bound_splits_what_the_bytes_threshold_combines(replicated):
+    """The combiners' count bound draws boundaries the bytes threshold cannot: the tiny MLP's
+    gradients, one all-reduce under XLA's defaults (all under 30 MiB), become several when at
+    most 4 may be combined, as the compiled program runs them; the gradients' bytes are the same."""
+    capped = _compile.compile_program(replicated.lowered, None, "count 4", None, {schedule_options.COMBINE_COUNT: "4"})
+    default = schedule_options.collective_summary(replicated.xla.text)["all-reduce"]
+    split = schedule_options.collective_summary(capped.text)["all-reduce"]
+    assert split["count"] > default["count"] and split["bytes"] == default["bytes"]
+    assert schedule_options.program_fingerprint(capped.text) != schedule_options.program_fingerprint(
+        replicated.xla.text
+    )
+
+
 def test_a_default_schedule_over_the_limit_gives_a_plan_under_another_that_fits(mlp_step, replicated, tmp_path):
     step, args = mlp_step
     off = _compile.compile_program(replicated.lowered, None, "no combining", None, NO_COMBINING)
